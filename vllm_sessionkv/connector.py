@@ -1,0 +1,70 @@
+"""``SessionKVConnector``: vLLM 0.32's NIXL pull connector with session-aware reuse.
+
+A thin facade, like vLLM's own: it builds the scheduler half or the worker half for
+its role and delegates.  Load it with either form::
+
+    --kv-transfer-config '{"kv_connector":"SessionKVConnector","kv_role":"kv_producer"}'
+    --kv-transfer-config '{"kv_connector":"SessionKVConnector",
+                           "kv_connector_module_path":"vllm_sessionkv.connector", ...}'
+
+Our options go under ``kv_connector_extra_config.sessionkv`` (see ``config.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from vllm_sessionkv import _vllm
+from vllm_sessionkv.config import parse_config
+from vllm_sessionkv.scheduler import SessionKVScheduler
+from vllm_sessionkv.stats import SessionKVPromMetrics, SessionKVStats
+from vllm_sessionkv.worker import SessionKVWorker
+
+__all__ = ["SessionKVConnector"]
+
+logger = logging.getLogger("vllm.sessionkv.connector")
+
+
+class SessionKVConnector(_vllm.NixlPullConnector):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
+        transfer_config = vllm_config.kv_transfer_config
+        config = parse_config(transfer_config.kv_connector_extra_config)
+        if vllm_config.parallel_config.decode_context_parallel_size > 1:
+            raise ValueError("SessionKVConnector does not support "
+                             "decode_context_parallel_size > 1 yet")
+        if config.session_pulls:
+            # Both pools must agree, or P parks turn k+1 waiting for a read it never
+            # starts; setting it here keeps the two sides consistent by construction.
+            transfer_config.kv_connector_extra_config["bidirectional_kv_xfer"] = True
+        if transfer_config.kv_load_failure_policy == "fail":
+            # Our contract: a failed or expired pull falls back to recompute.
+            transfer_config.kv_load_failure_policy = "recompute"
+            logger.info("sessionkv: kv_load_failure_policy set to 'recompute'")
+        self.sessionkv_config = config
+        _vllm.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        self.connector_scheduler = None
+        self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = SessionKVScheduler(
+                vllm_config, self.engine_id, kv_cache_config, config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = SessionKVWorker(
+                vllm_config, self.engine_id, kv_cache_config, config)
+        else:
+            raise ValueError(f"unsupported KVConnectorRole: {role}")
+
+    def get_kv_connector_stats(self):
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.take_stats()
+        return super().get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return SessionKVStats(data=data) if data is not None else SessionKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return SessionKVPromMetrics(vllm_config, metric_types, labelnames,
+                                    per_engine_labelvalues)

@@ -1,0 +1,87 @@
+"""Wire types shared by the connector and the proxy (msgspec structs).
+
+Everything that crosses a process boundary is defined here once.  New fields are
+added with defaults only, and unknown fields are accepted, so an older proxy can read
+a newer connector's handle and the other way round.
+
+PROTOCOL_VERSION history:
+  1: first release (SessionHandle, TokenAccounting).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "SESSIONKV_PARAMS_KEY",
+    "SessionHandle",
+    "TokenAccounting",
+    "decode_handle",
+    "encode_handle",
+]
+
+PROTOCOL_VERSION = 1
+
+# Everything we add to vLLM's ``kv_transfer_params`` lives under this one key, so the
+# stock NIXL fields stay exactly as vLLM defines them.
+SESSIONKV_PARAMS_KEY = "sessionkv"
+
+
+class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Where a conversation's KV lives after a turn, and what it holds.
+
+    Published by D at the end of each turn: in the response's ``kv_transfer_params``
+    and out of band (Redis), because vLLM 0.32's streaming responses carry no
+    ``kv_transfer_params``.
+    """
+
+    session_id: str
+    engine_id: str
+    # NIXL side channel of the engine holding the blocks.
+    host: str
+    port: int
+    # Block ids per KV-cache group, in sequence order.
+    block_ids: list[list[int]]
+    # Tokens whose KV the blocks hold (prompt plus generated, minus the last sampled one).
+    num_tokens: int
+    block_size: int
+    # Engine block-hash chain of the full blocks, 8-byte tails, base64 (hashing.encode_chain).
+    hash_chain: str
+    hash_algo: str = "sha256"
+    # Tenant: vLLM's cache_salt.  A handle is never used across tenants.
+    tenant: str | None = None
+    # Wall-clock (unix seconds) expiry of D's lease on the blocks.
+    expires_at_unix_s: float = 0.0
+    # HTTP URL of the engine holding the blocks, when it advertises one.
+    engine_url: str | None = None
+    # The stock NIXL parameters D returned, kept verbatim for the next P request.
+    nixl_params: dict = msgspec.field(default_factory=dict)
+    version: int = PROTOCOL_VERSION
+
+
+class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """How one request's prompt tokens were obtained (per engine)."""
+
+    prompt_tokens: int = 0
+    local_hit_tokens: int = 0
+    pulled_from_peer_tokens: int = 0
+    pulled_from_host_tokens: int = 0
+    recomputed_tokens: int = 0
+    refused_by_verification_tokens: int = 0
+    pulled_bytes: int = 0
+    pull_ms: float = 0.0
+    decision: str = ""
+
+
+_handle_decoder = msgspec.json.Decoder(SessionHandle)
+_encoder = msgspec.json.Encoder()
+
+
+def encode_handle(handle: SessionHandle) -> bytes:
+    return _encoder.encode(handle)
+
+
+def decode_handle(raw: bytes | str) -> SessionHandle:
+    """Decode a handle; raises ``msgspec.ValidationError`` naming the bad field."""
+    return _handle_decoder.decode(raw)

@@ -1,0 +1,104 @@
+"""Out-of-band publication of session handles (Redis).
+
+vLLM 0.32's streaming responses carry no ``kv_transfer_params``, so a router that
+streams D's output never sees D's end-of-turn handle.  D therefore also writes the
+handle to Redis under the session id.  ``request_finished`` runs on the scheduler's
+hot path, so writes happen on a background thread and never block a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import msgspec
+
+from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY, SessionHandle, encode_handle
+
+__all__ = ["HandlePublisher", "handle_from_params"]
+
+logger = logging.getLogger("vllm.sessionkv.publisher")
+
+# Bounded so a dead Redis cannot grow the engine's memory; overflow is counted.
+_MAX_PENDING = 10_000
+
+
+def handle_from_params(session_id: str, params: dict[str, Any]) -> SessionHandle:
+    """Build the published handle from D's end-of-turn ``kv_transfer_params``."""
+    ours = params.get(SESSIONKV_PARAMS_KEY) or {}
+    return SessionHandle(
+        session_id=session_id,
+        engine_id=str(params["remote_engine_id"]),
+        host=str(params["remote_host"]),
+        port=int(params["remote_port"]),
+        block_ids=[list(group) for group in params["remote_block_ids"]],
+        num_tokens=int(params.get("remote_num_tokens") or 0),
+        block_size=int(ours.get("block_size", 0)),
+        hash_chain=str(ours.get("hash_chain", "")),
+        hash_algo=str(ours.get("hash_algo", "")),
+        tenant=ours.get("tenant"),
+        expires_at_unix_s=float(ours.get("expires_at_unix_s", 0.0)),
+        engine_url=ours.get("engine_url"),
+        nixl_params=msgspec.to_builtins(params),
+    )
+
+
+class HandlePublisher:
+    def __init__(self, redis_url: str | None, key_prefix: str):
+        self.enabled = bool(redis_url)
+        self.key_prefix = key_prefix
+        self._failures = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[str, bytes, float] | None] = queue.Queue(_MAX_PENDING)
+        self._thread: threading.Thread | None = None
+        if self.enabled:
+            import redis  # imported only where configured: the engine may not need it
+
+            self._client = redis.Redis.from_url(redis_url, socket_timeout=2.0,
+                                                socket_connect_timeout=2.0)
+            self._thread = threading.Thread(target=self._run, name="sessionkv-publisher",
+                                            daemon=True)
+            self._thread.start()
+
+    def publish(self, session_id: str, params: dict[str, Any], ttl_s: float) -> bool:
+        """Queue a handle for publication; False if disabled or the queue is full."""
+        if not self.enabled:
+            return False
+        try:
+            payload = encode_handle(handle_from_params(session_id, params))
+            self._queue.put_nowait((self.key_prefix + session_id, payload, ttl_s))
+            return True
+        except (queue.Full, KeyError, TypeError, ValueError) as exc:
+            logger.warning("sessionkv: handle for session %s not published: %r",
+                           session_id, exc)
+            self._count_failure()
+            return False
+
+    def take_failures(self) -> int:
+        with self._lock:
+            failures, self._failures = self._failures, 0
+        return failures
+
+    def _count_failure(self) -> None:
+        with self._lock:
+            self._failures += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, payload, ttl_s = item
+            try:
+                self._client.set(key, payload, px=max(1, int(ttl_s * 1000)))
+            except Exception as exc:  # any Redis/network error: count it, keep serving
+                logger.warning("sessionkv: Redis write of %s failed: %r", key, exc)
+                self._count_failure()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=2.0)
+            self._thread = None

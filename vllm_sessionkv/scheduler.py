@@ -1,0 +1,326 @@
+"""Scheduler half of the connector: verify remote KV, price it, export session handles.
+
+Three additions to vLLM 0.32's NIXL pull scheduler:
+
+* **End of turn on D** (``request_finished``): a session's blocks stay held under
+  our lease (not stock's fixed 480 s), and the turn's block-hash chain is exported
+  in ``kv_transfer_params["sessionkv"]`` and published out of band.  Requests
+  without a session free their blocks at once.
+* **Verification** (``get_num_new_matched_tokens`` / ``update_state_after_alloc``):
+  remote blocks, in either direction, are attached only as far as their hashes match
+  this prompt's; ``remote_block_ids`` are cut to that prefix so vLLM's end-aligned
+  block pairing lands on the right blocks.
+* **Pull or recompute** for D->P pulls, by the cost model in ``cost.decide_pull``
+  with the live link bandwidth and engine load.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from vllm_sessionkv import _vllm
+from vllm_sessionkv.config import SessionKVConfig
+from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel, decide_pull
+from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
+from vllm_sessionkv.protocol import PROTOCOL_VERSION, SESSIONKV_PARAMS_KEY, TokenAccounting
+from vllm_sessionkv.publisher import HandlePublisher
+from vllm_sessionkv.stats import SessionKVStats
+from vllm_sessionkv.verification import LocalPrompt, RemoteKV, Verdict, verify_remote_kv
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+__all__ = ["SessionKVScheduler"]
+
+logger = logging.getLogger("vllm.sessionkv.scheduler")
+
+_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+
+
+class _Plan(msgspec.Struct):
+    """What we decided for one request, kept until it finishes."""
+
+    direction: str                 # "d_to_p" (session pull) or "p_to_d"
+    verdict: Verdict
+    local_hit_tokens: int
+    load_tokens: int               # tokens we ask vLLM to load
+    decision: str                  # "pull", "recompute", "refused", "none"
+    pull_s: float = 0.0
+    recompute_s: float = 0.0
+    accounted: bool = False
+
+
+class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
+    def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.config = config
+        _vllm.disable_stock_recompute_threshold(self)
+        self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+        self.kv_bytes_per_token = _vllm.kv_bytes_per_token(kv_cache_config, self.block_size)
+        cost = config.cost
+        self.recompute_model = RecomputeModel(
+            s_per_token=cost.recompute_s_per_token,
+            s_per_token_per_context_token=cost.recompute_s_per_token_per_context_token,
+            load_slowdown_per_unit=cost.load_slowdown_per_unit)
+        self.link_bytes_per_s = cost.link_bytes_per_s
+        self.engine_load = 0.0
+        self.stats = SessionKVStats()
+        self._plans: dict[str, _Plan] = {}
+        # Local prefix hits of requests that involve no remote KV, for accounting.
+        self._local_hits: dict[str, int] = {}
+        self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
+
+    # ------------------------------------------------------------------ inputs
+    def _session_params(self, params: dict[str, Any] | None) -> dict[str, Any]:
+        raw = (params or {}).get(SESSIONKV_PARAMS_KEY)
+        return raw if isinstance(raw, dict) else {}
+
+    def _remote_kv(self, params: dict[str, Any]) -> RemoteKV | None:
+        """The remote's claim, or None when the params carry no verifiable chain."""
+        ours = self._session_params(params)
+        if "hash_chain" not in ours:
+            return None
+        try:
+            return RemoteKV(
+                num_tokens=int(params.get("remote_num_tokens") or 0),
+                block_size=int(ours.get("block_size", 0)),
+                hash_algo=str(ours.get("hash_algo", "")),
+                chain=decode_chain(str(ours["hash_chain"])),
+                tail_token_ids=[int(t) for t in ours.get("tail_token_ids", ())],
+                tenant=ours.get("tenant"))
+        except (TypeError, ValueError) as exc:
+            logger.warning("sessionkv: malformed handle (%s); not used", exc)
+            return RemoteKV(num_tokens=0, block_size=0, hash_algo="malformed", chain=())
+
+    def _plan(self, request: Request, num_computed_tokens: int) -> _Plan | None:
+        params = request.kv_transfer_params
+        if not params:
+            return None
+        is_p_to_d = bool(params.get("do_remote_prefill"))
+        is_d_to_p = (bool(params.get("do_remote_decode")) and bool(params.get("remote_block_ids"))
+                     and all(k in params for k in _REMOTE_FIELDS))
+        if not (is_p_to_d or is_d_to_p) or params.get("_remote_blocks_processed"):
+            return None
+        cached = self._plans.get(request.request_id)
+        if cached is not None:
+            return cached
+
+        prompt = request.prompt_token_ids or []
+        max_loadable = (self._get_remote_prefill_token_count(len(prompt)) if is_p_to_d
+                        else request.num_prompt_tokens)
+        remote = self._remote_kv(params)
+        if remote is None:
+            if is_d_to_p:
+                # A D->P handle without a hash chain cannot be verified: never attach it.
+                verdict = Verdict(verified_tokens=0,
+                                  refused_tokens=min(int(params.get("remote_num_tokens") or 0),
+                                                     request.num_prompt_tokens),
+                                  reason="unverifiable_handle")
+            else:
+                # P->D from a stock P: vLLM's own contract (P computed this very prompt).
+                verdict = Verdict(verified_tokens=max_loadable, refused_tokens=0,
+                                  reason="unverified_p_to_d")
+        else:
+            local = LocalPrompt(prompt_token_ids=prompt,
+                                block_hashes=request.block_hashes,
+                                block_size=self.block_size, hash_algo=self.hash_algo,
+                                tenant=_vllm.request_cache_salt(request),
+                                max_loadable_tokens=max_loadable)
+            verdict = verify_remote_kv(local, remote)
+        load_tokens = max(0, verdict.verified_tokens - num_computed_tokens)
+        decision, pull_s, recompute_s = ("pull" if load_tokens else "none"), 0.0, 0.0
+        if verdict.reason not in ("ok", "prefix_mismatch", "unverified_p_to_d") and not load_tokens:
+            decision = "refused"
+        if is_d_to_p and load_tokens:
+            priced = decide_pull(
+                PullQuote(pull_tokens=load_tokens, context_tokens=num_computed_tokens,
+                          kv_bytes_per_token=self.kv_bytes_per_token,
+                          engine_load=self.engine_load),
+                self.recompute_model,
+                LinkModel(bytes_per_s=self.link_bytes_per_s,
+                          per_transfer_s=self.config.cost.per_transfer_s),
+                min_pull_tokens=self.config.cost.min_pull_tokens)
+            pull_s, recompute_s = priced.pull_s, priced.recompute_s
+            if not priced.pull:
+                decision, load_tokens = "recompute", 0
+        plan = _Plan(direction="p_to_d" if is_p_to_d else "d_to_p", verdict=verdict,
+                     local_hit_tokens=num_computed_tokens, load_tokens=load_tokens,
+                     decision=decision, pull_s=pull_s, recompute_s=recompute_s)
+        self._plans[request.request_id] = plan
+        logger.info(
+            "sessionkv plan request_id=%s session_id=%s direction=%s decision=%s "
+            "verify=%s verified_tokens=%d refused_tokens=%d local_hit_tokens=%d "
+            "load_tokens=%d prompt_tokens=%d pull_s=%.6f recompute_s=%.6f load=%.2f "
+            "link_bytes_per_s=%.3g",
+            request.request_id, _vllm.request_session_id(request), plan.direction,
+            decision, verdict.reason, verdict.verified_tokens, verdict.refused_tokens,
+            num_computed_tokens, load_tokens, request.num_prompt_tokens, pull_s,
+            recompute_s, self.engine_load, self.link_bytes_per_s)
+        return plan
+
+    # ------------------------------------------------------- scheduler hooks
+    def _is_direct_session_turn(self, params: dict[str, Any]) -> bool:
+        return (not params.get("do_remote_decode") and not params.get("do_remote_prefill")
+                and bool(self._session_params(params).get("session_id"))
+                and self.is_bidirectional_kv_xfer_enabled)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        plan = self._plan(request, num_computed_tokens)
+        if plan is None:
+            if request.kv_transfer_params:
+                self._local_hits[request.request_id] = num_computed_tokens
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if plan.direction == "d_to_p" and not self.is_bidirectional_kv_xfer_enabled:
+            # Stock would park the request waiting for a read it never starts (a hang).
+            return 0, False
+        if plan.load_tokens <= 0:
+            return 0, False
+        return plan.load_tokens, True
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
+        plan = self._plans.get(request.request_id)
+        params = request.kv_transfer_params
+        if plan is not None and params and not params.get("_remote_blocks_processed"):
+            # Cut the remote list to the verified prefix *before* stock code queues the
+            # read: vLLM pairs local and remote blocks from the end, so any unverified
+            # remote tail would shift every pairing (vLLM issue #43094).
+            verified_tokens = plan.verdict.verified_tokens
+            keep_blocks = -(-verified_tokens // self.block_size)
+            remote_ids = params.get("remote_block_ids") or ()
+            params["remote_block_ids"] = type(remote_ids)(
+                list(group)[:keep_blocks] for group in remote_ids)
+            params["remote_num_tokens"] = verified_tokens
+            # With nothing to load, stock code sends D a notify-only read, which
+            # releases D's hold on the blocks at once.
+            self._account(request, plan)
+        elif params and self._is_direct_session_turn(params):
+            # Served on D without P: D still holds the turn for the next P pull, and
+            # the worker only honours a hold for requests it saw in a batch.
+            _vllm.mark_in_batch(self, request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _account(self, request: Request, plan: _Plan) -> None:
+        if plan.accounted:
+            return
+        plan.accounted = True
+        acct = self.accounting(request, plan)
+        self.stats.record("prompt_tokens_local_hit", acct.local_hit_tokens)
+        self.stats.record("prompt_tokens_pulled_from_peer", acct.pulled_from_peer_tokens)
+        self.stats.record("prompt_tokens_recomputed", acct.recomputed_tokens)
+        self.stats.record("prompt_tokens_refused_by_verification",
+                          acct.refused_by_verification_tokens)
+        if plan.direction == "d_to_p":
+            if plan.decision in ("pull", "recompute"):
+                self.stats.record(f"decision_{plan.decision}")
+            if plan.verdict.reason not in ("ok", "prefix_mismatch"):
+                self.stats.record("handle_refused")
+
+    def accounting(self, request: Request, plan: _Plan | None) -> TokenAccounting:
+        if plan is None:
+            # No remote KV involved: everything not hit locally was computed here.
+            local = self._local_hits.get(request.request_id, 0)
+            return TokenAccounting(prompt_tokens=request.num_prompt_tokens,
+                                   local_hit_tokens=local,
+                                   recomputed_tokens=max(0, request.num_prompt_tokens - local),
+                                   decision="none")
+        pulled = plan.load_tokens
+        # When the whole prompt is loaded, vLLM recomputes the last token anyway to
+        # get the first logits (scheduler._update_waiting_for_remote_kv).
+        computed = max(0, request.num_prompt_tokens - plan.local_hit_tokens - pulled)
+        if pulled and computed == 0:
+            pulled, computed = pulled - 1, 1
+        return TokenAccounting(
+            prompt_tokens=request.num_prompt_tokens,
+            local_hit_tokens=plan.local_hit_tokens,
+            pulled_from_peer_tokens=pulled,
+            recomputed_tokens=computed,
+            refused_by_verification_tokens=max(
+                0, plan.verdict.verified_tokens + plan.verdict.refused_tokens
+                - max(plan.verdict.verified_tokens, plan.local_hit_tokens)),
+            pulled_bytes=int(plan.load_tokens * self.kv_bytes_per_token),
+            decision=f"{plan.direction}:{plan.decision}:{plan.verdict.reason}")
+
+    def build_connector_meta(self, scheduler_output):
+        self.engine_load = float(_vllm.scheduled_requests(scheduler_output))
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        data = getattr(stats, "data", None) or {}
+        alpha = self.config.cost.bandwidth_ewma_alpha
+        for num_bytes, duration_s in zip(data.get("bytes_transferred", ()),
+                                         data.get("transfer_duration", ())):
+            if num_bytes > 0 and duration_s > 0:
+                self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
+                                         + alpha * num_bytes / duration_s)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            self.stats.record("pull_failed")
+            logger.warning("sessionkv pull failed request_id=%s; recomputing", req_id)
+        super().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids):
+        plan = self._plans.pop(request.request_id, None)
+        had_local_hit = request.request_id in self._local_hits
+        params = request.kv_transfer_params
+        is_d_node = bool(params) and not params.get("do_remote_decode")
+        delay_free, out = super().request_finished(request, block_ids)
+        if out is None:
+            return delay_free, out
+        session_id = _vllm.request_session_id(request) or \
+            self._session_params(params).get("session_id")
+        ours: dict[str, Any] = {"version": PROTOCOL_VERSION}
+        if plan is not None or had_local_hit:
+            ours["accounting"] = msgspec.to_builtins(self.accounting(request, plan))
+        self._local_hits.pop(request.request_id, None)
+        if is_d_node:
+            if not session_id or not delay_free:
+                # Nothing will come back for these blocks by handle; free them now
+                # (prefix caching still keeps them findable until evicted).
+                if delay_free:
+                    _vllm.cancel_pending_send(self, request.request_id)
+                return False, {SESSIONKV_PARAMS_KEY: ours} if "accounting" in ours else None
+            deadline = _vllm.set_pending_send_deadline(self, request.request_id,
+                                                       self.config.session_lease_s)
+            out["remote_blocks_expiry_time"] = deadline
+            ours.update(self._chain_export(request, out["remote_num_tokens"]))
+            ours["session_id"] = session_id
+            ours["expires_at_unix_s"] = _vllm.pending_send_deadline_unix_s(deadline)
+            if self.config.advertise_url:
+                ours["engine_url"] = self.config.advertise_url
+            out[SESSIONKV_PARAMS_KEY] = ours
+            if self._publisher.publish(session_id, out, self.config.session_lease_s):
+                self.stats.record("session_handles_published")
+        else:
+            # P end of turn: export the chain so D verifies what it pulls from us too.
+            ours.update(self._chain_export(request, out.get("remote_num_tokens") or 0))
+            if session_id:
+                ours["session_id"] = session_id
+            out[SESSIONKV_PARAMS_KEY] = ours
+        return delay_free, out
+
+    def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:
+        """Hash chain + partial-block tokens of the first ``num_tokens`` tokens."""
+        n_full = full_blocks(num_tokens, self.block_size)
+        hashes = list(request.block_hashes[:n_full])
+        # A hash may not exist yet for a block whose tokens all arrived this step.
+        n_full = len(hashes)
+        all_tokens = request.all_token_ids
+        tail = list(all_tokens[n_full * self.block_size:num_tokens])
+        return {"hash_chain": encode_chain(hashes), "tail_token_ids": tail,
+                "block_size": self.block_size, "hash_algo": self.hash_algo,
+                "tenant": _vllm.request_cache_salt(request), "num_tokens": num_tokens}
+
+    def take_stats(self) -> SessionKVStats | None:
+        publish_failures = self._publisher.take_failures()
+        if publish_failures:
+            self.stats.record("session_handles_publish_failed", publish_failures)
+        if self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
+
+    def shutdown(self):
+        self._publisher.close()
+        super().shutdown()

@@ -1,0 +1,125 @@
+"""Connector statistics and their Prometheus export (``sessionkv_*``).
+
+vLLM ships connector stats from the scheduler and the workers to the API server,
+where ``build_prom_metrics`` turns them into Prometheus series.  The scheduler-side
+stats (token sources, decisions, verification) and NIXL's worker-side telemetry
+travel in one container with one key set, because ``aggregate`` merges key by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_metric_per_engine
+
+__all__ = ["PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics", "SessionKVStats"]
+
+# How a request's prompt tokens were obtained.  Keys of TokenAccounting, per source.
+PROMPT_TOKEN_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
+                        "refused_by_verification")
+
+_SESSION_KEYS = (
+    *(f"prompt_tokens_{s}" for s in PROMPT_TOKEN_SOURCES),
+    "decision_pull",
+    "decision_recompute",
+    "handle_refused",
+    "pull_failed",
+    "session_handles_published",
+    "session_handles_publish_failed",
+)
+
+
+@dataclass
+class SessionKVStats(NixlKVConnectorStats):
+    def reset(self):
+        super().reset()
+        for key in _SESSION_KEYS:
+            self.data[key] = []
+
+    def record(self, key: str, value: int | float = 1) -> None:
+        self.data[key].append(value)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(k) for k in _SESSION_KEYS)
+
+    def aggregate(self, other):
+        # Stock aggregate skips "empty" containers by its own definition, which would
+        # drop a step that only carried our keys.
+        if not other.is_empty():
+            for key, values in other.data.items():
+                self.data.setdefault(key, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        reduced = super().reduce() if self.num_successful_transfers else {}
+        for key in _SESSION_KEYS:
+            total = sum(self.data.get(key, ()))
+            if total:
+                reduced[key] = total
+        return reduced
+
+
+class SessionKVPromMetrics(NixlPromMetrics):
+    """NIXL's own series plus ``sessionkv_*`` counters, labelled per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()):
+            return self._counter_cls(name=name, documentation=doc,
+                                     labelnames=[*labelnames, *extra_labels])
+
+        prompt_tokens = counter(
+            "sessionkv_prompt_tokens",
+            "Prompt tokens by how they were obtained: local_hit, pulled_from_peer, "
+            "pulled_from_host, recomputed, refused_by_verification.", ("source",))
+        self._prompt_tokens = {
+            source: _per_engine_with_label(prompt_tokens, per_engine_labelvalues, source)
+            for source in PROMPT_TOKEN_SOURCES
+        }
+        decisions = counter("sessionkv_pull_decisions",
+                            "Pull-or-recompute decisions on remote session KV.",
+                            ("decision",))
+        self._decisions = {
+            d: _per_engine_with_label(decisions, per_engine_labelvalues, d)
+            for d in ("pull", "recompute")
+        }
+        self._handle_refused = create_metric_per_engine(
+            counter("sessionkv_handles_refused",
+                    "Session handles not used at all: other tenant, hash settings "
+                    "differ, malformed."), per_engine_labelvalues)
+        self._pull_failed = create_metric_per_engine(
+            counter("sessionkv_pull_failures",
+                    "Pulls that failed or expired and fell back to recompute."),
+            per_engine_labelvalues)
+        self._published = create_metric_per_engine(
+            counter("sessionkv_handles_published",
+                    "Session handles published at the end of a turn."),
+            per_engine_labelvalues)
+        self._publish_failed = create_metric_per_engine(
+            counter("sessionkv_handle_publish_failures",
+                    "Session handles that could not be written out of band (Redis)."),
+            per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        super().observe(transfer_stats_data, engine_idx)
+        for source in PROMPT_TOKEN_SOURCES:
+            total = sum(transfer_stats_data.get(f"prompt_tokens_{source}", ()))
+            if total:
+                self._prompt_tokens[source][engine_idx].inc(total)
+        for decision in ("pull", "recompute"):
+            total = sum(transfer_stats_data.get(f"decision_{decision}", ()))
+            if total:
+                self._decisions[decision][engine_idx].inc(total)
+        for key, metric in (("handle_refused", self._handle_refused),
+                            ("pull_failed", self._pull_failed),
+                            ("session_handles_published", self._published),
+                            ("session_handles_publish_failed", self._publish_failed)):
+            total = sum(transfer_stats_data.get(key, ()))
+            if total:
+                metric[engine_idx].inc(total)
+
+
+def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:
+    return {idx: metric.labels(*vals, value) for idx, vals in per_engine_labelvalues.items()}
