@@ -1,0 +1,8 @@
+"""sessionkv_proxy: the KV-aware router in front of vLLM prefill and decode pools.
+
+This package imports no torch and no vLLM; from ``vllm_sessionkv`` it may use only the
+pure modules ``hashing``, ``protocol`` and ``cost``.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

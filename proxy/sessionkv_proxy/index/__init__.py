@@ -1,0 +1,19 @@
+"""Where prompt blocks live: the ``KVIndex`` interface and its backends.
+
+``MemoryIndex`` (in-process, the default) is exported here.  ``RedisIndex``, for
+several proxy replicas sharing one index, is imported from ``.redis`` explicitly so
+that the redis client is only needed when that backend is chosen.
+"""
+
+from .base import TIER_DEVICE, TIER_HOST, TIER_STORAGE, EngineHash, KVIndex, PrefixMatch
+from .memory import MemoryIndex
+
+__all__ = [
+    "TIER_DEVICE",
+    "TIER_HOST",
+    "TIER_STORAGE",
+    "EngineHash",
+    "KVIndex",
+    "MemoryIndex",
+    "PrefixMatch",
+]

@@ -1,0 +1,106 @@
+"""The ``KVIndex`` interface: which engine holds which prompt blocks, on which tier.
+
+Two keys per block (llm-d's dual-key design):
+
+* a **request key** is the router's own chained hash of the block's tokens
+  (``vllm_sessionkv.hashing.request_keys``); the router computes it from a prompt, so
+  lookups use request keys only;
+* an **engine hash** is the engine's opaque block hash from KV events; it is kept only
+  to map later events (``BlockRemoved``, a child ``BlockStored``'s parent, tokenless
+  host-tier stores) back to request keys.
+
+An entry is ``(engine, tier, engine_hash) -> request_key``.  An engine holds a request
+key on a tier while at least one of its entries there maps to it.  Storing an entry
+twice is a no-op (set semantics, so re-announced blocks do not pile up); removing an
+unknown engine hash is a no-op (so lost or replayed events do no harm).
+
+Every method is async so the in-process and the Redis backends are interchangeable.
+The index holds no routing policy: ``lookup`` answers "how many leading blocks of this
+prompt does each engine hold on each tier", and the router decides what that is worth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from vllm_sessionkv.hashing import RequestKey
+
+__all__ = [
+    "TIER_DEVICE",
+    "TIER_HOST",
+    "TIER_STORAGE",
+    "EngineHash",
+    "KVIndex",
+    "PrefixMatch",
+]
+
+# Tiers are vLLM's ``medium`` strings, kept verbatim so new media need no code change.
+# The primary pool reports "GPU" even on the CPU platform: it means "device tier".
+TIER_DEVICE = "GPU"
+TIER_HOST = "CPU"
+TIER_STORAGE = "STORAGE"
+
+# An engine's block hash exactly as its events carry it: an int (default, low 64 bits
+# of the digest) or the raw digest bytes.  Not ``hashing.EngineHash``, which is the
+# full digest computed locally.
+EngineHash = int | bytes
+
+# engine -> tier -> number of leading prompt blocks held there (only entries > 0).
+PrefixMatch = dict[str, dict[str, int]]
+
+
+@runtime_checkable
+class KVIndex(Protocol):
+    """Block placement across engines and tiers, plus the session records table."""
+
+    async def store(self, engine: str, tier: str,
+                    blocks: Sequence[tuple[EngineHash, RequestKey]]) -> None:
+        """Record that ``engine`` holds ``blocks`` on ``tier``.
+
+        ``blocks`` pairs each engine hash with its request key.  Re-storing an engine
+        hash refreshes it (for capacity eviction) and, if its request key changed,
+        re-points it.
+        """
+        ...
+
+    async def remove(self, engine: str, tier: str, engine_hashes: Sequence[EngineHash]) -> None:
+        """Forget ``engine_hashes`` on ``engine``/``tier``; unknown hashes are ignored."""
+        ...
+
+    async def clear(self, engine: str, tier: str | None = None) -> None:
+        """Forget everything ``engine`` holds on ``tier``, or on every tier if None."""
+        ...
+
+    async def request_key(self, engine: str, engine_hash: EngineHash) -> RequestKey | None:
+        """The request key ``engine`` stored for ``engine_hash`` on any tier, or None.
+
+        The event consumer uses it to continue a request-key chain from a
+        ``BlockStored``'s parent, and to place tokenless stores.
+        """
+        ...
+
+    async def lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
+        """Longest held prefix of ``request_keys`` per engine and tier.
+
+        ``result[engine][tier] == n`` means the engine holds ``request_keys[:n]`` on
+        that tier and not ``request_keys[n]``.  Pairs holding no leading block are
+        left out, so an empty dict means "nobody has any of it".
+        """
+        ...
+
+    async def size(self) -> int:
+        """Number of ``(engine, tier, engine_hash)`` entries held."""
+        ...
+
+    async def put_session(self, session_id: str, record: bytes, ttl_s: float) -> None:
+        """Store an opaque session record (e.g. an encoded ``SessionHandle``) for ``ttl_s``."""
+        ...
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        """The record stored for ``session_id``, or None if absent or expired."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections.  The index must not be used afterwards."""
+        ...

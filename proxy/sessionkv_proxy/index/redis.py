@@ -1,0 +1,272 @@
+"""Redis-backed ``KVIndex``, shared by several proxy replicas.
+
+Every update and every lookup is one Lua script, so each is atomic and costs one
+round trip whatever the number of blocks.  All keys carry the hash tag ``{<ns>}`` so
+the scripts stay legal on Redis Cluster (they then live on one shard).
+
+Keys (``P = "{<ns>}:"``):
+
+* ``P rk:<request key hex>``: HASH, field ``<engine>\\0<tier>`` -> number of that
+  slot's engine hashes mapping to the key.  Lookups read only these.
+* ``P eh:<tier>:<engine>``: HASH engine hash -> request key hex (the dual-key map).
+* ``P lru:<tier>:<engine>``: ZSET engine hash -> store tick; bounds the slot.
+* ``P tiers:<engine>``, ``P engines``: SETs, for ``clear`` and ``size``.
+* ``P tick``: store counter.  ``P sess:<session id>``: session records (``SET PX``).
+
+Memory is bounded by ``max_blocks_per_slot`` per engine and tier (the least recently
+stored entry is evicted first) and, optionally, by ``entry_ttl_s`` on every key,
+refreshed on store, a safety net for engines that vanish without clearing.
+
+Values are exchanged as strings only: Lua numbers are doubles and would round 64-bit
+keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+
+from vllm_sessionkv.hashing import RequestKey
+
+from .base import EngineHash, PrefixMatch
+
+__all__ = ["DEFAULT_MAX_BLOCKS_PER_SLOT", "RedisIndex"]
+
+# About the block count of a large engine, so eviction only bites when events
+# were lost; Dynamo's approximate router uses the same 2^20 tree bound.
+DEFAULT_MAX_BLOCKS_PER_SLOT = 1 << 20
+
+_RELEASE = """
+local function release(rk_prefix, slot, rk)
+  local k = rk_prefix .. rk
+  if redis.call('HINCRBY', k, slot, -1) <= 0 then redis.call('HDEL', k, slot) end
+end
+"""
+
+# KEYS: eh, lru, tick, tiers, engines
+# ARGV: slot, tier, engine, rk_prefix, cap (0: none), ttl_s (0: none), eh1, rk1, ...
+_STORE = _RELEASE + """
+local eh_key, lru_key = KEYS[1], KEYS[2]
+local slot, rk_prefix = ARGV[1], ARGV[4]
+local cap, ttl = tonumber(ARGV[5]), tonumber(ARGV[6])
+local n = (#ARGV - 6) / 2
+local base = redis.call('INCRBY', KEYS[3], n) - n
+for i = 0, n - 1 do
+  local eh, rk = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
+  local old = redis.call('HGET', eh_key, eh)
+  local k = rk_prefix .. rk
+  if old ~= rk then
+    if old then release(rk_prefix, slot, old) end
+    redis.call('HSET', eh_key, eh, rk)
+    redis.call('HINCRBY', k, slot, 1)
+  elseif redis.call('HEXISTS', k, slot) == 0 then
+    -- the key expired under its TTL while the map still held it: re-hold it
+    redis.call('HINCRBY', k, slot, 1)
+  end
+  if ttl > 0 then redis.call('EXPIRE', k, ttl) end
+  redis.call('ZADD', lru_key, base + i + 1, eh)
+end
+if cap > 0 then
+  local over = redis.call('ZCARD', lru_key) - cap
+  if over > 0 then
+    local victims = redis.call('ZPOPMIN', lru_key, over)
+    for j = 1, #victims, 2 do
+      local rk = redis.call('HGET', eh_key, victims[j])
+      if rk then
+        redis.call('HDEL', eh_key, victims[j])
+        release(rk_prefix, slot, rk)
+      end
+    end
+  end
+end
+redis.call('SADD', KEYS[4], ARGV[2])
+redis.call('SADD', KEYS[5], ARGV[3])
+if ttl > 0 then
+  redis.call('EXPIRE', eh_key, ttl)
+  redis.call('EXPIRE', lru_key, ttl)
+  redis.call('EXPIRE', KEYS[4], ttl)
+end
+return n
+"""
+
+# KEYS: eh, lru.  ARGV: slot, rk_prefix, eh1, eh2, ...
+_REMOVE = _RELEASE + """
+local removed = 0
+for i = 3, #ARGV do
+  local rk = redis.call('HGET', KEYS[1], ARGV[i])
+  if rk then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+    redis.call('ZREM', KEYS[2], ARGV[i])
+    release(ARGV[2], ARGV[1], rk)
+    removed = removed + 1
+  end
+end
+return removed
+"""
+
+# KEYS: tiers, engines.  ARGV: prefix, engine, tier ('' = every tier)
+_CLEAR = _RELEASE + """
+local prefix, engine = ARGV[1], ARGV[2]
+local tiers
+if ARGV[3] == '' then tiers = redis.call('SMEMBERS', KEYS[1]) else tiers = {ARGV[3]} end
+for _, tier in ipairs(tiers) do
+  local slot = engine .. '\\0' .. tier
+  local eh_key = prefix .. 'eh:' .. tier .. ':' .. engine
+  local flat = redis.call('HGETALL', eh_key)
+  for j = 2, #flat, 2 do release(prefix .. 'rk:', slot, flat[j]) end
+  redis.call('DEL', eh_key, prefix .. 'lru:' .. tier .. ':' .. engine)
+  redis.call('SREM', KEYS[1], tier)
+end
+if redis.call('SCARD', KEYS[1]) == 0 then redis.call('SREM', KEYS[2], engine) end
+return #tiers
+"""
+
+# KEYS: tiers.  ARGV: prefix, engine, eh
+_REQUEST_KEY = """
+for _, tier in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local rk = redis.call('HGET', ARGV[1] .. 'eh:' .. tier .. ':' .. ARGV[2], ARGV[3])
+  if rk then return rk end
+end
+return false
+"""
+
+# ARGV: rk_prefix, rk1, rk2, ...   Returns a flat list slot, blocks, slot, blocks...
+_LOOKUP = """
+local prefix = ARGV[1]
+local active, count, n_active = nil, {}, 0
+for i = 2, #ARGV do
+  local fields = redis.call('HKEYS', prefix .. ARGV[i])
+  if active == nil then
+    active = {}
+    for _, f in ipairs(fields) do active[f] = true; count[f] = 1; n_active = n_active + 1 end
+  else
+    local present = {}
+    for _, f in ipairs(fields) do present[f] = true end
+    for f in pairs(active) do
+      if present[f] then count[f] = count[f] + 1
+      else active[f] = nil; n_active = n_active - 1 end
+    end
+  end
+  if n_active == 0 then break end
+end
+local out = {}
+for f, c in pairs(count) do out[#out + 1] = f; out[#out + 1] = c end
+return out
+"""
+
+# KEYS: engines.  ARGV: prefix
+_SIZE = """
+local total = 0
+for _, engine in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  for _, tier in ipairs(redis.call('SMEMBERS', ARGV[1] .. 'tiers:' .. engine)) do
+    total = total + redis.call('HLEN', ARGV[1] .. 'eh:' .. tier .. ':' .. engine)
+  end
+end
+return total
+"""
+
+
+def _eh_str(engine_hash: EngineHash) -> str:
+    # Decimal for ints, "x"+hex for bytes: the two forms can never collide.
+    if isinstance(engine_hash, int):
+        return str(engine_hash)
+    return "x" + bytes(engine_hash).hex()
+
+
+def _rk_str(key: RequestKey) -> str:
+    return format(int(key), "x")
+
+
+class RedisIndex:
+    """``KVIndex`` on Redis (>= 6.2 for ``ZPOPMIN`` with a count).
+
+    ``namespace`` separates indexes sharing one Redis (tests use one per test).
+    ``max_blocks_per_slot`` bounds each engine/tier (None: unbounded); ``entry_ttl_s``
+    expires keys not re-stored for that long (None: never).
+    """
+
+    def __init__(self, client: aioredis.Redis, *, namespace: str = "skv",
+                 max_blocks_per_slot: int | None = DEFAULT_MAX_BLOCKS_PER_SLOT,
+                 entry_ttl_s: int | None = None, owns_client: bool = False) -> None:
+        if not namespace or "{" in namespace or "}" in namespace:
+            raise ValueError(f"namespace must be non-empty without braces, got {namespace!r}")
+        if max_blocks_per_slot is not None and max_blocks_per_slot <= 0:
+            raise ValueError(f"max_blocks_per_slot must be positive, got {max_blocks_per_slot}")
+        if entry_ttl_s is not None and entry_ttl_s <= 0:
+            raise ValueError(f"entry_ttl_s must be positive, got {entry_ttl_s}")
+        self._client = client
+        self._owns_client = owns_client
+        self._prefix = "{" + namespace + "}:"
+        self._rk_prefix = self._prefix + "rk:"
+        self._cap = max_blocks_per_slot or 0
+        self._ttl_s = entry_ttl_s or 0
+        self._store = client.register_script(_STORE)
+        self._remove = client.register_script(_REMOVE)
+        self._clear = client.register_script(_CLEAR)
+        self._request_key = client.register_script(_REQUEST_KEY)
+        self._lookup = client.register_script(_LOOKUP)
+        self._size = client.register_script(_SIZE)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs) -> RedisIndex:
+        """Connect to ``url`` (``redis://host:port/db``); the index owns the client."""
+        return cls(aioredis.Redis.from_url(url), owns_client=True, **kwargs)
+
+    def _slot_keys(self, engine: str, tier: str) -> tuple[str, str]:
+        return (f"{self._prefix}eh:{tier}:{engine}", f"{self._prefix}lru:{tier}:{engine}")
+
+    async def store(self, engine: str, tier: str,
+                    blocks: Sequence[tuple[EngineHash, RequestKey]]) -> None:
+        if not blocks:
+            return
+        eh_key, lru_key = self._slot_keys(engine, tier)
+        args: list[str | int] = [f"{engine}\0{tier}", tier, engine, self._rk_prefix,
+                                 self._cap, self._ttl_s]
+        for engine_hash, key in blocks:
+            args.append(_eh_str(engine_hash))
+            args.append(_rk_str(key))
+        await self._store(keys=[eh_key, lru_key, self._prefix + "tick",
+                                f"{self._prefix}tiers:{engine}", self._prefix + "engines"],
+                          args=args)
+
+    async def remove(self, engine: str, tier: str, engine_hashes: Sequence[EngineHash]) -> None:
+        if not engine_hashes:
+            return
+        await self._remove(keys=list(self._slot_keys(engine, tier)),
+                           args=[f"{engine}\0{tier}", self._rk_prefix,
+                                 *(_eh_str(h) for h in engine_hashes)])
+
+    async def clear(self, engine: str, tier: str | None = None) -> None:
+        await self._clear(keys=[f"{self._prefix}tiers:{engine}", self._prefix + "engines"],
+                          args=[self._prefix, engine, tier or ""])
+
+    async def request_key(self, engine: str, engine_hash: EngineHash) -> RequestKey | None:
+        raw = await self._request_key(keys=[f"{self._prefix}tiers:{engine}"],
+                                      args=[self._prefix, engine, _eh_str(engine_hash)])
+        return None if raw is None else RequestKey(int(raw, 16))
+
+    async def lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
+        if not request_keys:
+            return {}
+        flat = await self._lookup(keys=[], args=[self._rk_prefix,
+                                                 *(_rk_str(k) for k in request_keys)])
+        result: PrefixMatch = {}
+        for i in range(0, len(flat), 2):
+            engine, _, tier = flat[i].decode().partition("\0")
+            result.setdefault(engine, {})[tier] = int(flat[i + 1])
+        return result
+
+    async def size(self) -> int:
+        return int(await self._size(keys=[self._prefix + "engines"], args=[self._prefix]))
+
+    async def put_session(self, session_id: str, record: bytes, ttl_s: float) -> None:
+        await self._client.set(f"{self._prefix}sess:{session_id}", record,
+                               px=max(1, int(ttl_s * 1000)))
+
+    async def get_session(self, session_id: str) -> bytes | None:
+        return await self._client.get(f"{self._prefix}sess:{session_id}")
+
+    async def close(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
