@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+
 __all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
 
 EXTRA_CONFIG_KEY = "sessionkv"
@@ -29,15 +31,16 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """
 
     # Prefill cost of one new token on an idle engine, excluding attention.
-    recompute_s_per_token: float = 2.0e-5
+    recompute_s_per_token: float = DEFAULT_RECOMPUTE.s_per_token
     # Attention cost: per new token, per token of context before it.
-    recompute_s_per_token_per_context_token: float = 2.0e-8
+    recompute_s_per_token_per_context_token: float = \
+        DEFAULT_RECOMPUTE.s_per_token_per_context_token
     # Each unit of engine load (requests in the last step) slows recompute by this.
-    load_slowdown_per_unit: float = 0.25
+    load_slowdown_per_unit: float = DEFAULT_RECOMPUTE.load_slowdown_per_unit
     # Link prior until NIXL telemetry has measured it.
-    link_bytes_per_s: float = 1.0e9
+    link_bytes_per_s: float = DEFAULT_LINK.bytes_per_s
     # Fixed cost of one pull: posting, notification, UCX wire-up amortised.
-    per_transfer_s: float = 2.0e-3
+    per_transfer_s: float = DEFAULT_LINK.per_transfer_s
     # Weight of each new NIXL measurement in the bandwidth estimate.
     bandwidth_ewma_alpha: float = 0.2
     # Never pull fewer tokens than this, whatever the model says.

@@ -33,6 +33,8 @@ __all__ = [
     "AttentionKind",
     "CachingRegime",
     "ConfigError",
+    "DEFAULT_LINK",
+    "DEFAULT_RECOMPUTE",
     "DecodeBandwidthPool",
     "DecodeResidencyPool",
     "Hardware",
@@ -446,6 +448,13 @@ class LinkModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("LinkModel.bytes_per_s must be positive")
         if self.per_transfer_s < 0:
             raise ValueError("LinkModel.per_transfer_s must be >= 0")
+
+
+# Defaults sized for the tiny CPU model on the project's CI machine; the connector's
+# config and the router's pricing both start from these.
+DEFAULT_RECOMPUTE = RecomputeModel(s_per_token=2.0e-5, s_per_token_per_context_token=2.0e-8,
+                                   load_slowdown_per_unit=0.25)
+DEFAULT_LINK = LinkModel(bytes_per_s=1.0e9, per_transfer_s=2.0e-3)
 
 
 def recompute_model_from_hardware(

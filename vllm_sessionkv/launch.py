@@ -24,12 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "ClusterSpec",
     "EngineSpec",
+    "LocalCluster",
     "ManagedProcess",
     "engine_command",
     "free_port",
     "kv_transfer_config",
     "start_engine",
+    "start_process",
+    "start_redis",
     "stop_all",
     "wait_healthy",
 ]
@@ -60,6 +64,8 @@ class EngineSpec:
     # "sessionkv" (ours), "nixl" (stock NixlConnector, bidirectional on: controls).
     connector: str = "sessionkv"
     sessionkv: dict = field(default_factory=dict)
+    # Stock NIXL keys for kv_connector_extra_config (e.g. enforce_handshake_compat).
+    nixl_extra: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES on GPU hosts
@@ -83,15 +89,15 @@ def kv_transfer_config(spec: EngineSpec) -> dict | None:
         return None
     role = "kv_producer" if spec.role == "prefill" else "kv_consumer"
     if spec.connector == "nixl":
-        return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+        return {"kv_connector": "NixlConnector", "kv_role": role,
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_module_path": "vllm_sessionkv.stock_nixl",
                 "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
-                                              "kv_recompute_threshold": 0}}
+                                              "kv_recompute_threshold": 0, **spec.nixl_extra}}
     return {"kv_connector": "SessionKVConnector",
             "kv_connector_module_path": "vllm_sessionkv.connector",
             "kv_role": role, "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"sessionkv": dict(spec.sessionkv)}}
+            "kv_connector_extra_config": {"sessionkv": dict(spec.sessionkv), **spec.nixl_extra}}
 
 
 def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
@@ -231,3 +237,150 @@ def stop_all(procs: Sequence[ManagedProcess], grace_s: float = 15.0) -> None:
             proc.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             logger.error("%s pid=%d did not exit", proc.name, proc.pid)
+
+
+def start_redis(port: int, log_dir: Path | None = None) -> ManagedProcess:
+    """A throw-away redis-server on loopback, no persistence."""
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--protected-mode", "yes"]
+    return _spawn("redis", argv, dict(os.environ), log_dir)
+
+
+def wait_redis(port: int, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"redis on port {port} did not answer PING")
+
+
+@dataclass
+class ClusterSpec:
+    """A local deployment: N prefill and M decode engines, optional baseline, Redis and
+    proxy.  Ports are laid out from ``base_port`` unless 0, then picked free."""
+
+    model: str
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False
+    redis: bool = False
+    proxy: bool = True
+    policy: str = "cost"
+    base_port: int = 0
+    proxy_port: int | None = None
+    colocated_port: int | None = None
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_space_gb: int = 1
+    num_gpu_blocks_override: int | None = None
+    connector: str = "sessionkv"
+    sessionkv: dict = field(default_factory=dict)
+    nixl_extra: dict = field(default_factory=dict)
+    engine_extra_args: list[str] = field(default_factory=list)
+    gpus: list[str] | None = None
+    log_dir: Path | None = None
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.procs: list[ManagedProcess] = []
+        self.prefill: list[EngineSpec] = []
+        self.decode: list[EngineSpec] = []
+        self.colocated: EngineSpec | None = None
+        self.redis_url: str | None = None
+        self.proxy_url: str | None = None
+        self._next = spec.base_port
+
+    def _port(self) -> int:
+        if not self.spec.base_port:
+            return free_port()
+        self._next += 1
+        return self._next - 1
+
+    def _engine(self, role: str, index: int) -> EngineSpec:
+        spec = self.spec
+        sessionkv = dict(spec.sessionkv)
+        if self.redis_url:
+            sessionkv.setdefault("redis_url", self.redis_url)
+        port = self._port()
+        if spec.connector == "sessionkv":
+            sessionkv.setdefault("advertise_url", f"http://127.0.0.1:{port}")
+        gpus = None
+        if spec.gpus:
+            gpus = spec.gpus[index % len(spec.gpus)]
+        return EngineSpec(role=role, model=spec.model, port=port,
+                          side_channel_port=self._port(), kv_events_port=self._port(),
+                          kv_events_replay_port=self._port(), block_size=spec.block_size,
+                          max_model_len=spec.max_model_len,
+                          kv_cache_space_gb=spec.kv_cache_space_gb,
+                          num_gpu_blocks_override=spec.num_gpu_blocks_override,
+                          connector=spec.connector, sessionkv=sessionkv,
+                          nixl_extra=dict(spec.nixl_extra), extra_args=list(spec.engine_extra_args), gpus=gpus)
+
+    def start(self, timeout_s: float = 600.0) -> LocalCluster:
+        spec = self.spec
+        log_dir = spec.log_dir
+        try:
+            if spec.redis:
+                redis_port = self._port()
+                self.procs.append(start_redis(redis_port, log_dir))
+                wait_redis(redis_port)
+                self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
+            self.prefill = [self._engine("prefill", i) for i in range(spec.prefill)]
+            self.decode = [self._engine("decode", spec.prefill + i) for i in range(spec.decode)]
+            engines: list[tuple[ManagedProcess, str]] = []
+            for i, e in enumerate(self.prefill):
+                engines.append((start_engine(e, f"prefill{i}", log_dir), e.url))
+            for i, e in enumerate(self.decode):
+                engines.append((start_engine(e, f"decode{i}", log_dir), e.url))
+            if spec.colocated:
+                self.colocated = EngineSpec(
+                    role="colocated", model=spec.model,
+                    port=spec.colocated_port or self._port(), block_size=spec.block_size,
+                    max_model_len=spec.max_model_len, kv_cache_space_gb=spec.kv_cache_space_gb,
+                    extra_args=list(spec.engine_extra_args),
+                    gpus=spec.gpus[-1] if spec.gpus else None)
+                engines.append((start_engine(self.colocated, "colocated", log_dir),
+                                self.colocated.url))
+            self.procs.extend(p for p, _ in engines)
+            wait_healthy(engines, timeout_s=timeout_s)
+            if spec.proxy:
+                port = spec.proxy_port or self._port()
+                argv = [sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+                        "--policy", spec.policy, "--block-size", str(spec.block_size)]
+                for flag, group in (("--prefill", self.prefill), ("--decode", self.decode)):
+                    for e in group:
+                        argv += [flag, f"url={e.url},events={e.kv_events_endpoint},"
+                                       f"replay={e.kv_events_replay_endpoint}"]
+                if self.redis_url:
+                    argv += ["--redis-url", self.redis_url]
+                proxy = start_process("proxy", argv, log_dir)
+                self.procs.append(proxy)
+                self.proxy_url = f"http://127.0.0.1:{port}"
+                wait_healthy([(proxy, self.proxy_url)], timeout_s=60)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        # Proxy first (it holds connections to the engines), engines, Redis last.
+        stop_all(list(reversed(self.procs)))
+        self.procs = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

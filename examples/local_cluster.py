@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Start a local disaggregated deployment: P and D vLLM engines with SessionKVConnector,
+KV-event publishers, optional Redis, the sessionkv proxy, and optionally a plain
+co-located vLLM server for baselines.
+
+    python examples/local_cluster.py --prefill 1 --decode 1 --proxy-port 8000 \\
+        [--redis] [--colocated-port 8300] [--model PATH] [--gpus 0,1]
+
+Without --model it generates a tiny random Llama (CPU demo).  When everything is
+healthy it prints one line
+
+    READY proxy=http://127.0.0.1:8000 colocated=<url or ->
+
+and stays in the foreground; SIGINT or SIGTERM stops every process it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from vllm_sessionkv.launch import ClusterSpec, LocalCluster
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
+    p.add_argument("--decode", type=int, default=1, help="number of decode engines")
+    p.add_argument("--model", help="HF model directory (default: generate a tiny Llama)")
+    p.add_argument("--proxy-port", type=int, default=8000)
+    p.add_argument("--no-proxy", action="store_true")
+    p.add_argument("--colocated-port", type=int,
+                   help="also start a plain vLLM server with prefix caching on this port")
+    p.add_argument("--redis", action="store_true",
+                   help="start redis-server: shared index, sessions and published handles")
+    p.add_argument("--policy", choices=["cost", "round_robin"], default="cost")
+    p.add_argument("--base-port", type=int, default=8100,
+                   help="engine HTTP, NIXL side-channel and KV-event ports count up from here")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="KV block size in tokens (a multiple of 32 on CPU)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES values, one per engine "
+                                  "in order prefill..., decode..., colocated (GPU hosts)")
+    p.add_argument("--log-dir", help="engine logs (default: a temporary directory)")
+    p.add_argument("--connector", choices=["sessionkv", "nixl"], default="sessionkv",
+                   help="'nixl' runs stock NixlConnector (bidirectional) for comparisons")
+    p.add_argument("--sessionkv-config", default="{}",
+                   help="JSON for kv_connector_extra_config.sessionkv on every engine")
+    p.add_argument("--nixl-extra-config", default="{}",
+                   help="JSON merged into kv_connector_extra_config (stock NIXL keys)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
+    model = args.model
+    if model is None:
+        from vllm_sessionkv.tiny_model import generate_tiny_model
+
+        model = str(generate_tiny_model(workdir / "tiny-llama"))
+    if args.block_size % 32:
+        p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
+    spec = ClusterSpec(
+        model=model, prefill=args.prefill, decode=args.decode,
+        colocated=args.colocated_port is not None, colocated_port=args.colocated_port,
+        redis=args.redis, proxy=not args.no_proxy, proxy_port=args.proxy_port,
+        policy=args.policy, base_port=args.base_port, block_size=args.block_size,
+        max_model_len=args.max_model_len, kv_cache_space_gb=args.kv_cache_gb,
+        connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
+        nixl_extra=json.loads(args.nixl_extra_config),
+        gpus=args.gpus.split(",") if args.gpus else None,
+        log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs")
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+
+    cluster = LocalCluster(spec)
+    started = time.monotonic()
+    try:
+        cluster.start()
+    except Exception as exc:
+        print(f"FAILED: {exc}", file=sys.stderr, flush=True)
+        return 1
+    colocated = cluster.colocated.url if cluster.colocated else "-"
+    logging.info("healthy after %.0f s; logs in %s; pids %s", time.monotonic() - started,
+                 spec.log_dir, cluster.pids)
+    # Machine-readable layout for scripts and tests, then the one READY line.
+    print("CLUSTER " + json.dumps({
+        "proxy": cluster.proxy_url, "redis": cluster.redis_url, "colocated": colocated,
+        "model": model, "pids": cluster.pids,
+        "prefill": [e.url for e in cluster.prefill], "decode": [e.url for e in cluster.decode],
+        "kv_events": {e.url: e.kv_events_endpoint for e in cluster.prefill + cluster.decode},
+    }), flush=True)
+    print(f"READY proxy={cluster.proxy_url or '-'} colocated={colocated}", flush=True)
+    try:
+        while not stop.is_set():
+            if any(not p.alive() for p in cluster.procs):
+                dead = [p.name for p in cluster.procs if not p.alive()]
+                print(f"process exited: {', '.join(dead)}", file=sys.stderr, flush=True)
+                return 1
+            stop.wait(1.0)
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""``sessionkv-proxy``: run the router.
+
+    sessionkv-proxy --port 8000 \\
+        --prefill url=http://127.0.0.1:8100,events=tcp://127.0.0.1:5600,replay=tcp://127.0.0.1:5601 \\
+        --decode  url=http://127.0.0.1:8200,events=tcp://127.0.0.1:5610,replay=tcp://127.0.0.1:5611 \\
+        [--redis-url redis://127.0.0.1:6379/0] [--config proxy.json]
+
+Flags override the JSON config file.  The config is validated before the port is
+bound; a bad key exits with status 2 and its name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from sessionkv_proxy.config import ConfigError, Role, load_config, parse_engine_spec
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sessionkv-proxy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="JSON config file (see sessionkv_proxy.config.ProxyConfig)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--prefill", action="append", default=[], metavar="SPEC",
+                   help="prefill engine: URL or url=URL,events=EP,replay=EP (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="SPEC",
+                   help="decode engine: URL or url=URL,events=EP,replay=EP (repeatable)")
+    p.add_argument("--redis-url", help="share the index and sessions through Redis")
+    p.add_argument("--policy", choices=["cost", "round_robin"])
+    p.add_argument("--block-size", type=int, help="engines' --block-size (default 32)")
+    p.add_argument("--tokenizer", choices=["engine", "none"])
+    p.add_argument("--log-level")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        engines = ([parse_engine_spec(s, Role.PREFILL) for s in args.prefill]
+                   + [parse_engine_spec(s, Role.DECODE) for s in args.decode])
+        overrides = {"engines": engines, "host": args.host, "port": args.port,
+                     "block_size": args.block_size, "tokenizer": args.tokenizer,
+                     "log_level": args.log_level}
+        if args.redis_url:
+            overrides["index"] = {"backend": "redis", "redis_url": args.redis_url}
+        if args.policy:
+            overrides["routing"] = {"policy": args.policy}
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"sessionkv-proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    from aiohttp import web
+
+    from sessionkv_proxy.app import create_app
+
+    # aiohttp's run_app handles SIGINT/SIGTERM: stop accepting, finish in-flight
+    # requests up to shutdown_timeout, then run the cleanup contexts.
+    web.run_app(create_app(config), host=config.host, port=config.port,
+                access_log=None, shutdown_timeout=30.0, print=None)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,483 @@
+"""The HTTP layer: an OpenAI-compatible front for disaggregated vLLM pools.
+
+A request goes either P then D (P prefills with ``max_tokens=1`` and hands its KV to
+D over NIXL; D decodes and streams), or straight to D when the policy finds the
+uncached part small.  Streams are passed through byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY
+
+from sessionkv_proxy.config import ProxyConfig, Role
+from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
+from sessionkv_proxy.engines import Engine, EnginePool
+from sessionkv_proxy.errors import ApiError, error_response
+from sessionkv_proxy.index.base import KVIndex
+from sessionkv_proxy.index.memory import MemoryIndex
+from sessionkv_proxy.metrics import ProxyMetrics
+from sessionkv_proxy.router import RoutePlan, Router
+from sessionkv_proxy.sessions import SessionRecord, valid_session_id
+
+__all__ = ["STATE", "ProxyState", "create_app"]
+
+logger = logging.getLogger("sessionkv_proxy.app")
+
+_json = msgspec.json.Encoder()
+# Fields a P request must not carry: it generates one token, never streams.
+_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date",
+                "server", "content-encoding"}
+
+
+@dataclass
+class ProxyState:
+    config: ProxyConfig
+    pool: EnginePool
+    index: KVIndex
+    metrics: ProxyMetrics
+    http: aiohttp.ClientSession | None = None
+    router: Router | None = None
+    consumer: KVEventConsumer | None = None
+    handles_redis: Any = None
+    model_ids: frozenset[str] = frozenset()
+    models_body: bytes = b""
+
+
+STATE = web.AppKey("sessionkv_state", ProxyState)
+
+
+# --------------------------------------------------------------------------- input
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, f"request body too large (limit {exc.max_size} bytes)") from None
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' is required and must be a string", param="model")
+    if state.model_ids and model not in state.model_ids:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model",
+                       type_="NotFoundError", code="model_not_found")
+    if is_chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or \
+                not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "'messages' must be a non-empty list of objects",
+                           param="messages")
+    else:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
+            raise ApiError(400, "'prompt' must be a string or a non-empty list",
+                           param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 0):
+            raise ApiError(400, f"'{key}' must be a non-negative integer", param=key)
+    if "kv_transfer_params" in body:
+        raise ApiError(400, "'kv_transfer_params' is set by the proxy, not the client",
+                       param="kv_transfer_params")
+
+
+def _session_id(request: web.Request, body: dict[str, Any], state: ProxyState) -> str | None:
+    for source, value in (("prompt_cache_key", body.get("prompt_cache_key")),
+                          ("X-Session-ID", request.headers.get("X-Session-ID")),
+                          ("session_id", body.get("session_id"))):
+        if value is None:
+            continue
+        if not valid_session_id(value, state.config.max_session_id_chars):
+            raise ApiError(400, f"invalid session id in {source}: must be 1-"
+                           f"{state.config.max_session_id_chars} characters of "
+                           "[A-Za-z0-9._:@/+=-]", param=source)
+        return value
+    return None
+
+
+# --------------------------------------------------------------------------- upstream
+def _upstream_headers(request_id: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Request-Id": request_id}
+
+
+class _Upstream(Exception):
+    """A connection-level failure: safe to retry on another worker."""
+
+
+async def _post_json(state: ProxyState, engine: Engine, path: str, body: dict[str, Any],
+                     request_id: str) -> tuple[int, bytes]:
+    assert state.http is not None
+    engine.active_requests += 1
+    try:
+        async with state.http.post(engine.url + path, data=_json.encode(body),
+                                   headers=_upstream_headers(request_id)) as resp:
+            data = await resp.read()
+            state.pool.mark_success(engine)
+            return resp.status, data
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        state.pool.mark_failure(engine)
+        raise _Upstream(f"{engine.url}: {exc!r}") from exc
+    finally:
+        engine.active_requests -= 1
+
+
+async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str, Any],
+                   is_chat: bool, request_id: str) -> dict[str, Any]:
+    """Run P; return its kv_transfer_params for D."""
+    p_body = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    p_body["max_tokens"] = 1
+    if is_chat and "max_completion_tokens" in p_body:
+        p_body["max_completion_tokens"] = 1
+    p_body["stream"] = False
+    p_body["kv_transfer_params"] = plan.prefill_params
+    engine = plan.prefill
+    assert engine is not None and state.router is not None
+    tried: set[str] = set()
+    prompt_tokens = plan.prompt_tokens
+    for attempt in range(state.config.connect_retries + 1):
+        current = engine
+        tried.add(current.url)
+        current.active_prefill_tokens += prompt_tokens
+        try:
+            status, data = await _post_json(state, current, path, p_body, request_id)
+            break
+        except _Upstream as exc:
+            logger.warning("prefill connect failed request_id=%s engine=%s: %s",
+                           request_id, engine.url, exc)
+            state.metrics.errors.labels("prefill_connect").inc()
+            nxt = state.router.alternative(Role.PREFILL, tried)
+            if nxt is None or attempt == state.config.connect_retries:
+                raise ApiError(502, "no prefill engine reachable") from None
+            state.metrics.retries.labels("prefill").inc()
+            # The handle names D's blocks, valid for any P: keep it.
+            engine = nxt
+            plan.prefill = nxt
+        finally:
+            current.active_prefill_tokens -= prompt_tokens
+    if status != 200:
+        raise _PassThrough(status, data)
+    out = msgspec.json.decode(data)
+    params = out.get("kv_transfer_params") if isinstance(out, dict) else None
+    if not isinstance(params, dict):
+        state.metrics.errors.labels("prefill_no_params").inc()
+        raise ApiError(502, f"prefill engine {engine.url} returned no kv_transfer_params; "
+                       "is it running SessionKVConnector with kv_role kv_producer?")
+    return params
+
+
+class _PassThrough(Exception):
+    def __init__(self, status: int, body: bytes):
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+def _accounting_header(params: dict[str, Any] | None) -> str | None:
+    acct = ((params or {}).get(SESSIONKV_PARAMS_KEY) or {}).get("accounting")
+    return json.dumps(acct, separators=(",", ":")) if acct else None
+
+
+async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path: str,
+                  body: dict[str, Any], request_id: str, extra_headers: dict[str, str]
+                  ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
+    """Send to D and relay its answer; returns the response and D's kv params
+    (non-streaming only)."""
+    assert state.http is not None and state.router is not None
+    stream = bool(body.get("stream"))
+    engine = plan.decode
+    tried: set[str] = set()
+    payload = _json.encode(body)
+    # KV this request will hold on D while it runs: the policy's decode load term.
+    held_tokens = plan.prompt_tokens + int(body.get("max_tokens") or
+                                           body.get("max_completion_tokens") or 16)
+    for attempt in range(state.config.connect_retries + 1):
+        tried.add(engine.url)
+        engine.active_requests += 1
+        engine.active_decode_tokens += held_tokens
+        try:
+            upstream = await state.http.post(engine.url + path, data=payload,
+                                             headers=_upstream_headers(request_id))
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            engine.active_requests -= 1
+            engine.active_decode_tokens -= held_tokens
+            state.pool.mark_failure(engine)
+            state.metrics.errors.labels("decode_connect").inc()
+            logger.warning("decode connect failed request_id=%s engine=%s: %r",
+                           request_id, engine.url, exc)
+            nxt = state.router.alternative(Role.DECODE, tried)
+            if nxt is None or attempt == state.config.connect_retries:
+                raise ApiError(502, "no decode engine reachable") from None
+            state.metrics.retries.labels("decode").inc()
+            engine = nxt
+            plan.decode = nxt
+            continue
+        break
+    try:
+        state.pool.mark_success(engine)
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers.update(extra_headers)
+        headers["x-sessionkv-decode-engine"] = engine.url
+        if not stream or upstream.status != 200:
+            data = await upstream.read()
+            params = None
+            if upstream.status == 200:
+                try:
+                    out = msgspec.json.decode(data)
+                    params = out.get("kv_transfer_params") if isinstance(out, dict) else None
+                except msgspec.DecodeError:
+                    params = None
+                acct = _accounting_header(params)
+                if acct:
+                    headers["x-sessionkv-decode"] = acct
+            return web.Response(status=upstream.status, body=data, headers=headers), params
+        response = web.StreamResponse(status=200, headers=headers)
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response, None
+    finally:
+        engine.active_requests -= 1
+        engine.active_decode_tokens -= held_tokens
+        upstream.release()
+
+
+# --------------------------------------------------------------------------- handlers
+async def _generate(request: web.Request, path: str, is_chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    endpoint = "chat" if is_chat else "completions"
+    started = time.perf_counter()
+    request_id = request.headers.get("X-Request-Id") or f"skv-{uuid.uuid4().hex}"
+    try:
+        body = await _read_json(request)
+        _validate(body, is_chat, state)
+        session_id = _session_id(request, body, state)
+        assert state.router is not None
+        plan = await state.router.plan(body, is_chat, session_id)
+    except ApiError as err:
+        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        return error_response(err)
+
+    state.metrics.decisions.labels(plan.mode, plan.reason).inc()
+    state.metrics.handles.labels(plan.handle_outcome).inc()
+    state.metrics.decision_s.observe(plan.terms.get("decision_s", 0.0))
+    state.metrics.prompt_blocks.observe(len(plan.prompt_keys))
+    logger.info(
+        "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "
+        "handle=%s terms=%s", request_id, session_id, plan.mode, plan.reason,
+        plan.prefill.url if plan.prefill else "-", plan.decode.url, plan.handle_outcome,
+        json.dumps(plan.terms, default=str, separators=(",", ":")))
+
+    d_body = dict(body)
+    d_body.pop("prompt_cache_key", None)
+    if session_id:
+        d_body["session_id"] = session_id
+    extra_headers = {"x-sessionkv-route": plan.mode,
+                     "x-sessionkv-request-id": request_id}
+    try:
+        if plan.mode == "disaggregated":
+            p_params = await _prefill(state, plan, path, d_body, is_chat, request_id)
+            acct = _accounting_header(p_params)
+            if acct:
+                extra_headers["x-sessionkv-prefill"] = acct
+            extra_headers["x-sessionkv-prefill-engine"] = plan.prefill.url
+            d_body["kv_transfer_params"] = p_params
+        elif session_id:
+            # D keeps this turn for the next P pull only if it knows the session.
+            d_body["kv_transfer_params"] = {SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
+        response, d_params = await _decode(state, request, plan, path, d_body, request_id,
+                                           extra_headers)
+    except ApiError as err:
+        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        return error_response(err)
+    except _PassThrough as exc:
+        state.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        return web.Response(status=exc.status, body=exc.body, content_type="application/json")
+
+    if session_id:
+        await _remember_session(state, plan, session_id, body, d_params)
+    state.metrics.requests.labels(endpoint, str(response.status)).inc()
+    logger.debug("done request_id=%s in %.1f ms", request_id,
+                 (time.perf_counter() - started) * 1e3)
+    return response
+
+
+async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
+                            body: dict[str, Any], d_params: dict[str, Any] | None) -> None:
+    assert state.router is not None
+    try:
+        record = SessionRecord(
+            session_id=session_id,
+            last_prefill=plan.prefill.url if plan.prefill else None,
+            last_decode=plan.decode.url,
+            handle_params=d_params if d_params and d_params.get("do_remote_decode") else None,
+            handle_expires_at_unix_s=float(
+                ((d_params or {}).get(SESSIONKV_PARAMS_KEY) or {}).get("expires_at_unix_s", 0.0)),
+            prompt_keys=plan.prompt_keys,
+            tenant=body.get("cache_salt"))
+        await state.router.save_session(record)
+    except Exception as exc:  # the answer is already out; a lost record costs speed only
+        state.metrics.errors.labels("session_store").inc()
+        logger.warning("session %s not stored: %r", session_id, exc)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "/v1/completions", is_chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "/v1/chat/completions", is_chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if not state.models_body:
+        await _discover_models(state)
+    if not state.models_body:
+        return error_response(ApiError(503, "no engine answered /v1/models"))
+    return web.Response(body=state.models_body, content_type="application/json")
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    healthy = {role.value: sum(e.healthy for e in state.pool.by_role(role)) for role in Role}
+    ok = healthy["decode"] > 0
+    return web.json_response({"status": "ok" if ok else "unavailable", "healthy": healthy},
+                             status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        state.metrics.index_blocks.set(await state.index.size())
+    except Exception:
+        state.metrics.errors.labels("index_size").inc()
+    if state.consumer is not None:
+        for engine, stats in state.consumer.stats().items():
+            state.metrics.event_lag_s.labels(engine).set(stats.last_lag_s)
+            state.metrics.events.labels(engine).set(stats.events_applied)
+            state.metrics.replays.labels(engine).set(stats.replays)
+            state.metrics.resets.labels(engine).set(stats.resets)
+            state.metrics.undecodable.labels(engine).set(stats.batches_undecodable)
+    for engine in state.pool.engines:
+        state.metrics.in_flight.labels(engine.url).set(engine.active_requests)
+    return web.Response(body=generate_latest(state.metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --------------------------------------------------------------------------- lifecycle
+async def _discover_models(state: ProxyState) -> None:
+    assert state.http is not None
+    for engine in state.pool.by_role(Role.DECODE) + state.pool.by_role(Role.PREFILL):
+        try:
+            async with state.http.get(engine.url + "/v1/models",
+                                      timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    continue
+                data = await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            continue
+        out = msgspec.json.decode(data)
+        ids = {m.get("id") for m in out.get("data", []) if isinstance(m, dict)}
+        state.model_ids = frozenset(i for i in ids if isinstance(i, str))
+        state.models_body = data
+        return
+
+
+async def _lifecycle(app: web.Application):
+    state = app[STATE]
+    config = state.config
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+    state.http = aiohttp.ClientSession(
+        connector=connector, json_serialize=lambda o: _json.encode(o).decode(),
+        timeout=aiohttp.ClientTimeout(total=config.request_timeout_s,
+                                      sock_connect=config.connect_timeout_s))
+    handles_url = config.index.redis_url
+    if handles_url:
+        import redis.asyncio as aioredis
+
+        state.handles_redis = aioredis.Redis.from_url(handles_url)
+    state.router = Router(config, state.pool, state.index, state.http, state.handles_redis)
+    sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
+                            replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
+                            block_size_tokens=config.block_size)
+               for e in config.engines if e.kv_events]
+    if sources:
+        state.consumer = KVEventConsumer(sources, state.index)
+        state.consumer.start()
+    await _discover_models(state)
+    scraper = asyncio.create_task(state.pool.scrape_forever(
+        state.http, config.metrics_scrape_interval_s), name="metrics-scraper")
+    logger.info("proxy ready: %d prefill, %d decode engines, index=%s, policy=%s",
+                len(config.prefill), len(config.decode), config.index.backend,
+                config.routing.policy)
+    yield
+    scraper.cancel()
+    await asyncio.gather(scraper, return_exceptions=True)
+    if state.consumer is not None:
+        await state.consumer.stop()
+    await state.http.close()
+    await state.index.close()
+    if state.handles_redis is not None:
+        await state.handles_redis.aclose()
+
+
+def _make_index(config: ProxyConfig) -> KVIndex:
+    if config.index.backend == "redis":
+        from sessionkv_proxy.index.redis import RedisIndex
+
+        return RedisIndex.from_url(config.index.redis_url,
+                                   namespace=config.index.redis_prefix.rstrip(":") or "skv",
+                                   max_blocks_per_slot=config.index.max_blocks_per_engine)
+    return MemoryIndex(max_blocks_per_slot=config.index.max_blocks_per_engine)
+
+
+@web.middleware
+async def _errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response(ApiError(exc.status, exc.reason or "error"))
+        raise
+    except ApiError as err:
+        return error_response(err)
+
+
+def create_app(config: ProxyConfig, index: KVIndex | None = None) -> web.Application:
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[_errors_middleware])
+    app[STATE] = ProxyState(config=config, pool=EnginePool.from_configs(config.engines),
+                            index=index if index is not None else _make_index(config),
+                            metrics=ProxyMetrics())
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

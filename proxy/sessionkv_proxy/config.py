@@ -1,0 +1,150 @@
+"""Typed proxy configuration: a JSON file and/or CLI flags, validated at start-up.
+
+Errors name the bad key (msgspec's path, e.g. ``$.engines[1].role``) and the proxy
+exits before binding its port.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = ["ConfigError", "EngineConfig", "IndexConfig", "ProxyConfig", "Role",
+           "RoutingConfig", "load_config", "parse_engine_spec"]
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    url: str
+    role: Role
+    # KV events publisher of this engine (ZMQ PUB) and its replay socket (ROUTER).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = "kv-events"
+
+    def __post_init__(self):
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine url must start with http:// or https://: {self.url!r}")
+
+
+class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    backend: str = "memory"          # "memory" (in-process) or "redis"
+    redis_url: str | None = None
+    # Redis key prefix shared by all replicas of one deployment.
+    redis_prefix: str = "sessionkv:"
+    # Bound on index entries per engine and tier; the oldest are dropped first.
+    max_blocks_per_engine: int = 1_000_000
+
+    def __post_init__(self):
+        if self.backend not in ("memory", "redis"):
+            raise ValueError(f"index.backend must be 'memory' or 'redis', got {self.backend!r}")
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("index.redis_url is required when index.backend is 'redis'")
+
+
+class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    # "cost": KV- and load-aware routing; "round_robin": baseline for benchmarks.
+    policy: str = "cost"
+    # Parameters passed to the routing policy (see policy.RoutingParams).
+    params: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.policy not in ("cost", "round_robin"):
+            raise ValueError(f"routing.policy must be 'cost' or 'round_robin', got {self.policy!r}")
+        from sessionkv_proxy.policy import routing_params_from_config
+
+        routing_params_from_config(self.params)  # fail at start-up, naming the key
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    engines: list[EngineConfig]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    index: IndexConfig = IndexConfig()
+    routing: RoutingConfig = RoutingConfig()
+    # Token ids for routing: "engine" asks a P engine's /tokenize (exact by
+    # construction); "none" routes on session affinity and load only.
+    tokenizer: str = "engine"
+    block_size: int = 32
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_session_id_chars: int = 256
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    # Other workers tried after a connection failure.
+    connect_retries: int = 1
+    metrics_scrape_interval_s: float = 2.0
+    session_ttl_s: float = 3600.0
+    log_level: str = "INFO"
+
+    def __post_init__(self):
+        roles = {e.role for e in self.engines}
+        if Role.DECODE not in roles:
+            raise ValueError("engines: at least one engine with role 'decode' is required")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.tokenizer not in ("engine", "none"):
+            raise ValueError(f"tokenizer must be 'engine' or 'none', got {self.tokenizer!r}")
+        if self.block_size <= 0 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+
+    @property
+    def prefill(self) -> list[EngineConfig]:
+        return [e for e in self.engines if e.role is Role.PREFILL]
+
+    @property
+    def decode(self) -> list[EngineConfig]:
+        return [e for e in self.engines if e.role is Role.DECODE]
+
+
+def parse_engine_spec(spec: str, role: Role) -> dict[str, Any]:
+    """``URL`` or ``url=URL,events=tcp://...,replay=tcp://...`` from the command line."""
+    if "url=" not in spec:
+        return {"url": spec, "role": role.value}
+    out: dict[str, Any] = {"role": role.value}
+    names = {"url": "url", "events": "kv_events", "replay": "kv_events_replay",
+             "topic": "kv_events_topic"}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        if key not in names:
+            raise ConfigError(f"unknown engine field {key!r} in {spec!r}; "
+                              f"expected one of {sorted(names)}")
+        out[names[key]] = value
+    return out
+
+
+def load_config(path: str | None, overrides: dict[str, Any]) -> ProxyConfig:
+    """Merge a JSON config file with CLI overrides (flags win) and validate."""
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path} must hold a JSON object")
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key == "engines":
+            if value:
+                raw["engines"] = value
+        elif isinstance(value, dict) and isinstance(raw.get(key), dict):
+            raw[key] = {**raw[key], **value}
+        else:
+            raw[key] = value
+    try:
+        return msgspec.convert(raw, ProxyConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid proxy config: {exc}") from None

@@ -1,0 +1,446 @@
+"""Pure routing policy: which prefill (P) and decode (D) worker serve a request.
+
+Each pool goes through the same three steps as Dynamo's selector: **filter**
+(unhealthy workers out; :class:`NoWorkerAvailable` if none is left), **score** (one
+terms struct per candidate, every number the cost came from), **pick** (argmin, ties
+and ``temperature > 0`` drawn from the caller's RNG).  :func:`route` returns a
+:class:`RouteDecision` that carries those terms, so the caller logs one structured
+line per decision.  No clock, I/O, globals or hidden randomness: time is
+``RouteInput.now_s`` and randomness is the ``rng`` argument.
+
+P cost, in blocks of prefill work (Dynamo's linear cost)::
+
+    credit_blocks = decay * (w_device * device_blocks + w_host * host_blocks
+                             + peer_weight * peer_blocks)
+    cost = prefill_load_scale * max(0, active_prefill_blocks + prompt_blocks - credit_blocks)
+         + decode_load_scale * active_decode_blocks
+
+* ``active_prefill_blocks + prompt_blocks``: the work queued ahead of this request
+  plus its own; what the worker must compute before the first token.
+* ``credit_blocks``: prompt blocks the worker need not compute.  Tiers are disjoint
+  increments of one prefix: ``device_blocks`` are its leading blocks in device KV
+  (weight 1.0: free), ``host_blocks`` extend them from the host tier (0.75: a PCIe
+  copy is cheap but not free), ``peer_blocks`` extend both from the D that holds the
+  session.  A peer pull crosses the network, so its weight is priced per request by
+  :func:`vllm_sessionkv.cost.peer_credit_weight`, ``1 - pull_s / recompute_s``
+  clamped to [0, 1]: near 1 for long context on a fast link, 0 on a slow one.
+* ``decay = 1 / (1 + overlap_credit_decay * excess_blocks / prompt_blocks)``, with
+  ``excess_blocks`` the worker's ``active_prefill_blocks`` above the least loaded
+  healthy P.  Without it a worker holding a popular prefix keeps winning until its
+  queue is a whole prompt deep, and becomes the hot spot Dynamo's and SGLang's users
+  report.  Measuring the excess against the least loaded worker (Dynamo's
+  ``--router-kv-overlap-score-credit-decay``, not the pool mean) leaves the credit
+  whole at equal load, so a cache-rich worker still wins there; normalising by the
+  request size makes the decay mean the same for short and long prompts.  Unlike
+  Dynamo every tier's credit decays: a hot spot forms whatever tier draws it.
+* ``active_decode_blocks``: KV the worker holds for running requests (on P: blocks
+  waiting for D to pull).  It is memory, not compute, so it has its own scale.
+
+D cost, in blocks: ``decode_load_scale * (active_decode_blocks + new_blocks)``, where
+``new_blocks = prompt_blocks - device_blocks`` is what D must receive or compute; the
+prefix it holds on device (index overlap, or the session's verified blocks on the
+session's D) it reuses.  *Session affinity* sends the request to the D that holds the
+session while its lease runs, because that is where the longest prefix is and where
+the next turn's KV will be.  KV pressure is D's ``kv_usage`` from ``/metrics``: it
+includes KV retained for idle sessions, which the proxy's in-flight counts cannot
+see.  Above ``decode_kv_pressure_threshold`` affinity is dropped for the cheapest D
+under the threshold; if every D is above it, affinity is kept, since moving then
+only adds a transfer and evicts elsewhere.
+
+Conditional disaggregation: once D is chosen, the request skips P when
+``uncached_tokens = prompt_tokens - D's device hit`` is at most
+``decode_only_max_uncached_tokens`` and D is under ``decode_only_max_kv_usage`` and
+``decode_only_max_active_requests``: a short increment costs less on D than a P hop
+plus a transfer, but only while D has room (Dynamo's ``isl_bounding``, llm-d's
+``prefix-based-pd-decider``).  Like theirs, the load check is advisory, not a
+reservation.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, PrefixMatch
+from vllm_sessionkv.cost import LinkModel, OverlapWeights, RecomputeModel, peer_credit_weight
+
+__all__ = [
+    "DecodeTerms",
+    "Mode",
+    "NoWorkerAvailable",
+    "PrefillTerms",
+    "Role",
+    "RouteDecision",
+    "RouteInput",
+    "RoutingParams",
+    "SessionView",
+    "TierOverlap",
+    "WorkerLoad",
+    "healthy_workers",
+    "overlaps_from_match",
+    "pick",
+    "route",
+    "routing_params_from_config",
+    "score_decode",
+    "score_prefill",
+]
+
+# Costs closer than this (relative) count as equal, so float noise cannot break a tie.
+_TIE_RTOL = 1e-9
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Mode(enum.Enum):
+    DISAGGREGATED = "disaggregated"  # P prefills, D pulls the KV and decodes
+    DECODE_ONLY = "decode_only"  # D prefills the uncached rest itself
+
+
+class NoWorkerAvailable(RuntimeError):
+    """A pool has no healthy worker; the caller answers 503."""
+
+    def __init__(self, role: Role) -> None:
+        super().__init__(f"no healthy {role.value} worker")
+        self.role = role
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's health and load, as the proxy last saw it."""
+
+    url: str
+    role: Role
+    healthy: bool = True
+    active_requests: int = 0  # running + waiting on the engine
+    active_prefill_blocks: float = 0.0  # prompt blocks routed here and not yet prefilled
+    active_decode_blocks: float = 0.0  # KV blocks of requests routed here and still running
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc as a fraction in [0, 1]
+
+
+class TierOverlap(msgspec.Struct, frozen=True):
+    """Leading prompt blocks a worker holds, per tier, as the index reports them.
+
+    Each count is from block 0 on that tier alone (``index.lookup`` semantics), not an
+    increment over the other tier; the policy turns them into increments.
+    """
+
+    device_blocks: int = 0
+    host_blocks: int = 0
+
+
+class SessionView(msgspec.Struct, frozen=True, kw_only=True):
+    """What the proxy knows of the request's session (from its stored handle)."""
+
+    session_id: str
+    last_decode: str | None = None  # URL of the D that holds the session's KV
+    expires_at_s: float | None = None  # end of D's lease on the blocks; None: unknown
+
+
+class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
+    """One request, seen through the index and the session store."""
+
+    prompt_tokens: int
+    block_size: int
+    now_s: float
+    # Worker URL -> its overlap with this prompt.  Workers absent hold nothing.
+    overlaps: Mapping[str, TierOverlap] = msgspec.field(default_factory=dict)
+    session: SessionView | None = None
+    # Blocks of this prompt the session's D holds, verified by the proxy: the
+    # handle's num_tokens capped by the common prefix of the session's stored request
+    # keys with this prompt's (the proxy cannot see engine hashes).
+    peer_pullable_blocks: int = 0
+    kv_bytes_per_token: float = 0.0  # 0: unknown, the peer is credited weights.peer
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
+
+    @property
+    def prompt_blocks(self) -> int:
+        # A partial last block is still work to compute and KV to hold.
+        return -(-self.prompt_tokens // self.block_size)
+
+
+class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    recompute: RecomputeModel  # prices the peer credit; the connector's own model
+    link: LinkModel  # D -> P link used by peer pulls
+    weights: OverlapWeights = OverlapWeights()
+    prefill_load_scale: float = 1.0
+    decode_load_scale: float = 1.0
+    overlap_credit_decay: float = 1.0  # 0: no hot-spot decay (Dynamo's default)
+    decode_kv_pressure_threshold: float = 0.9
+    decode_only_max_uncached_tokens: int = 256  # -1 turns decode-only off
+    decode_only_max_kv_usage: float = 0.8
+    decode_only_max_active_requests: int = 32
+    # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
+    decode_only_without_prefill: bool = True
+    temperature: float = 0.0  # 0: argmin; > 0: softmax over normalised costs
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_load_scale", "decode_load_scale", "overlap_credit_decay",
+                     "temperature", "decode_only_max_active_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RoutingParams.{name} must be >= 0")
+        for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"RoutingParams.{name} must be in [0, 1]")
+
+
+class PrefillTerms(msgspec.Struct, frozen=True, kw_only=True):
+    """One P candidate's cost and every term in it (see the module docstring)."""
+
+    url: str
+    active_prefill_blocks: float
+    prompt_blocks: int
+    device_blocks: int
+    host_blocks: int  # beyond device_blocks
+    peer_blocks: int  # beyond device_blocks and host_blocks
+    peer_weight: float
+    raw_credit_blocks: float
+    excess_blocks: float  # active_prefill_blocks above the least loaded P
+    decay: float
+    credit_blocks: float
+    adjusted_prefill_blocks: float
+    active_decode_blocks: float
+    cost: float
+
+
+class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
+    """One D candidate's cost, pressure and affinity."""
+
+    url: str
+    active_decode_blocks: float
+    device_blocks: int  # prompt blocks D holds on device (index or verified session)
+    new_blocks: int
+    kv_usage: float
+    active_requests: int
+    affinity: bool  # holds the request's live session
+    over_pressure: bool
+    cost: float
+
+
+class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
+    mode: Mode
+    prefill_url: str | None
+    decode_url: str
+    reason: str
+    uncached_tokens: int  # prompt tokens the chosen D does not hold on device
+    prefill_candidates: tuple[PrefillTerms, ...] = ()
+    decode_candidates: tuple[DecodeTerms, ...] = ()
+
+
+# --------------------------------------------------------------------------- filter
+
+
+def healthy_workers(workers: Sequence[WorkerLoad], role: Role) -> list[WorkerLoad]:
+    """The healthy workers of ``role``; raises :class:`NoWorkerAvailable` if none."""
+    kept = [w for w in workers if w.role is role and w.healthy]
+    if not kept:
+        raise NoWorkerAvailable(role)
+    return kept
+
+
+def overlaps_from_match(match: PrefixMatch) -> dict[str, TierOverlap]:
+    """The index's ``lookup`` answer as :class:`TierOverlap` per engine.
+
+    Tiers other than device and host (e.g. storage) are not credited: no engine in
+    this deployment restores from them.
+    """
+    return {
+        engine: TierOverlap(tiers.get(TIER_DEVICE, 0), tiers.get(TIER_HOST, 0))
+        for engine, tiers in match.items()
+    }
+
+
+def _live_session_holder(inp: RouteInput, healthy_decode: set[str]) -> str | None:
+    # The session's D counts only while its lease runs and it is up: after that its
+    # blocks may be freed, and a pull from it would fail.
+    s = inp.session
+    if s is None or s.last_decode is None or s.last_decode not in healthy_decode:
+        return None
+    if s.expires_at_s is not None and inp.now_s >= s.expires_at_s:
+        return None
+    return s.last_decode
+
+
+# --------------------------------------------------------------------------- score
+
+
+def score_prefill(
+    inp: RouteInput, workers: Sequence[WorkerLoad], params: RoutingParams
+) -> tuple[PrefillTerms, ...]:
+    """Filter and score the P pool; one :class:`PrefillTerms` per healthy P, by URL."""
+    prefill = sorted(healthy_workers(workers, Role.PREFILL), key=lambda w: w.url)
+    healthy_decode = {w.url for w in workers if w.role is Role.DECODE and w.healthy}
+    holder = _live_session_holder(inp, healthy_decode)
+    peer_total = min(max(0, inp.peer_pullable_blocks), inp.prompt_blocks) if holder else 0
+    prompt_blocks = inp.prompt_blocks
+    least_loaded = min(w.active_prefill_blocks for w in prefill)
+    out = []
+    for w in prefill:
+        ov = inp.overlaps.get(w.url, TierOverlap())
+        device = min(max(0, ov.device_blocks), prompt_blocks)
+        host_reach = max(device, min(max(0, ov.host_blocks), prompt_blocks))
+        host = host_reach - device
+        peer = max(0, peer_total - host_reach)
+        if peer and inp.kv_bytes_per_token > 0:
+            # Engine load 0: the load term below already charges for a busy worker.
+            peer_weight = peer_credit_weight(
+                peer * inp.block_size, host_reach * inp.block_size, inp.kv_bytes_per_token,
+                params.recompute, params.link,
+            )
+        else:
+            peer_weight = params.weights.peer if peer else 0.0
+        raw_credit = (params.weights.device * device + params.weights.host * host
+                      + peer_weight * peer)
+        excess = w.active_prefill_blocks - least_loaded
+        decay = 1.0 / (1.0 + params.overlap_credit_decay * excess / max(1, prompt_blocks))
+        credit = decay * raw_credit
+        adjusted = max(0.0, w.active_prefill_blocks + prompt_blocks - credit)
+        cost = (params.prefill_load_scale * adjusted
+                + params.decode_load_scale * w.active_decode_blocks)
+        out.append(PrefillTerms(
+            url=w.url, active_prefill_blocks=w.active_prefill_blocks,
+            prompt_blocks=prompt_blocks, device_blocks=device, host_blocks=host,
+            peer_blocks=peer, peer_weight=peer_weight, raw_credit_blocks=raw_credit,
+            excess_blocks=excess, decay=decay, credit_blocks=credit,
+            adjusted_prefill_blocks=adjusted, active_decode_blocks=w.active_decode_blocks,
+            cost=cost,
+        ))
+    return tuple(out)
+
+
+def score_decode(
+    inp: RouteInput, workers: Sequence[WorkerLoad], params: RoutingParams
+) -> tuple[DecodeTerms, ...]:
+    """Filter and score the D pool; one :class:`DecodeTerms` per healthy D, by URL."""
+    decode = sorted(healthy_workers(workers, Role.DECODE), key=lambda w: w.url)
+    holder = _live_session_holder(inp, {w.url for w in decode})
+    prompt_blocks = inp.prompt_blocks
+    out = []
+    for w in decode:
+        device = inp.overlaps.get(w.url, TierOverlap()).device_blocks
+        if w.url == holder:
+            # The index may lag D's own events; the session's verified blocks do not.
+            device = max(device, inp.peer_pullable_blocks)
+        device = min(max(0, device), prompt_blocks)
+        new = prompt_blocks - device
+        out.append(DecodeTerms(
+            url=w.url, active_decode_blocks=w.active_decode_blocks, device_blocks=device,
+            new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
+            affinity=w.url == holder,
+            over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
+            cost=params.decode_load_scale * (w.active_decode_blocks + new),
+        ))
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- pick
+
+
+def pick(costs: Mapping[str, float], temperature: float, rng: random.Random) -> str:
+    """The URL to use: argmin at ``temperature == 0``, else a softmax draw.
+
+    Ties at the minimum are drawn uniformly, so equal workers share the load instead of
+    the first one in the list taking it all.  The softmax runs over costs normalised to
+    [0, 1] by their spread, so ``temperature`` means the same whatever the cost scale.
+    """
+    if not costs:
+        raise ValueError("pick() needs at least one candidate")
+    urls = sorted(costs)  # input order must not matter for a given seed
+    lo, hi = min(costs.values()), max(costs.values())
+    tol = _TIE_RTOL * max(1.0, abs(lo))
+    if temperature == 0 or hi - lo <= tol:
+        return rng.choice([u for u in urls if costs[u] - lo <= tol])
+    spread = hi - lo
+    weights = [math.exp(-(costs[u] - lo) / spread / temperature) for u in urls]
+    return rng.choices(urls, weights=weights)[0]
+
+
+def _pick_decode(
+    terms: tuple[DecodeTerms, ...], temperature: float, rng: random.Random
+) -> tuple[str, str]:
+    holder = next((t for t in terms if t.affinity), None)
+    under = [t for t in terms if not t.over_pressure]
+    if holder is not None and not holder.over_pressure:
+        return holder.url, "session affinity"
+    if holder is not None and not under:
+        return holder.url, "session affinity kept: every decode worker over kv pressure"
+    if holder is not None:
+        reason = "session affinity dropped: kv pressure"
+    elif under:
+        reason = "least loaded decode"
+    else:
+        reason = "least loaded decode: every decode worker over kv pressure"
+    pool = under or list(terms)
+    return pick({t.url: t.cost for t in pool}, temperature, rng), reason
+
+
+def route(
+    inp: RouteInput,
+    workers: Sequence[WorkerLoad],
+    params: RoutingParams,
+    rng: random.Random,
+) -> RouteDecision:
+    """Choose D, decide whether P is needed, then choose P.
+
+    D comes first (as in llm-d's P/D handler) because whether to skip P depends on
+    what the chosen D already holds.  Raises :class:`NoWorkerAvailable` when no D is
+    healthy, or when P is needed, none is healthy and ``decode_only_without_prefill``
+    is off.
+    """
+    decode_terms = score_decode(inp, workers, params)
+    decode_url, decode_reason = _pick_decode(decode_terms, params.temperature, rng)
+    chosen = next(t for t in decode_terms if t.url == decode_url)
+    uncached = max(0, inp.prompt_tokens - chosen.device_blocks * inp.block_size)
+    small = uncached <= params.decode_only_max_uncached_tokens
+    room = (chosen.kv_usage < params.decode_only_max_kv_usage
+            and chosen.active_requests < params.decode_only_max_active_requests)
+    if small and room:
+        return RouteDecision(
+            mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
+            reason=f"{decode_reason}; decode only: {uncached} uncached tokens",
+            uncached_tokens=uncached, decode_candidates=decode_terms,
+        )
+    try:
+        prefill_terms = score_prefill(inp, workers, params)
+    except NoWorkerAvailable:
+        if not params.decode_only_without_prefill:
+            raise
+        return RouteDecision(
+            mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
+            reason=f"{decode_reason}; decode only: no healthy prefill worker",
+            uncached_tokens=uncached, decode_candidates=decode_terms,
+        )
+    prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
+    why = "increment too large" if not small else "decode worker busy"
+    return RouteDecision(
+        mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
+        reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)",
+        uncached_tokens=uncached, prefill_candidates=prefill_terms,
+        decode_candidates=decode_terms,
+    )
+
+
+def routing_params_from_config(raw: Mapping[str, Any]) -> RoutingParams:
+    """``RoutingParams`` from the proxy config; the connector's cost defaults where
+    ``recompute`` and ``link`` are unset.  ``kv_bytes_per_token`` is a request-level
+    input, not a policy parameter, and is skipped here."""
+    from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+
+    values = {k: v for k, v in raw.items() if k != "kv_bytes_per_token"}
+    values.setdefault("recompute", msgspec.to_builtins(DEFAULT_RECOMPUTE))
+    values.setdefault("link", msgspec.to_builtins(DEFAULT_LINK))
+    try:
+        return msgspec.convert(values, RoutingParams)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"invalid routing.params: {exc}") from None

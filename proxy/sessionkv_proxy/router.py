@@ -1,0 +1,271 @@
+"""Gathers what a routing decision needs and asks the policy.
+
+The policy (``policy.py``) is a pure function of plain data.  This module does the
+I/O around it: token ids for the prompt (the engine's own tokenizer, so they equal
+vLLM's), the index lookup, the session record, the engines' load.  A wrong or stale
+answer here costs speed only: the connector verifies every block it attaches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from vllm_sessionkv.hashing import request_keys
+from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY
+
+from sessionkv_proxy import policy
+from sessionkv_proxy.config import ProxyConfig, Role
+from sessionkv_proxy.engines import Engine, EnginePool
+from sessionkv_proxy.errors import ApiError
+from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, KVIndex
+from sessionkv_proxy.sessions import (
+    SessionRecord,
+    decode_published_handle,
+    decode_record,
+    encode_record,
+    handle_params_for_prefill,
+)
+
+__all__ = ["RoutePlan", "Router"]
+
+logger = logging.getLogger("sessionkv_proxy.router")
+
+_json = msgspec.json.Encoder()
+
+
+@dataclass
+class RoutePlan:
+    mode: str                          # "disaggregated" or "decode_only"
+    prefill: Engine | None
+    decode: Engine
+    reason: str
+    prefill_params: dict[str, Any] | None = None   # kv_transfer_params for P
+    prompt_keys: list[int] = field(default_factory=list)
+    terms: dict[str, Any] = field(default_factory=dict)
+    handle_outcome: str = "none"
+    prompt_tokens: int = 0
+
+
+class Router:
+    def __init__(self, config: ProxyConfig, pool: EnginePool, index: KVIndex,
+                 http: aiohttp.ClientSession, handles_redis=None, rng: random.Random | None = None):
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.http = http
+        self.handles_redis = handles_redis
+        self.rng = rng or random.Random()
+        self.params = policy.routing_params_from_config(config.routing.params)
+        # KV bytes per token of the served model, to price peer pulls; 0 = unknown,
+        # then the policy credits pullable blocks with a fixed weight.
+        self.kv_bytes_per_token = float(config.routing.params.get("kv_bytes_per_token", 0.0))
+        self._rr = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+
+    # ------------------------------------------------------------ token ids
+    async def prompt_token_ids(self, body: dict[str, Any], is_chat: bool) -> list[int] | None:
+        """The prompt's token ids exactly as the engines will see them, or None."""
+        if not is_chat:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return prompt
+        if self.config.tokenizer == "none":
+            return None
+        engines = [e for e in self.pool.engines if e.healthy] or self.pool.engines
+        engine = engines[0]
+        if is_chat:
+            req = {k: body[k] for k in ("model", "messages", "add_generation_prompt",
+                                        "continue_final_message", "chat_template",
+                                        "chat_template_kwargs", "tools",
+                                        "add_special_tokens") if k in body}
+            req.setdefault("add_generation_prompt", True)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                return None  # batched prompts: route on load only
+            req = {"model": body.get("model"), "prompt": prompt}
+            if "add_special_tokens" in body:
+                req["add_special_tokens"] = body["add_special_tokens"]
+        try:
+            async with self.http.post(f"{engine.url}/tokenize", data=_json.encode(req),
+                                      headers={"Content-Type": "application/json"}) as resp:
+                if resp.status >= 400:
+                    detail = await resp.text()
+                    if resp.status < 500:
+                        raise ApiError(resp.status, f"cannot tokenize the prompt: {detail[:500]}")
+                    return None
+                out = await resp.json()
+        except (aiohttp.ClientError, OSError) as exc:
+            logger.warning("tokenize on %s failed: %r; routing on load only", engine.url, exc)
+            return None
+        tokens = out.get("tokens")
+        return tokens if isinstance(tokens, list) else None
+
+    # ------------------------------------------------------------ sessions
+    async def load_session(self, session_id: str | None) -> SessionRecord | None:
+        if not session_id:
+            return None
+        raw = await self.index.get_session(session_id)
+        return decode_record(raw) if raw else None
+
+    async def save_session(self, record: SessionRecord) -> None:
+        record.updated_at_unix_s = time.time()
+        await self.index.put_session(record.session_id, encode_record(record),
+                                     self.config.session_ttl_s)
+
+    async def _published_handle(self, session_id: str) -> dict | None:
+        if self.handles_redis is None:
+            return None
+        try:
+            raw = await self.handles_redis.get("sessionkv:handle:" + session_id)
+        except Exception as exc:  # a handle is an optimisation; never fail the request
+            logger.warning("reading published handle failed: %r", exc)
+            return None
+        handle = decode_published_handle(raw)
+        if handle is None:
+            return None
+        params = dict(handle.nixl_params)
+        params.setdefault(SESSIONKV_PARAMS_KEY, {})["expires_at_unix_s"] = handle.expires_at_unix_s
+        return params
+
+    async def _usable_handle(self, record: SessionRecord | None, session_id: str | None,
+                             tenant: str | None) -> tuple[dict | None, str]:
+        if not session_id:
+            return None, "none"
+        params = record.handle_params if record else None
+        if params is None:
+            params = await self._published_handle(session_id)
+        if params is None:
+            return None, "none"
+        ours = params.get(SESSIONKV_PARAMS_KEY) or {}
+        if ours.get("tenant") != tenant:
+            return None, "other_tenant"
+        # A margin, so P does not start a read D is about to release.
+        if float(ours.get("expires_at_unix_s", 0.0)) < time.time() + 2.0:
+            return None, "expired"
+        return params, "attached"
+
+    # ------------------------------------------------------------ decision
+    def _next(self, role: Role, exclude: set[str] = frozenset()) -> Engine:
+        engines = [e for e in self.pool.by_role(role) if e.healthy and e.url not in exclude]
+        if not engines:
+            engines = [e for e in self.pool.by_role(role) if e.url not in exclude]
+        if not engines:
+            raise ApiError(503, f"no {role.value} engine available", type_="server_error")
+        return engines[next(self._rr[role]) % len(engines)]
+
+    def alternative(self, role: Role, tried: set[str]) -> Engine | None:
+        try:
+            return self._next(role, exclude=tried)
+        except ApiError:
+            return None
+
+    async def plan(self, body: dict[str, Any], is_chat: bool, session_id: str | None
+                   ) -> RoutePlan:
+        tenant = body.get("cache_salt")
+        has_prefill_pool = bool(self.pool.by_role(Role.PREFILL))
+        if self.config.routing.policy == "round_robin":
+            decode = self._next(Role.DECODE)
+            if not has_prefill_pool:
+                return RoutePlan("decode_only", None, decode, "no_prefill_pool")
+            prefill = self._next(Role.PREFILL)
+            return RoutePlan("disaggregated", prefill, decode, "round_robin",
+                             prefill_params=_fresh_prefill_params())
+
+        started = time.perf_counter()
+        token_ids = await self.prompt_token_ids(body, is_chat)
+        keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
+                if token_ids else [])
+        record = await self.load_session(session_id)
+        handle, outcome = await self._usable_handle(record, session_id, tenant)
+        matches = await self.index.lookup(keys) if keys else {}
+        peer_blocks = 0
+        expires_at = None
+        if handle is not None:
+            expires_at = float((handle.get(SESSIONKV_PARAMS_KEY) or {})
+                               .get("expires_at_unix_s", 0.0)) or None
+            if record is not None and record.prompt_keys:
+                peer_blocks = _common_prefix(keys, record.prompt_keys)
+        session_view = None
+        if record is not None and record.last_decode:
+            session_view = policy.SessionView(session_id=record.session_id,
+                                              last_decode=record.last_decode,
+                                              expires_at_s=expires_at)
+        block_size = self.config.block_size
+        workers = [policy.WorkerLoad(
+            url=e.url, role=policy.Role(e.role.value), healthy=e.healthy,
+            active_requests=max(e.active_requests,
+                                int(e.running_requests + e.waiting_requests)),
+            active_prefill_blocks=e.active_prefill_tokens / block_size,
+            active_decode_blocks=e.active_decode_tokens / block_size,
+            kv_usage=e.kv_usage)
+            for e in self.pool.engines]
+        # Without token ids, estimate the size from the text (about 3 characters a
+        # token) so a long prompt is not mistaken for a small increment.
+        num_tokens = len(token_ids) if token_ids else _estimate_tokens(body, is_chat)
+        try:
+            decision = policy.route(
+                policy.RouteInput(prompt_tokens=num_tokens, block_size=block_size,
+                                  now_s=time.time(),
+                                  overlaps=policy.overlaps_from_match(matches),
+                                  session=session_view, peer_pullable_blocks=peer_blocks,
+                                  kv_bytes_per_token=self.kv_bytes_per_token),
+                workers, self.params, self.rng)
+        except policy.NoWorkerAvailable as exc:
+            raise ApiError(503, str(exc), type_="server_error") from None
+        decode = self.pool.get(decision.decode_url)
+        prefill = self.pool.get(decision.prefill_url) if decision.prefill_url else None
+        mode = decision.mode.value
+        prefill_params = None
+        if mode == "disaggregated":
+            prefill_params = (handle_params_for_prefill(handle) if handle is not None
+                              else _fresh_prefill_params())
+        elif handle is not None:
+            outcome = "unused_decode_only"
+        terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
+                 "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
+                 "detail": decision.reason,
+                 "prefill": {t.url: round(t.cost, 3) for t in decision.prefill_candidates},
+                 "decode": {t.url: round(t.cost, 3) for t in decision.decode_candidates}}
+        return RoutePlan(mode, prefill, decode, _reason_label(decision.reason),
+                         prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
+                         handle_outcome=outcome,
+                         prompt_tokens=len(token_ids) if token_ids else num_tokens)
+
+
+def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:
+    content = body.get("messages") if is_chat else body.get("prompt")
+    return len(json.dumps(content, default=str)) // 3
+
+
+def _reason_label(reason: str) -> str:
+    """A bounded label for metrics from the policy's free-text reason."""
+    for needle, label in (("no healthy prefill", "no_prefill_worker"),
+                          ("decode only", "small_increment"),
+                          ("increment too large", "increment_too_large"),
+                          ("decode worker busy", "decode_busy")):
+        if needle in reason:
+            return label
+    return "other"
+
+
+def _fresh_prefill_params() -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
