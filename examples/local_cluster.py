@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis", action="store_true",
                    help="start redis-server: shared index, sessions and published handles")
     p.add_argument("--policy", choices=["cost", "round_robin"], default="cost")
+    p.add_argument("--decode-only-max-uncached-tokens", type=int,
+                   help="proxy: serve on D directly below this many uncached prompt tokens "
+                        "(-1: always disaggregate)")
     p.add_argument("--base-port", type=int, default=8100,
                    help="engine HTTP, NIXL side-channel and KV-event ports count up from here")
     p.add_argument("--block-size", type=int, default=32,
@@ -77,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
         nixl_extra=json.loads(args.nixl_extra_config),
         gpus=args.gpus.split(",") if args.gpus else None,
-        log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs")
+        log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs",
+        proxy_args=([] if args.decode_only_max_uncached_tokens is None else
+                    ["--decode-only-max-uncached-tokens",
+                     str(args.decode_only_max_uncached_tokens)]))
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -57,6 +57,7 @@ __all__ = [
     "request_session_id",
     "scheduled_requests",
     "set_pending_send_deadline",
+    "shorten_pending_send",
     "worker_set_stats",
 ]
 
@@ -111,6 +112,13 @@ def set_pending_send_deadline(scheduler: NixlPullConnectorScheduler, request_id:
 def mark_in_batch(scheduler: NixlPullConnectorScheduler, request_id: str) -> None:
     """Make the worker track the request, so it honours an end-of-turn hold on it."""
     scheduler._reqs_in_batch.add(request_id)
+
+
+def shorten_pending_send(scheduler: NixlPullConnectorScheduler, request_id: str,
+                         grace_s: float) -> None:
+    """Release a held request's blocks after ``grace_s`` (the worker overwrites the
+    deadline of a request it still tracks)."""
+    scheduler._reqs_need_send[request_id] = time.perf_counter() + grace_s
 
 
 def pending_send_deadline_unix_s(deadline_perf_counter: float) -> float:

@@ -54,6 +54,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # restarts at every turn, so an active conversation keeps its KV and an abandoned
     # one frees it after this long.
     session_lease_s: float = 120.0
+    # A session's older hold, superseded by a newer turn, is released after this long
+    # (not at once: a pull of it may still be in flight).
+    superseded_hold_grace_s: float = 10.0
     # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
     require_hash_meta_match: bool = True
     # Turn off NIXL's busy-polling progress thread (costs about a core per engine on

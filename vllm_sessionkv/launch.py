@@ -285,6 +285,7 @@ class ClusterSpec:
     engine_extra_args: list[str] = field(default_factory=list)
     gpus: list[str] | None = None
     log_dir: Path | None = None
+    proxy_args: list[str] = field(default_factory=list)
 
 
 class LocalCluster:
@@ -361,6 +362,7 @@ class LocalCluster:
                                        f"replay={e.kv_events_replay_endpoint}"]
                 if self.redis_url:
                     argv += ["--redis-url", self.redis_url]
+                argv += spec.proxy_args
                 proxy = start_process("proxy", argv, log_dir)
                 self.procs.append(proxy)
                 self.proxy_url = f"http://127.0.0.1:{port}"

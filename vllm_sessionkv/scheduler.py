@@ -71,6 +71,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._plans: dict[str, _Plan] = {}
         # Local prefix hits of requests that involve no remote KV, for accounting.
         self._local_hits: dict[str, int] = {}
+        # The request whose blocks this engine holds for each session, and back.
+        self._session_holds: dict[str, str] = {}
+        self._hold_sessions: dict[str, str] = {}
         self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
 
     # ------------------------------------------------------------------ inputs
@@ -256,6 +259,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if num_bytes > 0 and duration_s > 0:
                 self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
                                          + alpha * num_bytes / duration_s)
+        for req_id in getattr(connector_output, "finished_sending", None) or ():
+            session_id = self._hold_sessions.pop(req_id, None)
+            if session_id is not None and self._session_holds.get(session_id) == req_id:
+                del self._session_holds[session_id]
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             self.stats.record("pull_failed")
             logger.warning("sessionkv pull failed request_id=%s; recomputing", req_id)
@@ -284,6 +291,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 return False, {SESSIONKV_PARAMS_KEY: ours} if "accounting" in ours else None
             deadline = _vllm.set_pending_send_deadline(self, request.request_id,
                                                        self.config.session_lease_s)
+            self._supersede_hold(session_id, request.request_id)
             out["remote_blocks_expiry_time"] = deadline
             ours.update(self._chain_export(request, out["remote_num_tokens"]))
             ours["session_id"] = session_id
@@ -300,6 +308,18 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 ours["session_id"] = session_id
             out[SESSIONKV_PARAMS_KEY] = ours
         return delay_free, out
+
+    def _supersede_hold(self, session_id: str, request_id: str) -> None:
+        """A session's newest turn replaces its older hold on this engine.
+
+        The old turn's blocks are released after a grace period rather than at once,
+        in case a pull of them is still in flight."""
+        previous = self._session_holds.get(session_id)
+        if previous is not None and previous != request_id:
+            _vllm.shorten_pending_send(self, previous, self.config.superseded_hold_grace_s)
+            self._hold_sessions.pop(previous, None)
+        self._session_holds[session_id] = request_id
+        self._hold_sessions[request_id] = session_id
 
     def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:
         """Hash chain + partial-block tokens of the first ``num_tokens`` tokens."""

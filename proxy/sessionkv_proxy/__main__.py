@@ -35,6 +35,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=["cost", "round_robin"])
     p.add_argument("--block-size", type=int, help="engines' --block-size (default 32)")
     p.add_argument("--tokenizer", choices=["engine", "none"])
+    p.add_argument("--decode-only-max-uncached-tokens", type=int,
+                   help="serve on D directly when at most this many prompt tokens are "
+                        "uncached there (-1: never)")
     p.add_argument("--log-level")
     return p
 
@@ -49,8 +52,14 @@ def main(argv: list[str] | None = None) -> int:
                      "log_level": args.log_level}
         if args.redis_url:
             overrides["index"] = {"backend": "redis", "redis_url": args.redis_url}
+        routing: dict = {}
         if args.policy:
-            overrides["routing"] = {"policy": args.policy}
+            routing["policy"] = args.policy
+        if args.decode_only_max_uncached_tokens is not None:
+            routing["params"] = {"decode_only_max_uncached_tokens":
+                                 args.decode_only_max_uncached_tokens}
+        if routing:
+            overrides["routing"] = routing
         config = load_config(args.config, overrides)
     except ConfigError as exc:
         print(f"sessionkv-proxy: {exc}", file=sys.stderr)

@@ -124,6 +124,12 @@ def parse_engine_spec(spec: str, role: Role) -> dict[str, Any]:
     return out
 
 
+def _merge(base: Any, override: Any) -> Any:
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {**base, **{k: _merge(base.get(k), v) for k, v in override.items()}}
+    return override
+
+
 def load_config(path: str | None, overrides: dict[str, Any]) -> ProxyConfig:
     """Merge a JSON config file with CLI overrides (flags win) and validate."""
     raw: dict[str, Any] = {}
@@ -135,15 +141,9 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> ProxyConfig:
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must hold a JSON object")
     for key, value in overrides.items():
-        if value is None:
+        if value is None or (key == "engines" and not value):
             continue
-        if key == "engines":
-            if value:
-                raw["engines"] = value
-        elif isinstance(value, dict) and isinstance(raw.get(key), dict):
-            raw[key] = {**raw[key], **value}
-        else:
-            raw[key] = value
+        raw[key] = _merge(raw.get(key), value)
     try:
         return msgspec.convert(raw, ProxyConfig)
     except msgspec.ValidationError as exc:

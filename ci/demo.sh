@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install, start a local 1P+1D cluster (tiny generated model, CPU), run a 6-turn
+# chat through the proxy, print where each turn's prompt KV came from, and stop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash ci/install.sh
+. .venv/bin/activate
+LOG=$(mktemp -d)/cluster.out
+python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port 8000 \
+  --decode-only-max-uncached-tokens 64 >"$LOG" 2>&1 &
+CLUSTER=$!
+trap 'kill -TERM $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do
+  grep -q '^READY' "$LOG" && break
+  kill -0 $CLUSTER 2>/dev/null || { cat "$LOG"; exit 1; }
+  sleep 1
+done
+grep '^READY' "$LOG"
+python examples/demo_chat.py --proxy http://127.0.0.1:8000 --turns 6 "$@"

