@@ -32,6 +32,13 @@ from vllm_sessionkv.launch import (
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 240.0
+# Pull-or-recompute prices for the tiny model in these tests: a 32-token tail costs
+# about 1 ms to recompute at 200 tokens of context and about 4 ms at 2,000, against
+# a fixed 2 ms per pull; each request in P's last step adds 25% to recompute time.
+SESSION_COST = {"recompute_s_per_token": 2.0e-5,
+                "recompute_s_per_token_per_context_token": 4.4e-8,
+                "load_slowdown_per_unit": 0.25, "per_transfer_s": 2.0e-3,
+                "link_bytes_per_s": 1.0e9}
 
 
 def free_port_block(size: int) -> int:
@@ -164,10 +171,7 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
         "--prefill", "1", "--decode", "1", "--redis",
         "--decode-only-max-uncached-tokens", "-1",
         "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
-        # Pull whenever verified KV exists: these tests check correctness of pulls;
-        # the pricing is tested on its own.
-        "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
-                                                   "recompute_s_per_token": 1.0}}),
+        "--sessionkv-config", json.dumps({"cost": SESSION_COST}),
     ])
     extra: list[ManagedProcess] = []
     try:

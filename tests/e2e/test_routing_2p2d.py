@@ -1,0 +1,215 @@
+"""Session routing on 2 prefill + 2 decode engines, one and two proxy replicas.
+
+A module-scoped cluster from ``examples/local_cluster.py`` (2P + 2D + Redis + proxy),
+with a plain co-located vLLM server beside it as the baseline.
+
+* 8 interleaved sessions of 6 chat turns each (distinct system prompts, temperature
+  0, 100-200 new tokens a turn).  Every turn after the first must go where its KV is:
+  the decode engine is the session's previous D, and either P reused KV (its own
+  prefix cache or a pull from D: ``local_hit_tokens`` or ``pulled_from_peer_tokens``
+  > 0 in P's accounting) or the proxy skipped P because D already holds nearly all of
+  the prompt (``x-sessionkv-route: decode_only``, and D's accounting shows the hit).
+  Every output equals the baseline (token ids and top-5 logprobs).
+* A second proxy process on the same engines and the same Redis: a session whose
+  turns alternate between the two replicas is routed the same way by both (same D,
+  KV reused on every later turn), and its outputs equal the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import psutil
+import pytest
+import requests
+
+from conftest import free_port_block, launch_cluster, stop_cluster
+from helpers import assert_same, chat_body, post
+
+from vllm_sessionkv.launch import (
+    EngineSpec,
+    ManagedProcess,
+    start_engine,
+    start_process,
+    stop_all,
+    wait_healthy,
+)
+
+pytestmark = pytest.mark.cluster
+
+CHAT = "/v1/chat/completions"
+SESSIONS = 8
+TURNS = 6
+_WORDS = ["kato", "rimu", "senlo", "vaqu", "zipe", "dramon", "elix", "shate", "bogal",
+          "finu", "terwy", "orun", "qupe", "lova", "mura", "tosen"]
+
+
+def system_prompt(session: int) -> str:
+    # Distinct from the first token on, so sessions share no blocks.
+    words = [_WORDS[(session * 5 + 3 * i) % len(_WORDS)] for i in range(40)]
+    return f"session {session} tool: " + " ".join(words) + "."
+
+
+def user_message(session: int, turn: int) -> str:
+    words = [_WORDS[(session + 7 * turn + i) % len(_WORDS)] for i in range(12)]
+    return f"turn {turn}: " + " ".join(words) + "?"
+
+
+def new_tokens(session: int, turn: int) -> int:
+    return 100 + (37 * session + 53 * turn) % 101   # 100..200
+
+
+def session_headers_and_body(session_id: str, way: str) -> tuple[dict, dict]:
+    """The three ways a client names its session."""
+    if way == "prompt_cache_key":
+        return {}, {"prompt_cache_key": session_id}
+    if way == "header":
+        return {"X-Session-ID": session_id}, {}
+    return {}, {"session_id": session_id}
+
+
+def _engine_layout(cluster) -> dict[str, dict[str, str]]:
+    """url -> {"events", "replay"} of each engine, from the engines' own command lines
+    (local_cluster.py prints the events endpoints but not the replay ones)."""
+    out: dict[str, dict[str, str]] = {}
+    for pid in cluster.descendants:
+        try:
+            argv = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if "--kv-events-config" not in argv or "--port" not in argv:
+            continue
+        port = argv[argv.index("--port") + 1]
+        cfg = json.loads(argv[argv.index("--kv-events-config") + 1])
+        out[f"http://127.0.0.1:{port}"] = {
+            "events": cfg["endpoint"].replace("*", "127.0.0.1"),
+            "replay": cfg["replay_endpoint"].replace("*", "127.0.0.1")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster_2p2d(tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("2p2d-logs")
+    cluster = launch_cluster(tiny_model, log_dir, ["--prefill", "2", "--decode", "2",
+                                                   "--redis"])
+    extra: list[ManagedProcess] = []
+    try:
+        colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1))
+        extra.append(start_engine(colocated, "colocated", log_dir))
+        wait_healthy([(extra[0], colocated.url)], timeout_s=400)
+        cluster.colocated = colocated.url
+        yield cluster
+    finally:
+        stop_all(extra)
+        report = stop_cluster(cluster)
+        assert not report["alive"], f"processes left after SIGTERM: {report['alive']}"
+
+
+@pytest.fixture(scope="module")
+def second_proxy(cluster_2p2d, tmp_path_factory):
+    """Another ``python -m sessionkv_proxy`` on the same engines and Redis."""
+    layout = _engine_layout(cluster_2p2d)
+    assert set(layout) == set(cluster_2p2d.prefill + cluster_2p2d.decode), layout
+    port = free_port_block(1)
+    argv = [sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+            "--block-size", "32", "--redis-url", cluster_2p2d.redis]
+    for flag, urls in (("--prefill", cluster_2p2d.prefill), ("--decode", cluster_2p2d.decode)):
+        for url in urls:
+            argv += [flag, f"url={url},events={layout[url]['events']},"
+                           f"replay={layout[url]['replay']}"]
+    proc = start_process("proxy-replica2", argv, tmp_path_factory.mktemp("proxy2-logs"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy([(proc, url)], timeout_s=60)
+        time.sleep(2.0)  # its subscribers rebuild the shared index from replay
+        yield url
+    finally:
+        stop_all([proc])
+        assert not proc.alive()
+
+
+def _acct(headers: dict[str, str], name: str) -> dict | None:
+    raw = headers.get(name)
+    return json.loads(raw) if raw else None
+
+
+def _check_reuse(got, prev_decode: str, what: str) -> str:
+    """Assert a later turn went where its KV is; return the route mode."""
+    h = got.headers
+    route = h.get("x-sessionkv-route")
+    assert h.get("x-sessionkv-decode-engine") == prev_decode, (
+        f"{what}: decode moved {prev_decode} -> {h.get('x-sessionkv-decode-engine')}")
+    if route == "disaggregated":
+        p = _acct(h, "x-sessionkv-prefill")
+        assert p is not None, f"{what}: no P accounting header"
+        assert p["local_hit_tokens"] > 0 or p["pulled_from_peer_tokens"] > 0, (
+            f"{what}: P {h.get('x-sessionkv-prefill-engine')} reused no KV: {p}")
+    else:
+        assert route == "decode_only", f"{what}: route {route!r}"
+        d = _acct(h, "x-sessionkv-decode")
+        assert d is not None and d["local_hit_tokens"] > 0, (
+            f"{what}: decode-only turn found no KV on D: {d}")
+    return route
+
+
+def test_interleaved_sessions_follow_their_kv(cluster_2p2d):
+    c = cluster_2p2d
+    ways = ["prompt_cache_key", "header", "session_id"]
+    history = {s: [{"role": "system", "content": system_prompt(s)}] for s in range(SESSIONS)}
+    last_decode: dict[int, str] = {}
+    routes: dict[str, int] = {}
+    reused = {"p_local_hit": 0, "p_pulled": 0, "p_recomputed": 0, "d_local_hit": 0}
+    firsts: dict[str, int] = {}
+    for turn in range(TURNS):
+        for s in range(SESSIONS):
+            what = f"session {s} turn {turn}"
+            history[s].append({"role": "user", "content": user_message(s, turn)})
+            body = chat_body(c.model, list(history[s]), max_tokens=new_tokens(s, turn))
+            headers, extra = session_headers_and_body(f"route-2p2d-{s}", ways[s % 3])
+            got = post(c.proxy, CHAT, dict(body, **extra), headers=headers)
+            base = post(c.colocated, CHAT, body)
+            assert_same(got, base, what)
+            assert len(got.token_ids) == new_tokens(s, turn)
+            d_url = got.headers["x-sessionkv-decode-engine"]
+            if turn == 0:
+                firsts[d_url] = firsts.get(d_url, 0) + 1
+            else:
+                route = _check_reuse(got, last_decode[s], what)
+                routes[route] = routes.get(route, 0) + 1
+                p = _acct(got.headers, "x-sessionkv-prefill") or {}
+                d = _acct(got.headers, "x-sessionkv-decode") or {}
+                reused["p_local_hit"] += p.get("local_hit_tokens", 0)
+                reused["p_pulled"] += p.get("pulled_from_peer_tokens", 0)
+                reused["p_recomputed"] += p.get("recomputed_tokens", 0)
+                reused["d_local_hit"] += d.get("local_hit_tokens", 0)
+            last_decode[s] = d_url
+            history[s].append({"role": "assistant", "content": got.text})
+    print(f"first turns per D: {firsts}; later turns by route: {routes}; "
+          f"tokens over later turns: {reused}")
+
+
+def test_two_replicas_route_a_session_alike(cluster_2p2d, second_proxy):
+    c = cluster_2p2d
+    replicas = [c.proxy, second_proxy]
+    for health in replicas:
+        assert requests.get(health + "/health", timeout=10).status_code == 200
+    for s, way in ((100, "prompt_cache_key"), (101, "header")):
+        history = [{"role": "system", "content": system_prompt(s)}]
+        session_id = f"route-replicas-{s}"
+        decode = None
+        for turn in range(TURNS):
+            replica = replicas[(turn + s) % 2]
+            what = f"replica session {s} turn {turn} via {replica}"
+            history.append({"role": "user", "content": user_message(s, turn)})
+            body = chat_body(c.model, list(history), max_tokens=new_tokens(s, turn))
+            headers, extra = session_headers_and_body(session_id, way)
+            got = post(replica, CHAT, dict(body, **extra), headers=headers)
+            base = post(c.colocated, CHAT, body)
+            assert_same(got, base, what)
+            if decode is None:
+                decode = got.headers["x-sessionkv-decode-engine"]
+            else:
+                _check_reuse(got, decode, what)
+            history.append({"role": "assistant", "content": got.text})
