@@ -137,6 +137,14 @@ def launch_cluster(model: str, log_dir: Path, args: list[str]) -> Cluster:
                    launcher=proc, ready_s=ready_s, log_dir=log_dir, descendants=descendants)
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie; a process that exits while we look is not running."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
     """SIGTERM the launcher; report which of its processes are still alive."""
     cluster.launcher.send_signal(signal.SIGTERM)
@@ -145,8 +153,7 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
     except subprocess.TimeoutExpired:
         code = None
     time.sleep(1.0)
-    alive = [pid for pid in cluster.descendants if psutil.pid_exists(pid)
-             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    alive = [pid for pid in cluster.descendants if _running(pid)]
     report = {"exit_code": code, "alive": alive}
     for pid in alive:  # do not leak into other tests, but report it
         try:

@@ -41,6 +41,8 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     link_bytes_per_s: float = DEFAULT_LINK.bytes_per_s
     # Fixed cost of one pull: posting, notification, UCX wire-up amortised.
     per_transfer_s: float = DEFAULT_LINK.per_transfer_s
+    # Weight of each step's running-request count in the engine-load estimate.
+    load_ewma_alpha: float = 0.3
     # Weight of each new NIXL measurement in the bandwidth estimate.
     bandwidth_ewma_alpha: float = 0.2
     # Never pull fewer tokens than this, whatever the model says.

@@ -247,7 +247,11 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             decision=f"{plan.direction}:{plan.decision}:{plan.verdict.reason}")
 
     def build_connector_meta(self, scheduler_output):
-        self.engine_load = float(_vllm.scheduled_requests(scheduler_output))
+        # Smoothed over a few steps: one step between batches says little about how
+        # busy the engine is.
+        running = float(_vllm.scheduled_requests(scheduler_output))
+        alpha = self.config.cost.load_ewma_alpha
+        self.engine_load = (1 - alpha) * self.engine_load + alpha * running
         return super().build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output) -> None:

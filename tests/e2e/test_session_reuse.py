@@ -246,7 +246,10 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
     for w in workers:
         w.start()
     try:
-        time.sleep(3.0)  # let the background requests start decoding
+        deadline = time.monotonic() + 60
+        while metric_sum(p_url, "vllm:num_requests_running") < 8:
+            assert time.monotonic() < deadline, "background load never reached P"
+            time.sleep(0.2)
         busy = _tail_turn(pd_cluster, 200, "ctx-busy")
     finally:
         stop.set()
