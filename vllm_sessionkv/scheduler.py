@@ -135,7 +135,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             verdict = verify_remote_kv(local, remote)
         load_tokens = max(0, verdict.verified_tokens - num_computed_tokens)
         decision, pull_s, recompute_s = ("pull" if load_tokens else "none"), 0.0, 0.0
-        if verdict.reason not in ("ok", "prefix_mismatch", "unverified_p_to_d") and not load_tokens:
+        if verdict.refused_whole_handle:
             decision = "refused"
         if is_d_to_p and load_tokens:
             priced = decide_pull(
@@ -218,7 +218,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if plan.direction == "d_to_p":
             if plan.decision in ("pull", "recompute"):
                 self.stats.record(f"decision_{plan.decision}")
-            if plan.verdict.reason not in ("ok", "prefix_mismatch"):
+            if plan.verdict.refused_whole_handle:
                 self.stats.record("handle_refused")
 
     def accounting(self, request: Request, plan: _Plan | None) -> TokenAccounting:

@@ -15,7 +15,11 @@ import msgspec
 
 from vllm_sessionkv.hashing import verified_prefix_blocks
 
-__all__ = ["LocalPrompt", "RemoteKV", "Verdict", "verify_remote_kv"]
+__all__ = ["REFUSAL_REASONS", "LocalPrompt", "RemoteKV", "Verdict", "verify_remote_kv"]
+
+# Reasons that reject a handle as a whole, before any block is compared.
+REFUSAL_REASONS = frozenset({"tenant_mismatch", "block_size_mismatch", "hash_algo_mismatch",
+                             "malformed_handle", "unverifiable_handle"})
 
 
 class RemoteKV(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,7 +47,11 @@ class LocalPrompt(msgspec.Struct, frozen=True, kw_only=True):
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     verified_tokens: int   # leading prompt tokens the remote KV provably holds
     refused_tokens: int    # remote tokens overlapping the prompt that failed the check
-    reason: str            # "ok", "prefix_mismatch", "tenant_mismatch", ...
+    reason: str            # "ok", "prefix_mismatch", or a REFUSAL_REASONS entry
+
+    @property
+    def refused_whole_handle(self) -> bool:
+        return self.reason in REFUSAL_REASONS
 
 
 def verify_remote_kv(local: LocalPrompt, remote: RemoteKV) -> Verdict:
@@ -77,5 +85,13 @@ def verify_remote_kv(local: LocalPrompt, remote: RemoteKV) -> Verdict:
 
     verified_tokens = min(verified_tokens, overlap_tokens)
     refused_tokens = max(0, overlap_tokens - verified_tokens)
-    reason = "ok" if refused_tokens == 0 else "prefix_mismatch"
+    if refused_tokens == 0:
+        reason = "ok"
+    elif verified_blocks == len(local.block_hashes) and not whole_chain_matched:
+        # Every full block of the prompt matched; the prompt's partial last block sits
+        # inside a full remote block whose hash covers tokens the prompt lacks, so it
+        # cannot be proven and is recomputed (fewer than block_size tokens).
+        reason = "partial_block_unverifiable"
+    else:
+        reason = "prefix_mismatch"
     return Verdict(verified_tokens=verified_tokens, refused_tokens=refused_tokens, reason=reason)
