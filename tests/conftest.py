@@ -98,7 +98,8 @@ class Cluster:
     teardown_report: dict = field(default_factory=dict)
 
 
-def launch_cluster(model: str, log_dir: Path, args: list[str]) -> Cluster:
+def launch_cluster(model: str, log_dir: Path, args: list[str],
+                   ready_timeout_s: float = READY_TIMEOUT_S) -> Cluster:
     """Run examples/local_cluster.py and wait for its READY line."""
     base = free_port_block(40)
     argv = [sys.executable, str(REPO / "examples" / "local_cluster.py"), "--model", model,
@@ -108,13 +109,13 @@ def launch_cluster(model: str, log_dir: Path, args: list[str]) -> Cluster:
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     layout, lines = None, []
-    deadline = started + READY_TIMEOUT_S
+    deadline = started + ready_timeout_s
 
     def _timeout():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
 
-    timer = threading.Timer(READY_TIMEOUT_S, _timeout)
+    timer = threading.Timer(ready_timeout_s, _timeout)
     timer.start()
     try:
         for line in proc.stdout:

@@ -49,6 +49,8 @@ __all__ = [
     "create_metric_per_engine",
     "disable_stock_recompute_threshold",
     "is_cpu_platform",
+    "host_tier_events",
+    "kv_bytes_per_block",
     "kv_bytes_per_token",
     "mark_in_batch",
     "nixl_progress_thread",
@@ -146,6 +148,33 @@ def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
     if not total_bytes or not num_blocks:
         return 0.0
     return total_bytes / num_blocks / block_size
+
+
+def kv_bytes_per_block(kv_cache_config: Any) -> int:
+    """Bytes one block occupies across all layers (host-tier slot size)."""
+    if not kv_cache_config.num_blocks:
+        return 0
+    return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
+
+
+def host_tier_events(events: list[tuple[str, list[bytes]]]) -> list[Any]:
+    """Host-tier changes as vLLM KV events (``medium="CPU"``), published by the
+    scheduler in the same batch as the engine's own events.  Placeholders (no token
+    ids), as vLLM's OffloadingConnector emits by default: the router places them by
+    the engine hash it already knows from the device-tier event."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    out: list[Any] = []
+    for kind, hashes in events:
+        converted = [maybe_convert_block_hash(h) for h in hashes]
+        if kind == "stored":
+            out.append(BlockStored(block_hashes=converted, parent_block_hash=None,
+                                   token_ids=[], block_size=0, lora_id=None, medium="CPU",
+                                   lora_name=None))
+        else:
+            out.append(BlockRemoved(block_hashes=converted, medium="CPU"))
+    return out
 
 
 def worker_set_stats(worker: NixlPullConnectorWorker, stats: NixlKVConnectorStats) -> None:

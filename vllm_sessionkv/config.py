@@ -69,7 +69,19 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis_key_prefix: str = "sessionkv:handle:"
     # HTTP URL of this engine, published in handles so a router can find it.
     advertise_url: str | None = None
+    # Host-DRAM tier for idle session KV: bytes of DRAM per engine (0 = off).
+    host_tier_bytes: int = 0
+    host_tier_policy: str = "lru"
+    # Host<->KV-cache copy speed prior, for pricing a restore against recompute.
+    host_copy_bytes_per_s: float = 5.0e9
+    host_copy_per_transfer_s: float = 1.0e-4
     cost: CostConfig = CostConfig()
+
+    def __post_init__(self):
+        if self.host_tier_bytes < 0:
+            raise ValueError("host_tier_bytes must be >= 0")
+        if self.host_tier_policy != "lru":
+            raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
 
 
 def parse_config(extra_config: dict[str, Any] | None) -> SessionKVConfig:

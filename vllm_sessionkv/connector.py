@@ -55,6 +55,11 @@ class SessionKVConnector(_vllm.NixlPullConnector):
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
 
+    def take_events(self):
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.take_events()
+        return ()
+
     def get_kv_connector_stats(self):
         if self.connector_scheduler is not None:
             return self.connector_scheduler.take_stats()

@@ -25,6 +25,7 @@ from vllm_sessionkv import _vllm
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel, decide_pull
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
+from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.protocol import PROTOCOL_VERSION, SESSIONKV_PARAMS_KEY, TokenAccounting
 from vllm_sessionkv.publisher import HandlePublisher
 from vllm_sessionkv.stats import SessionKVStats
@@ -75,6 +76,22 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._session_holds: dict[str, str] = {}
         self._hold_sessions: dict[str, str] = {}
         self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
+        # Host-DRAM tier: this side decides and tracks; the worker copies.
+        self.host: HostTierManager | None = None
+        if config.host_tier_bytes:
+            self.host = HostTierManager(config.host_tier_bytes,
+                                        _vllm.kv_bytes_per_block(kv_cache_config),
+                                        config.host_tier_policy)
+        self.host_link = LinkModel(bytes_per_s=config.host_copy_bytes_per_s,
+                                   per_transfer_s=config.host_copy_per_transfer_s)
+        # Ordered copy operations for the worker's next step, and slots pinned by
+        # loads, released two metadata builds later (the worker may run a step behind).
+        self._host_ops: list[tuple[str, list[int], list[int]]] = []
+        self._host_pins: list[list[list[int]]] = [[], []]
+        self._host_counted = (0, 0, 0)
+        # Host restores decided for a request: (start_block, num_blocks).
+        self._host_plans: dict[str, tuple[int, int]] = {}
+        self._host_restored: dict[str, int] = {}
 
     # ------------------------------------------------------------------ inputs
     def _session_params(self, params: dict[str, Any] | None) -> dict[str, Any]:
@@ -173,8 +190,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         plan = self._plan(request, num_computed_tokens)
         if plan is None:
-            if request.kv_transfer_params:
-                self._local_hits[request.request_id] = num_computed_tokens
+            self._local_hits[request.request_id] = num_computed_tokens
+            host_tokens = self._host_restore_tokens(request, num_computed_tokens)
+            if host_tokens:
+                return host_tokens, False  # a synchronous copy, done before the forward
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         if plan.direction == "d_to_p" and not self.is_bidirectional_kv_xfer_enabled:
             # Stock would park the request waiting for a read it never starts (a hang).
@@ -183,7 +202,49 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return 0, False
         return plan.load_tokens, True
 
+    def _host_restore_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens to restore from the host tier, if that beats recomputing them.
+
+        Only for requests that bring no remote KV (plain requests and turns served on
+        D directly); side-effect free except for remembering the decision."""
+        self._host_plans.pop(request.request_id, None)
+        params = request.kv_transfer_params or {}
+        if self.host is None or params.get("do_remote_prefill") or \
+                params.get("do_remote_decode"):
+            return 0
+        start_block = num_computed_tokens // self.block_size
+        # vLLM computes at least the last prompt token itself.
+        usable_blocks = (request.num_prompt_tokens - 1) // self.block_size - start_block
+        hit_blocks = min(self.host.lookup(request.block_hashes, start_block), usable_blocks)
+        if hit_blocks <= 0:
+            return 0
+        tokens = hit_blocks * self.block_size
+        priced = decide_pull(
+            PullQuote(pull_tokens=tokens, context_tokens=num_computed_tokens,
+                      kv_bytes_per_token=self.kv_bytes_per_token,
+                      engine_load=self.engine_load),
+            self.recompute_model, self.host_link,
+            min_pull_tokens=self.config.cost.min_pull_tokens)
+        logger.info(
+            "sessionkv host request_id=%s session_id=%s decision=%s host_tokens=%d "
+            "local_hit_tokens=%d restore_s=%.6f recompute_s=%.6f",
+            request.request_id, _vllm.request_session_id(request),
+            "restore" if priced.pull else "recompute", tokens, num_computed_tokens,
+            priced.pull_s, priced.recompute_s)
+        if not priced.pull:
+            return 0
+        self._host_plans[request.request_id] = (start_block, hit_blocks)
+        return tokens
+
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
+        host_plan = self._host_plans.pop(request.request_id, None)
+        if host_plan is not None and num_external_tokens > 0 and self.host is not None:
+            start_block, num_blocks = host_plan
+            slots = self.host.plan_load(request.block_hashes, start_block, num_blocks)
+            dst = list(blocks.get_block_ids()[0][start_block:start_block + num_blocks])
+            self._host_ops.append(("load", list(slots), dst))
+            self._host_pins[-1].append(list(slots))
+            self._host_restored[request.request_id] = num_blocks * self.block_size
         plan = self._plans.get(request.request_id)
         params = request.kv_transfer_params
         if plan is not None and params and not params.get("_remote_blocks_processed"):
@@ -209,26 +270,35 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if plan.accounted:
             return
         plan.accounted = True
-        acct = self.accounting(request, plan)
-        self.stats.record("prompt_tokens_local_hit", acct.local_hit_tokens)
-        self.stats.record("prompt_tokens_pulled_from_peer", acct.pulled_from_peer_tokens)
-        self.stats.record("prompt_tokens_recomputed", acct.recomputed_tokens)
-        self.stats.record("prompt_tokens_refused_by_verification",
-                          acct.refused_by_verification_tokens)
         if plan.direction == "d_to_p":
             if plan.decision in ("pull", "recompute"):
                 self.stats.record(f"decision_{plan.decision}")
             if plan.verdict.refused_whole_handle:
                 self.stats.record("handle_refused")
 
+    def _forget(self, request_id: str) -> None:
+        self._local_hits.pop(request_id, None)
+        self._host_restored.pop(request_id, None)
+        self._host_plans.pop(request_id, None)
+
+    def _record_accounting(self, acct: TokenAccounting) -> None:
+        for source in ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
+                       "refused_by_verification"):
+            tokens = getattr(acct, f"{source}_tokens")
+            if tokens:
+                self.stats.record(f"prompt_tokens_{source}", tokens)
+
     def accounting(self, request: Request, plan: _Plan | None) -> TokenAccounting:
         if plan is None:
-            # No remote KV involved: everything not hit locally was computed here.
+            # No remote KV involved: what was not hit locally or restored from the
+            # host tier was computed here.
             local = self._local_hits.get(request.request_id, 0)
-            return TokenAccounting(prompt_tokens=request.num_prompt_tokens,
-                                   local_hit_tokens=local,
-                                   recomputed_tokens=max(0, request.num_prompt_tokens - local),
-                                   decision="none")
+            host = self._host_restored.get(request.request_id, 0)
+            return TokenAccounting(
+                prompt_tokens=request.num_prompt_tokens, local_hit_tokens=local,
+                pulled_from_host_tokens=host,
+                recomputed_tokens=max(0, request.num_prompt_tokens - local - host),
+                decision="host:restore" if host else "none")
         pulled = plan.load_tokens
         # When the whole prompt is loaded, vLLM recomputes the last token anyway to
         # get the first logits (scheduler._update_waiting_for_remote_kv).
@@ -246,13 +316,28 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             pulled_bytes=int(plan.load_tokens * self.kv_bytes_per_token),
             decision=f"{plan.direction}:{plan.decision}:{plan.verdict.reason}")
 
+    def _attach_host_ops(self, meta) -> None:
+        meta.sessionkv_host_ops = self._host_ops
+        self._host_ops = []
+        if self.host is not None:
+            for slots in self._host_pins.pop(0):
+                self.host.release(slots)
+            self._host_pins.append([])
+
+    def take_events(self) -> list:
+        if self.host is None:
+            return []
+        return _vllm.host_tier_events(self.host.take_events())
+
     def build_connector_meta(self, scheduler_output):
         # Smoothed over a few steps: one step between batches says little about how
         # busy the engine is.
         running = float(_vllm.scheduled_requests(scheduler_output))
         alpha = self.config.cost.load_ewma_alpha
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        self._attach_host_ops(meta)
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
         stats = getattr(connector_output, "kv_connector_stats", None)
@@ -275,17 +360,20 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
     def request_finished(self, request: Request, block_ids):
         plan = self._plans.pop(request.request_id, None)
         had_local_hit = request.request_id in self._local_hits
+        if plan is not None or had_local_hit:
+            self._record_accounting(self.accounting(request, plan))
         params = request.kv_transfer_params
         is_d_node = bool(params) and not params.get("do_remote_decode")
         delay_free, out = super().request_finished(request, block_ids)
         if out is None:
+            self._forget(request.request_id)
             return delay_free, out
         session_id = _vllm.request_session_id(request) or \
             self._session_params(params).get("session_id")
         ours: dict[str, Any] = {"version": PROTOCOL_VERSION}
         if plan is not None or had_local_hit:
             ours["accounting"] = msgspec.to_builtins(self.accounting(request, plan))
-        self._local_hits.pop(request.request_id, None)
+        self._forget(request.request_id)
         if is_d_node:
             if not session_id or not delay_free:
                 # Nothing will come back for these blocks by handle; free them now
@@ -296,6 +384,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             deadline = _vllm.set_pending_send_deadline(self, request.request_id,
                                                        self.config.session_lease_s)
             self._supersede_hold(session_id, request.request_id)
+            self._offload_to_host(request, block_ids, out["remote_num_tokens"])
             out["remote_blocks_expiry_time"] = deadline
             ours.update(self._chain_export(request, out["remote_num_tokens"]))
             ours["session_id"] = session_id
@@ -312,6 +401,22 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 ours["session_id"] = session_id
             out[SESSIONKV_PARAMS_KEY] = ours
         return delay_free, out
+
+    def _offload_to_host(self, request: Request, block_ids, num_tokens: int) -> None:
+        """Copy a finished session turn's full blocks (prompt and generated) to host
+        DRAM.  The blocks stay held on device until the copy has run: the hold's lease
+        outlives the next step, when the worker executes it."""
+        if self.host is None:
+            return
+        n_full = min(full_blocks(num_tokens, self.block_size), len(request.block_hashes))
+        hashes = list(request.block_hashes[:n_full])
+        position = {h: i for i, h in enumerate(hashes)}
+        pairs = self.host.plan_store(hashes)
+        if not pairs:
+            return
+        group = list(block_ids[0])
+        src = [group[position[h]] for h, _ in pairs]
+        self._host_ops.append(("store", src, [slot for _, slot in pairs]))
 
     def _supersede_hold(self, session_id: str, request_id: str) -> None:
         """A session's newest turn replaces its older hold on this engine.
@@ -338,6 +443,16 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 "tenant": _vllm.request_cache_salt(request), "num_tokens": num_tokens}
 
     def take_stats(self) -> SessionKVStats | None:
+        if self.host is not None:
+            counted = (self.host.stores_total_blocks, self.host.loads_total_blocks,
+                       self.host.evictions_total_blocks)
+            for key, now, before in zip(("host_offloaded_blocks", "host_restored_blocks",
+                                         "host_evicted_blocks"), counted, self._host_counted):
+                if now > before:
+                    self.stats.record(key, now - before)
+            if counted != self._host_counted:
+                self.stats.record("host_resident_bytes", self.host.resident_bytes)
+            self._host_counted = counted
         publish_failures = self._publisher.take_failures()
         if publish_failures:
             self.stats.record("session_handles_publish_failed", publish_failures)

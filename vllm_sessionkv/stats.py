@@ -27,6 +27,12 @@ _SESSION_KEYS = (
     "pull_failed",
     "session_handles_published",
     "session_handles_publish_failed",
+    "host_offloaded_blocks",
+    "host_restored_blocks",
+    "host_evicted_blocks",
+    "host_resident_bytes",
+    "host_store_s",
+    "host_restore_s",
 )
 
 
@@ -102,6 +108,27 @@ class SessionKVPromMetrics(NixlPromMetrics):
                     "Session handles that could not be written out of band (Redis)."),
             per_engine_labelvalues)
 
+        self._host_counters = {
+            key: create_metric_per_engine(counter(name, doc), per_engine_labelvalues)
+            for key, name, doc in (
+                ("host_offloaded_blocks", "sessionkv_host_offloaded_blocks",
+                 "Blocks copied to the host-DRAM tier."),
+                ("host_restored_blocks", "sessionkv_host_restored_blocks",
+                 "Blocks restored from the host-DRAM tier."),
+                ("host_evicted_blocks", "sessionkv_host_evicted_blocks",
+                 "Blocks evicted from the host-DRAM tier by its policy."))}
+        self._host_resident = create_metric_per_engine(
+            self._gauge_cls(name="sessionkv_host_resident_bytes",
+                            documentation="Bytes resident in the host-DRAM tier.",
+                            labelnames=labelnames, multiprocess_mode="mostrecent"),
+            per_engine_labelvalues)
+        self._host_restore_s = create_metric_per_engine(
+            self._histogram_cls(name="sessionkv_host_restore_seconds",
+                                documentation="Time to restore one request's blocks from "
+                                              "the host-DRAM tier.",
+                                buckets=[1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0],
+                                labelnames=labelnames), per_engine_labelvalues)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         super().observe(transfer_stats_data, engine_idx)
         for source in PROMPT_TOKEN_SOURCES:
@@ -119,6 +146,15 @@ class SessionKVPromMetrics(NixlPromMetrics):
             total = sum(transfer_stats_data.get(key, ()))
             if total:
                 metric[engine_idx].inc(total)
+        for key, metric in self._host_counters.items():
+            total = sum(transfer_stats_data.get(key, ()))
+            if total:
+                metric[engine_idx].inc(total)
+        resident = transfer_stats_data.get("host_resident_bytes") or ()
+        if resident:
+            self._host_resident[engine_idx].set(resident[-1])
+        for seconds in transfer_stats_data.get("host_restore_s", ()):
+            self._host_restore_s[engine_idx].observe(seconds)
 
 
 def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:

@@ -92,8 +92,10 @@ def _engine_layout(cluster) -> dict[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def cluster_2p2d(tiny_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("2p2d-logs")
+    # Four engines start at once; on a shared 2-core machine that can take longer
+    # than the 1P+1D fixture's limit.
     cluster = launch_cluster(tiny_model, log_dir, ["--prefill", "2", "--decode", "2",
-                                                   "--redis"])
+                                                   "--redis"], ready_timeout_s=600)
     extra: list[ManagedProcess] = []
     try:
         colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1))
@@ -144,12 +146,13 @@ def _check_reuse(got, prev_decode: str, what: str) -> str:
     if route == "disaggregated":
         p = _acct(h, "x-sessionkv-prefill")
         assert p is not None, f"{what}: no P accounting header"
-        assert p["local_hit_tokens"] > 0 or p["pulled_from_peer_tokens"] > 0, (
+        # Zero counts are left out of the accounting JSON.
+        assert p.get("local_hit_tokens", 0) > 0 or p.get("pulled_from_peer_tokens", 0) > 0, (
             f"{what}: P {h.get('x-sessionkv-prefill-engine')} reused no KV: {p}")
     else:
         assert route == "decode_only", f"{what}: route {route!r}"
         d = _acct(h, "x-sessionkv-decode")
-        assert d is not None and d["local_hit_tokens"] > 0, (
+        assert d is not None and d.get("local_hit_tokens", 0) > 0, (
             f"{what}: decode-only turn found no KV on D: {d}")
     return route
 

@@ -1,0 +1,144 @@
+"""Host-DRAM tier, end to end on a real engine with a deliberately small KV cache.
+
+A session's turn is copied to host DRAM when it finishes.  Other traffic then evicts
+it from the engine's KV cache; the next turn restores it from host instead of
+recomputing it, and still equals the co-located baseline.  The tier's KV events
+(``medium="CPU"``) reach a real ZMQ subscriber.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from conftest import free_port_block
+from helpers import assert_same, completion_body, metric_sum, post
+from sessionkv_proxy.events import BlockRemoved, BlockStored, decode_batch
+from vllm_sessionkv.launch import EngineSpec, start_engine, stop_all, wait_healthy
+
+pytestmark = pytest.mark.cluster
+
+BLOCK = 32
+DEVICE_BLOCKS = 64
+HOST_BLOCKS = 48
+BLOCK_BYTES = BLOCK * 1024  # tiny Llama: 2 layers x K,V x 2 heads x 64 dims x bf16
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 990 + 20 for i in range(n)]
+
+
+class EventLog:
+    """A real ZMQ SUB on the engine's KV-event publisher, collecting decoded events."""
+
+    def __init__(self, endpoint: str):
+        self.events: list = []
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                _topic, _seq, payload = self._sock.recv_multipart()
+                self.events.extend(decode_batch(payload).events)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+@pytest.fixture(scope="module")
+def host_engine(tiny_model, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("host-tier-logs")
+    base = free_port_block(6)
+    engine = EngineSpec(
+        role="decode", model=tiny_model, port=base, side_channel_port=base + 1,
+        kv_events_port=base + 2, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=2000,
+        sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": 2.0,
+                   "superseded_hold_grace_s": 1.0})
+    colocated = EngineSpec(role="colocated", model=tiny_model, port=base + 4)
+    procs = [start_engine(engine, "decode-host-tier", log_dir),
+             start_engine(colocated, "colocated", log_dir)]
+    try:
+        wait_healthy([(procs[0], engine.url), (procs[1], colocated.url)], timeout_s=400)
+        events = EventLog(engine.kv_events_endpoint)
+        yield engine, colocated, events
+        events.close()
+    finally:
+        stop_all(procs)
+
+
+def _turn(url: str, model: str, prompt: list[int], session: str, max_tokens: int = 32):
+    body = completion_body(model, prompt, max_tokens=max_tokens,
+                           kv_transfer_params={"sessionkv": {"session_id": session}},
+                           session_id=session)
+    out = post(url, "/v1/completions", body)
+    return out, out.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+
+
+def _evict_device_cache(url: str, model: str) -> None:
+    time.sleep(2.5)  # the turn's hold on device blocks expires (session_lease_s=2)
+    for seed in (901, 902):
+        post(url, "/v1/completions", completion_body(model, _ids(seed, 1500), max_tokens=2))
+
+
+def test_evicted_session_is_restored_from_host(host_engine):
+    engine, colocated, events = host_engine
+    model = engine.model
+    prompt = _ids(1, 600)
+    first, _ = _turn(engine.url, model, prompt, "host-s1")
+    _evict_device_cache(engine.url, model)
+
+    prompt2 = prompt + first.token_ids + _ids(2, 40)
+    restored_before = metric_sum(engine.url, "sessionkv_prompt_tokens_total",
+                                 source="pulled_from_host")
+    second, acct = _turn(engine.url, model, prompt2, "host-s1")
+    assert_same(second, post(colocated.url, "/v1/completions",
+                             completion_body(model, prompt2, max_tokens=32)), "turn 2")
+    print(f"turn 2 accounting: {acct}")
+    assert acct.get("pulled_from_host_tokens", 0) > 0, acct
+    # The device cache lost the session (the filler prompts took it over) ...
+    assert acct.get("local_hit_tokens", 0) < acct["pulled_from_host_tokens"], acct
+    # ... and the engine still computed only about the new tokens.
+    new_tokens = len(prompt2) - len(prompt) - len(first.token_ids) + 1
+    assert acct["recomputed_tokens"] <= new_tokens + BLOCK, acct
+    assert metric_sum(engine.url, "sessionkv_prompt_tokens_total",
+                      source="pulled_from_host") > restored_before
+
+
+def test_host_pool_stays_within_budget_and_publishes_cpu_events(host_engine):
+    engine, _colocated, events = host_engine
+    model = engine.model
+    for i, size in enumerate((700, 900, 1100)):  # more than the host pool holds
+        _turn(engine.url, model, _ids(50 + i, size), f"host-fill-{i}", max_tokens=8)
+        time.sleep(2.5)
+    time.sleep(1.0)
+    resident = metric_sum(engine.url, "sessionkv_host_resident_bytes")
+    evicted = metric_sum(engine.url, "sessionkv_host_evicted_blocks_total")
+    assert 0 < resident <= HOST_BLOCKS * BLOCK_BYTES
+    assert evicted > 0
+
+    stored, removed_after_store = set(), 0
+    cpu_stored = cpu_removed = 0
+    for ev in events.events:
+        if isinstance(ev, BlockStored) and ev.medium == "CPU":
+            cpu_stored += len(ev.block_hashes)
+            stored.update(ev.block_hashes)
+        elif isinstance(ev, BlockRemoved) and ev.medium == "CPU":
+            cpu_removed += len(ev.block_hashes)
+            removed_after_store += sum(h in stored for h in ev.block_hashes)
+    print(f"CPU-tier events: {cpu_stored} blocks stored, {cpu_removed} removed; "
+          f"resident {resident:.0f} B of {HOST_BLOCKS * BLOCK_BYTES} B, evicted {evicted:.0f}")
+    assert cpu_stored > 0
+    assert cpu_removed == evicted
+    assert removed_after_store == cpu_removed, "a removal preceded its store"
