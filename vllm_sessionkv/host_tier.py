@@ -344,13 +344,7 @@ class HostBlockPool:
             return
         start_s = time.perf_counter()
         if self._on_cpu:
-            import torch
-
-            src = torch.as_tensor(list(src_block_ids), dtype=torch.long)
-            dst = torch.as_tensor(list(slots), dtype=torch.long)
-            for name, cache in self._caches.items():
-                dim = self._block_dim_by_layer[name]
-                self._buffers[name].index_copy_(dim, dst, cache.index_select(dim, src))
+            self._copy_on_cpu(src_block_ids, slots, to_host=True)
         else:
             self._store_device(src_block_ids, slots)
         self.store_s_total += time.perf_counter() - start_s
@@ -363,22 +357,25 @@ class HostBlockPool:
             return
         start_s = time.perf_counter()
         if self._on_cpu:
-            import torch
-
-            src = torch.as_tensor(list(slots), dtype=torch.long)
-            dst = torch.as_tensor(list(dst_block_ids), dtype=torch.long)
-            for name, cache in self._caches.items():
-                dim = self._block_dim_by_layer[name]
-                cache.index_copy_(dim, dst, self._buffers[name].index_select(dim, src))
+            self._copy_on_cpu(dst_block_ids, slots, to_host=False)
         else:
             self._load_device(slots, dst_block_ids)
         self.load_s_total += time.perf_counter() - start_s
         self.loaded_total_blocks += len(slots)
 
-    # -- accelerator path ----------------------------------------------------------
-    # index_copy_ cannot cross devices, so the device side is gathered/scattered with
-    # one index op per layer and the host side is addressed by runs of consecutive
-    # slots (one async copy each); the tier hands out consecutive slots when it can.
+    def _copy_on_cpu(self, block_ids: Sequence[int], slots: Sequence[int], to_host: bool) -> None:
+        """One gather and one scatter per layer between KV blocks and host slots."""
+        import torch
+
+        blocks = torch.as_tensor(list(block_ids), dtype=torch.long)
+        host = torch.as_tensor(list(slots), dtype=torch.long)
+        for name, cache in self._caches.items():
+            dim = self._block_dim_by_layer[name]
+            buffer = self._buffers[name]
+            if to_host:
+                buffer.index_copy_(dim, host, cache.index_select(dim, blocks))
+            else:
+                cache.index_copy_(dim, blocks, buffer.index_select(dim, host))
 
     def _store_device(self, src_block_ids: Sequence[int], slots: Sequence[int]) -> None:
         import torch

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import signal
 import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -45,42 +41,18 @@ def free_port() -> Callable[[], int]:
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory, free_port) -> Iterator[str]:
-    """A real redis-server on a free port in a temp dir; yields its URL.
+    """A real redis-server on a free port; yields its URL, stopped by PID after.
 
     Tests share it; each index uses its own namespace, so they do not see each other.
     """
-    exe = shutil.which("redis-server")
-    if exe is None:
+    from vllm_sessionkv.launch import start_redis, stop_all, wait_redis
+
+    if shutil.which("redis-server") is None:
         pytest.fail("redis-server not found on PATH (apt-get install redis-server)")
-    workdir = tmp_path_factory.mktemp("redis")
     port = free_port()
-    log_path = workdir / "redis.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
-             "--save", "", "--appendonly", "no", "--daemonize", "no"],
-            stdout=log, stderr=subprocess.STDOUT)
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
     try:
-        deadline = time.monotonic() + 10.0
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"redis-server exited: {log_path.read_text()}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
-                    conn.sendall(b"PING\r\n")
-                    if conn.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"redis-server did not answer on port {port}")
-            time.sleep(0.05)
+        wait_redis(port, timeout_s=10.0)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_all([proc], grace_s=5.0)
