@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX
 
 __all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
 
@@ -66,7 +67,7 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nixl_progress_thread: bool | None = None
     # Publish each session handle to Redis (key prefix below) for streaming clients.
     redis_url: str | None = None
-    redis_key_prefix: str = "sessionkv:handle:"
+    redis_key_prefix: str = HANDLE_KEY_PREFIX
     # HTTP URL of this engine, published in handles so a router can find it.
     advertise_url: str | None = None
     # Host-DRAM tier for idle session KV: bytes of DRAM per engine (0 = off).

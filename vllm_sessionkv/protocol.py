@@ -13,6 +13,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
     "SESSIONKV_PARAMS_KEY",
     "SessionHandle",
@@ -26,6 +27,9 @@ PROTOCOL_VERSION = 1
 # Everything we add to vLLM's ``kv_transfer_params`` lives under this one key, so the
 # stock NIXL fields stay exactly as vLLM defines them.
 SESSIONKV_PARAMS_KEY = "sessionkv"
+
+# Redis key prefix under which engines publish each session's latest handle.
+HANDLE_KEY_PREFIX = "sessionkv:handle:"
 
 
 class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):

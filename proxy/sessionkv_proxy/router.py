@@ -20,7 +20,7 @@ import aiohttp
 import msgspec
 
 from vllm_sessionkv.hashing import request_keys
-from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY
+from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX, SESSIONKV_PARAMS_KEY
 
 from sessionkv_proxy import policy
 from sessionkv_proxy.config import ProxyConfig, Role
@@ -125,7 +125,7 @@ class Router:
         if self.handles_redis is None:
             return None
         try:
-            raw = await self.handles_redis.get("sessionkv:handle:" + session_id)
+            raw = await self.handles_redis.get(HANDLE_KEY_PREFIX + session_id)
         except Exception as exc:  # a handle is an optimisation; never fail the request
             logger.warning("reading published handle failed: %r", exc)
             return None
