@@ -52,6 +52,7 @@ class _Plan(msgspec.Struct):
     pull_s: float = 0.0
     recompute_s: float = 0.0
     accounted: bool = False
+    failed: bool = False           # the load failed or expired; vLLM recomputed
 
 
 class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
@@ -299,7 +300,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 pulled_from_host_tokens=host,
                 recomputed_tokens=max(0, request.num_prompt_tokens - local - host),
                 decision="host:restore" if host else "none")
-        pulled = plan.load_tokens
+        pulled = 0 if plan.failed else plan.load_tokens
         # When the whole prompt is loaded, vLLM recomputes the last token anyway to
         # get the first logits (scheduler._update_waiting_for_remote_kv).
         computed = max(0, request.num_prompt_tokens - plan.local_hit_tokens - pulled)
@@ -313,8 +314,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             refused_by_verification_tokens=max(
                 0, plan.verdict.verified_tokens + plan.verdict.refused_tokens
                 - max(plan.verdict.verified_tokens, plan.local_hit_tokens)),
-            pulled_bytes=int(plan.load_tokens * self.kv_bytes_per_token),
-            decision=f"{plan.direction}:{plan.decision}:{plan.verdict.reason}")
+            pulled_bytes=int(pulled * self.kv_bytes_per_token),
+            decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
+                     f":{plan.verdict.reason}")
 
     def _attach_host_ops(self, meta) -> None:
         meta.sessionkv_host_ops = self._host_ops
@@ -354,6 +356,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 del self._session_holds[session_id]
         for req_id in getattr(connector_output, "failed_recving", None) or ():
             self.stats.record("pull_failed")
+            plan = self._plans.get(req_id)
+            if plan is not None:
+                plan.failed = True
             logger.warning("sessionkv pull failed request_id=%s; recomputing", req_id)
         super().update_connector_output(connector_output)
 

@@ -255,3 +255,32 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
         stop.set()
     print(f"busy P, short context: {busy}")
     assert busy["delta"] == {"pull": 1, "recompute": 0}, busy
+
+
+# --------------------------------------------------------------------------- failures
+@pytest.mark.parametrize("fault", ["expired_lease", "unreachable_peer"])
+def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
+    """A pull that cannot complete is recomputed on P: no error, no wrong output, and
+    it is counted."""
+    from conftest import free_port_block
+
+    p_url, d_url, model = pd_cluster.prefill[0], pd_cluster.decode[0], pd_cluster.model
+    prompt = _ids(sum(map(ord, fault)), 600)
+    first = session_turn(p_url, d_url, model, prompt, None, session_id=f"fail-{fault}")
+    handle = dict(first.handle)
+    if fault == "expired_lease":
+        # D's deadline (its own clock) long past: P must decline the read.
+        handle["remote_blocks_expiry_time"] = handle["remote_blocks_expiry_time"] - 10_000
+    else:
+        # An engine nobody answers for: the NIXL handshake fails.
+        handle["remote_engine_id"] = f"gone-{fault}"
+        handle["remote_port"] = free_port_block(1)
+    reset_prefix_cache(p_url)   # nothing local: everything would come from the pull
+    failures_before = metric_sum(p_url, "sessionkv_pull_failures_total")
+    prompt2 = prompt + first.out.token_ids + _ids(9, 40)
+    second = session_turn(p_url, d_url, model, prompt2, handle, session_id=f"fail-{fault}")
+    assert_same(second.out, baseline(pd_cluster.colocated, model, prompt2), fault)
+    acct = second.prefill_accounting
+    assert acct.get("pulled_from_peer_tokens", 0) == 0, acct
+    assert "pull_failed" in acct["decision"], acct
+    assert metric_sum(p_url, "sessionkv_pull_failures_total") > failures_before
