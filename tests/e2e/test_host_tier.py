@@ -142,3 +142,75 @@ def test_host_pool_stays_within_budget_and_publishes_cpu_events(host_engine):
     assert cpu_stored > 0
     assert cpu_removed == evicted
     assert removed_after_store == cpu_removed, "a removal preceded its store"
+
+
+async def _replay(index, events, engine: str) -> None:
+    from sessionkv_proxy.consumer import ConsumerStats, EventApplier
+
+    applier = EventApplier(index, engine, BLOCK, ConsumerStats())
+    for event in events:
+        await applier.apply(event)
+
+
+def test_real_event_stream_gives_same_answers_in_both_index_backends(host_engine,
+                                                                     tmp_path_factory):
+    """The stream this engine really published in this module (device stores and
+    evictions, host-tier stores and evictions, then a prefix-cache reset), replayed
+    into the in-process and the Redis index: both answer every lookup the same."""
+    import asyncio
+
+    from sessionkv_proxy.events import AllBlocksCleared
+    from sessionkv_proxy.index.memory import MemoryIndex
+    from sessionkv_proxy.index.redis import RedisIndex
+    from vllm_sessionkv.hashing import request_keys
+    from vllm_sessionkv.launch import start_redis, wait_redis
+
+    engine, _colocated, events = host_engine
+    model = engine.model
+    time.sleep(2.5)                      # holds expire so the reset can clear the pool
+    assert requests_post_ok(engine.url + "/reset_prefix_cache")
+    after_reset = _ids(77, 300)
+    post(engine.url, "/v1/completions", completion_body(model, after_reset, max_tokens=2))
+    time.sleep(1.0)
+    stream = list(events.events)
+    kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in stream}
+    assert ("BlockStored", "GPU") in kinds and ("BlockRemoved", "GPU") in kinds, kinds
+    assert any(isinstance(e, AllBlocksCleared) for e in stream)
+
+    probes = [_ids(seed, n) for seed, n in ((1, 600), (50, 700), (51, 900), (52, 1100),
+                                            (901, 1500), (77, 300))]
+    probe_keys = [request_keys(p, BLOCK) for p in probes]
+    port = free_port_block(1)
+    redis_proc = start_redis(port, tmp_path_factory.mktemp("redis-conformance"))
+
+    async def run():
+        memory = MemoryIndex()
+        redis_index = RedisIndex.from_url(f"redis://127.0.0.1:{port}/0", namespace="conf")
+        try:
+            await _replay(memory, stream, "engine")
+            await _replay(redis_index, stream, "engine")
+            return ([await memory.lookup(k) for k in probe_keys],
+                    [await redis_index.lookup(k) for k in probe_keys])
+        finally:
+            await redis_index.close()
+
+    try:
+        wait_redis(port)
+        from_memory, from_redis = asyncio.run(run())
+    finally:
+        stop_all([redis_proc])
+    print(f"lookups after replaying {len(stream)} real events: {from_memory}")
+    assert from_memory == from_redis
+    # Only the prompt sent after the reset is on the device tier now.
+    assert from_memory[-1].get("engine", {}).get("GPU", 0) == 300 // BLOCK
+    assert all(m.get("engine", {}).get("GPU", 0) == 0 for m in from_memory[:-1])
+
+
+def requests_post_ok(url: str) -> bool:
+    import requests
+
+    for _ in range(50):
+        if requests.post(url, timeout=30).status_code == 200:
+            return True
+        time.sleep(0.2)
+    return False
