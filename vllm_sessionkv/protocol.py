@@ -75,6 +75,9 @@ class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):
     refused_by_verification_tokens: int = 0
     pulled_bytes: int = 0
     pull_ms: float = 0.0
+    # The cost model's prices for this request's pull-or-recompute decision.
+    priced_pull_ms: float = 0.0
+    priced_recompute_ms: float = 0.0
     decision: str = ""
 
 

@@ -315,6 +315,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 0, plan.verdict.verified_tokens + plan.verdict.refused_tokens
                 - max(plan.verdict.verified_tokens, plan.local_hit_tokens)),
             pulled_bytes=int(pulled * self.kv_bytes_per_token),
+            priced_pull_ms=round(plan.pull_s * 1e3, 4),
+            priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
             decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
                      f":{plan.verdict.reason}")
 
