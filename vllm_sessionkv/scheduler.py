@@ -17,6 +17,7 @@ Three additions to vLLM 0.32's NIXL pull scheduler:
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -53,6 +54,8 @@ class _Plan(msgspec.Struct):
     recompute_s: float = 0.0
     accounted: bool = False
     failed: bool = False           # the load failed or expired; vLLM recomputed
+    pull_started_s: float = 0.0    # perf_counter when the read was queued
+    pull_ms: float = 0.0           # queued to received, as the scheduler sees it
 
 
 class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
@@ -261,6 +264,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             # With nothing to load, stock code sends D a notify-only read, which
             # releases D's hold on the blocks at once.
             self._account(request, plan)
+            if num_external_tokens:
+                plan.pull_started_s = time.perf_counter()
         elif params and self._is_direct_session_turn(params):
             # Served on D without P: D still holds the turn for the next P pull, and
             # the worker only honours a hold for requests it saw in a batch.
@@ -315,6 +320,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 0, plan.verdict.verified_tokens + plan.verdict.refused_tokens
                 - max(plan.verdict.verified_tokens, plan.local_hit_tokens)),
             pulled_bytes=int(pulled * self.kv_bytes_per_token),
+            pull_ms=round(plan.pull_ms, 3) if pulled else 0.0,
             priced_pull_ms=round(plan.pull_s * 1e3, 4),
             priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
             decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
@@ -352,6 +358,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if num_bytes > 0 and duration_s > 0:
                 self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
                                          + alpha * num_bytes / duration_s)
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            plan = self._plans.get(req_id)
+            if plan is not None and plan.pull_started_s:
+                plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
         for req_id in getattr(connector_output, "finished_sending", None) or ():
             session_id = self._hold_sessions.pop(req_id, None)
             if session_id is not None and self._session_holds.get(session_id) == req_id:
