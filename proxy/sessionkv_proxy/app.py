@@ -64,8 +64,9 @@ STATE = web.AppKey("sessionkv_state", ProxyState)
 async def _read_json(request: web.Request) -> dict[str, Any]:
     try:
         raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, f"request body too large (limit {exc.max_size} bytes)") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body too large (limit {request.client_max_size} bytes)"
+                       ) from None
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -93,9 +93,16 @@ def _engine_layout(cluster) -> dict[str, dict[str, str]]:
 def cluster_2p2d(tiny_model, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("2p2d-logs")
     # Four engines start at once; on a shared 2-core machine that can take longer
-    # than the 1P+1D fixture's limit.
-    cluster = launch_cluster(tiny_model, log_dir, ["--prefill", "2", "--decode", "2",
-                                                   "--redis"], ready_timeout_s=600)
+    # than the 1P+1D fixture's limit.  Pull whenever verified KV exists (as
+    # pd_cluster does): this module tests where turns are routed; whether a short
+    # pull beats recompute is priced and tested elsewhere, and the tiny model's text
+    # re-tokenizes differently, so often only the previous prompt's blocks verify
+    # and a default-priced pull of them loses to recompute.
+    cluster = launch_cluster(tiny_model, log_dir, [
+        "--prefill", "2", "--decode", "2", "--redis",
+        "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
+                                                   "recompute_s_per_token": 1.0}}),
+    ], ready_timeout_s=600)
     extra: list[ManagedProcess] = []
     try:
         colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1))
