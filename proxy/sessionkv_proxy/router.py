@@ -137,21 +137,44 @@ class Router:
         return params
 
     async def _usable_handle(self, record: SessionRecord | None, session_id: str | None,
-                             tenant: str | None) -> tuple[dict | None, str]:
+                             tenant: str | None) -> tuple[dict | None, str, str]:
+        """(params, outcome, source): the session's live handle, if any, and whether it
+        came from the session record or from the engines' published copy."""
         if not session_id:
-            return None, "none"
-        params = record.handle_params if record else None
+            return None, "none", ""
+        params, source = (record.handle_params if record else None), "record"
         if params is None:
-            params = await self._published_handle(session_id)
+            params, source = await self._published_handle(session_id), "published"
         if params is None:
-            return None, "none"
+            return None, "none", ""
         ours = params.get(SESSIONKV_PARAMS_KEY) or {}
         if ours.get("tenant") != tenant:
-            return None, "other_tenant"
+            return None, "other_tenant", ""
         # A margin, so P does not start a read D is about to release.
         if float(ours.get("expires_at_unix_s", 0.0)) < time.time() + 2.0:
-            return None, "expired"
-        return params, "attached"
+            return None, "expired", ""
+        return params, "attached", source
+
+    async def _consume_handle(self, record: SessionRecord | None, session_id: str,
+                              source: str) -> bool:
+        """Take a handle for one P request; False if another request already took it.
+
+        A handle is single-use: P's read tells D to release the blocks, after which
+        they may be reused, so a second read of the same handle could fetch someone
+        else's KV (the connector's hash check covers what the handle claims, not what
+        released memory holds now).  Deleting the published copy is atomic across
+        proxy replicas; a record-held handle is cleared before P is called."""
+        if source == "record" and record is not None:
+            record.handle_params = None
+            await self.save_session(record)
+        if self.handles_redis is None:
+            return True
+        try:
+            deleted = await self.handles_redis.delete(HANDLE_KEY_PREFIX + session_id)
+        except Exception as exc:
+            logger.warning("consuming published handle failed: %r", exc)
+            return source == "record"
+        return source == "record" or deleted == 1
 
     # ------------------------------------------------------------ decision
     def _next(self, role: Role, exclude: set[str] = frozenset()) -> Engine:
@@ -185,7 +208,7 @@ class Router:
         keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
                 if token_ids else [])
         record = await self.load_session(session_id)
-        handle, outcome = await self._usable_handle(record, session_id, tenant)
+        handle, outcome, source = await self._usable_handle(record, session_id, tenant)
         matches = await self.index.lookup(keys) if keys else {}
         peer_blocks = 0
         expires_at = None
@@ -226,6 +249,9 @@ class Router:
         mode = decision.mode.value
         prefill_params = None
         if mode == "disaggregated":
+            if handle is not None and not await self._consume_handle(record, session_id,
+                                                                     source):
+                handle, outcome = None, "consumed_elsewhere"
             prefill_params = (handle_params_for_prefill(handle) if handle is not None
                               else _fresh_prefill_params())
         elif handle is not None:
