@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -42,19 +43,21 @@ SESSION_COST = {"recompute_s_per_token": 2.0e-5,
 
 
 def free_port_block(size: int) -> int:
-    """First port of ``size`` consecutive free ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + size >= 65000:
-            continue
+    """First port of ``size`` consecutive free ports, below the ephemeral range.
+
+    vLLM and gloo open listeners on ephemeral ports (32768+ on Linux); drawing the
+    cluster's fixed ports from 10000-26999 keeps the two from colliding.  (The proxy
+    unit tests use 27000-27999.)
+    """
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(10000, 27000 - size)
+        socks: list[socket.socket] = []
         try:
-            socks = []
             for port in range(base, base + size):
                 s = socket.socket()
-                s.bind(("127.0.0.1", port))
                 socks.append(s)
+                s.bind(("127.0.0.1", port))
             return base
         except OSError:
             continue
