@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from conftest import free_port_block
+from cluster import free_port_block
 from helpers import assert_same, completion_body, metric_sum, post
 from sessionkv_proxy.events import BlockRemoved, BlockStored, decode_batch
 from vllm_sessionkv.launch import EngineSpec, start_engine, stop_all, wait_healthy

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import requests
 
-from conftest import free_port_block, launch_cluster, stop_cluster
+from cluster import free_port_block, launch_cluster, stop_cluster
 from helpers import assert_same, chat_body, post
 
 from vllm_sessionkv.launch import (

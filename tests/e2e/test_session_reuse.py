@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 import requests
 
-from conftest import launch_cluster, stop_cluster
+from cluster import launch_cluster, stop_cluster
 from helpers import (
     Generation,
     assert_same,
@@ -262,7 +262,7 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
 def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
     """A pull that cannot complete is recomputed on P: no error, no wrong output, and
     it is counted."""
-    from conftest import free_port_block
+    from cluster import free_port_block
 
     p_url, d_url, model = pd_cluster.prefill[0], pd_cluster.decode[0], pd_cluster.model
     prompt = _ids(sum(map(ord, fault)), 600)
