@@ -65,12 +65,11 @@ from vllm_sessionkv.launch import (  # noqa: E402
     stop_all,
     wait_healthy,
 )
+from vllm_sessionkv.workload import new_tokens, system_prompt, user_message  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
            "refused_by_verification")
-_WORDS = ["kato", "rimu", "senlo", "vaqu", "zipe", "dramon", "elix", "shate", "bogal",
-          "finu", "terwy", "orun", "qupe", "lova", "mura", "tosen"]
 _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
 
 
@@ -93,18 +92,6 @@ def parse_args() -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- workload
-def system_prompt(session: int) -> str:
-    words = [_WORDS[(session * 5 + 3 * i) % len(_WORDS)] for i in range(40)]
-    return f"session {session} tool: " + " ".join(words) + "."
-
-
-def user_message(session: int, turn: int) -> str:
-    words = [_WORDS[(session + 7 * turn + i) % len(_WORDS)] for i in range(12)]
-    return f"turn {turn}: " + " ".join(words) + "?"
-
-
-def new_tokens(session: int, turn: int) -> int:
-    return 100 + (37 * session + 53 * turn) % 101
 
 
 def prompt_token_metrics(url: str) -> dict[str, float]:

@@ -36,29 +36,13 @@ from vllm_sessionkv.launch import (
     stop_all,
     wait_healthy,
 )
+from vllm_sessionkv.workload import new_tokens, system_prompt, user_message
 
 pytestmark = pytest.mark.cluster
 
 CHAT = "/v1/chat/completions"
 SESSIONS = 8
 TURNS = 6
-_WORDS = ["kato", "rimu", "senlo", "vaqu", "zipe", "dramon", "elix", "shate", "bogal",
-          "finu", "terwy", "orun", "qupe", "lova", "mura", "tosen"]
-
-
-def system_prompt(session: int) -> str:
-    # Distinct from the first token on, so sessions share no blocks.
-    words = [_WORDS[(session * 5 + 3 * i) % len(_WORDS)] for i in range(40)]
-    return f"session {session} tool: " + " ".join(words) + "."
-
-
-def user_message(session: int, turn: int) -> str:
-    words = [_WORDS[(session + 7 * turn + i) % len(_WORDS)] for i in range(12)]
-    return f"turn {turn}: " + " ".join(words) + "?"
-
-
-def new_tokens(session: int, turn: int) -> int:
-    return 100 + (37 * session + 53 * turn) % 101   # 100..200
 
 
 def session_headers_and_body(session_id: str, way: str) -> tuple[dict, dict]:
