@@ -91,7 +91,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-# --------------------------------------------------------------------------- workload
+# --------------------------------------------------------------------------- metrics
 
 
 def prompt_token_metrics(url: str) -> dict[str, float]:
