@@ -129,8 +129,11 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if not (is_p_to_d or is_d_to_p) or params.get("_remote_blocks_processed"):
             return None
         cached = self._plans.get(request.request_id)
-        if cached is not None:
+        if cached is not None and cached.local_hit_tokens == num_computed_tokens:
             return cached
+        # Asked again with a different local hit (the request waited while other
+        # requests filled the prefix cache): plan afresh, or the load would start
+        # past the verified prefix.
 
         prompt = request.prompt_token_ids or []
         max_loadable = (self._get_remote_prefill_token_count(len(prompt)) if is_p_to_d
