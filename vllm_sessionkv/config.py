@@ -46,6 +46,8 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load_ewma_alpha: float = 0.3
     # Weight of each new NIXL measurement in the bandwidth estimate.
     bandwidth_ewma_alpha: float = 0.2
+    # Only transfers at least this large update the bandwidth estimate.
+    bandwidth_min_sample_bytes: int = 256 * 1024
     # Never pull fewer tokens than this, whatever the model says.
     min_pull_tokens: int = 1
 

@@ -356,9 +356,12 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
         alpha = self.config.cost.bandwidth_ewma_alpha
+        min_bytes = self.config.cost.bandwidth_min_sample_bytes
         for num_bytes, duration_s in zip(data.get("bytes_transferred", ()),
                                          data.get("transfer_duration", ())):
-            if num_bytes > 0 and duration_s > 0:
+            # Small transfers measure latency, which per_transfer_s already prices;
+            # counting them as bandwidth would drag the estimate down step by step.
+            if num_bytes >= min_bytes and duration_s > 0:
                 self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
                                          + alpha * num_bytes / duration_s)
         for req_id in getattr(connector_output, "finished_recving", None) or ():
