@@ -62,6 +62,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A session's older hold, superseded by a newer turn, is released after this long
     # (not at once: a pull of it may still be in flight).
     superseded_hold_grace_s: float = 10.0
+    # A handle this close to its expiry is not pulled from (vLLM's worker declines
+    # reads within 5 s of D's deadline).
+    expiry_margin_s: float = 10.0
     # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
     require_hash_meta_match: bool = True
     # Turn off NIXL's busy-polling progress thread (costs about a core per engine on

@@ -157,6 +157,12 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                 tenant=_vllm.request_cache_salt(request),
                                 max_loadable_tokens=max_loadable)
             verdict = verify_remote_kv(local, remote)
+        expires_at = float(self._session_params(params).get("expires_at_unix_s") or 0.0)
+        if is_d_to_p and expires_at and expires_at < time.time() + self.config.expiry_margin_s:
+            # D's lease is over (or nearly): its blocks may already hold other KV.
+            verdict = Verdict(verified_tokens=0,
+                              refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
+                              reason="expired_handle")
         load_tokens = max(0, verdict.verified_tokens - num_computed_tokens)
         decision, pull_s, recompute_s = ("pull" if load_tokens else "none"), 0.0, 0.0
         if verdict.refused_whole_handle:
@@ -195,6 +201,13 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 and self.is_bidirectional_kv_xfer_enabled)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        params = request.kv_transfer_params
+        if params and params.get("_remote_blocks_processed"):
+            # Asked again after a failed or declined load (vLLM resets the request to
+            # recompute): stock code would claim the remote tokens once more and park
+            # the request waiting for a read it never queues again.  Recompute.
+            self._local_hits[request.request_id] = num_computed_tokens
+            return 0, False
         plan = self._plan(request, num_computed_tokens)
         if plan is None:
             self._local_hits[request.request_id] = num_computed_tokens
@@ -264,6 +277,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             params["remote_block_ids"] = type(remote_ids)(
                 list(group)[:keep_blocks] for group in remote_ids)
             params["remote_num_tokens"] = verified_tokens
+            if plan.verdict.reason == "expired_handle":
+                # Nothing to read and no hold left to release: no notification either.
+                params["remote_block_ids"] = None
             # With nothing to load, stock code sends D a notify-only read, which
             # releases D's hold on the blocks at once.
             self._account(request, plan)
@@ -282,7 +298,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if plan.direction == "d_to_p":
             if plan.decision in ("pull", "recompute"):
                 self.stats.record(f"decision_{plan.decision}")
-            if plan.verdict.refused_whole_handle:
+            if plan.verdict.reason == "expired_handle":
+                self.stats.record("pull_failed")
+            elif plan.verdict.refused_whole_handle:
                 self.stats.record("handle_refused")
 
     def _forget(self, request_id: str) -> None:

@@ -265,22 +265,28 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
     from cluster import free_port_block
 
     p_url, d_url, model = pd_cluster.prefill[0], pd_cluster.decode[0], pd_cluster.model
+    session = f"fail-{fault}"
     prompt = _ids(sum(map(ord, fault)), 600)
-    first = session_turn(p_url, d_url, model, prompt, None, session_id=f"fail-{fault}")
-    handle = dict(first.handle)
+    # Turn 1 served on D alone, so P has none of it and would pull everything.
+    first = post(d_url, "/v1/completions", completion_body(
+        model, prompt, max_tokens=24, session_id=session,
+        kv_transfer_params={"sessionkv": {"session_id": session}}))
+    handle = dict(first.raw["kv_transfer_params"])
     if fault == "expired_lease":
-        # D's deadline (its own clock) long past: P must decline the read.
+        # D's lease over, on its own clock and on the wall clock.
         handle["remote_blocks_expiry_time"] = handle["remote_blocks_expiry_time"] - 10_000
+        handle["sessionkv"] = dict(handle["sessionkv"], expires_at_unix_s=time.time() - 1)
+        expected = "expired_handle"
     else:
         # An engine nobody answers for: the NIXL handshake fails.
         handle["remote_engine_id"] = f"gone-{fault}"
         handle["remote_port"] = free_port_block(1)
-    reset_prefix_cache(p_url)   # nothing local: everything would come from the pull
+        expected = "pull_failed"
     failures_before = metric_sum(p_url, "sessionkv_pull_failures_total")
-    prompt2 = prompt + first.out.token_ids + _ids(9, 40)
-    second = session_turn(p_url, d_url, model, prompt2, handle, session_id=f"fail-{fault}")
+    prompt2 = prompt + first.token_ids + _ids(9, 40)
+    second = session_turn(p_url, d_url, model, prompt2, handle, session_id=session)
     assert_same(second.out, baseline(pd_cluster.colocated, model, prompt2), fault)
     acct = second.prefill_accounting
     assert acct.get("pulled_from_peer_tokens", 0) == 0, acct
-    assert "pull_failed" in acct["decision"], acct
+    assert expected in acct["decision"], acct
     assert metric_sum(p_url, "sessionkv_pull_failures_total") > failures_before
