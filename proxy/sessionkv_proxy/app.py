@@ -146,6 +146,22 @@ async def _post_json(state: ProxyState, engine: Engine, path: str, body: dict[st
         engine.active_requests -= 1
 
 
+def _next_after_connect_failure(state: ProxyState, role: Role, failed: Engine,
+                                tried: set[str], attempt: int, request_id: str,
+                                exc: BaseException) -> Engine:
+    """Count and log a connection failure; the next worker of ``role`` to try, or a
+    502 when none is left or the retries are spent."""
+    assert state.router is not None
+    logger.warning("%s connect failed request_id=%s engine=%s: %r", role.value,
+                   request_id, failed.url, exc)
+    state.metrics.errors.labels(f"{role.value}_connect").inc()
+    nxt = state.router.alternative(role, tried)
+    if nxt is None or attempt == state.config.connect_retries:
+        raise ApiError(502, f"no {role.value} engine reachable") from None
+    state.metrics.retries.labels(role.value).inc()
+    return nxt
+
+
 async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str, Any],
                    is_chat: bool, request_id: str) -> dict[str, Any]:
     """Run P; return its kv_transfer_params for D."""
@@ -167,16 +183,10 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
             status, data = await _post_json(state, current, path, p_body, request_id)
             break
         except _Upstream as exc:
-            logger.warning("prefill connect failed request_id=%s engine=%s: %s",
-                           request_id, engine.url, exc)
-            state.metrics.errors.labels("prefill_connect").inc()
-            nxt = state.router.alternative(Role.PREFILL, tried)
-            if nxt is None or attempt == state.config.connect_retries:
-                raise ApiError(502, "no prefill engine reachable") from None
-            state.metrics.retries.labels("prefill").inc()
             # The handle names D's blocks, valid for any P: keep it.
-            engine = nxt
-            plan.prefill = nxt
+            engine = _next_after_connect_failure(state, Role.PREFILL, current, tried,
+                                                 attempt, request_id, exc)
+            plan.prefill = engine
         finally:
             current.active_prefill_tokens -= prompt_tokens
     if status != 200:
@@ -226,15 +236,9 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
             engine.active_requests -= 1
             engine.active_decode_tokens -= held_tokens
             state.pool.mark_failure(engine)
-            state.metrics.errors.labels("decode_connect").inc()
-            logger.warning("decode connect failed request_id=%s engine=%s: %r",
-                           request_id, engine.url, exc)
-            nxt = state.router.alternative(Role.DECODE, tried)
-            if nxt is None or attempt == state.config.connect_retries:
-                raise ApiError(502, "no decode engine reachable") from None
-            state.metrics.retries.labels("decode").inc()
-            engine = nxt
-            plan.decode = nxt
+            engine = _next_after_connect_failure(state, Role.DECODE, engine, tried,
+                                                 attempt, request_id, exc)
+            plan.decode = engine
             continue
         break
     try:
