@@ -303,6 +303,8 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         d_body["session_id"] = session_id
     extra_headers = {"x-sessionkv-route": plan.mode,
                      "x-sessionkv-request-id": request_id}
+    if "detail" in plan.terms:
+        extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
     try:
         if plan.mode == "disaggregated":
             p_params = await _prefill(state, plan, path, d_body, is_chat, request_id)
@@ -436,7 +438,9 @@ async def _lifecycle(app: web.Application):
         state.consumer.start()
     await _discover_models(state)
     scraper = asyncio.create_task(state.pool.scrape_forever(
-        state.http, config.metrics_scrape_interval_s), name="metrics-scraper")
+        state.http, config.metrics_scrape_interval_s, config.metrics_scrape_timeout_s,
+        on_slow=lambda e: state.metrics.errors.labels("metrics_scrape_slow").inc()),
+        name="metrics-scraper")
     logger.info("proxy ready: %d prefill, %d decode engines, index=%s, policy=%s",
                 len(config.prefill), len(config.decode), config.index.backend,
                 config.routing.policy)

@@ -85,6 +85,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Other workers tried after a connection failure.
     connect_retries: int = 1
     metrics_scrape_interval_s: float = 2.0
+    # A scrape slower than this keeps the last load; only refused or broken
+    # connections mark an engine unhealthy.
+    metrics_scrape_timeout_s: float = 5.0
     session_ttl_s: float = 3600.0
     log_level: str = "INFO"
 

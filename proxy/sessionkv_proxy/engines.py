@@ -93,17 +93,30 @@ class EnginePool:
             engine.healthy = True
             logger.info("engine %s healthy again", engine.url)
 
-    async def scrape_forever(self, session: aiohttp.ClientSession, interval_s: float) -> None:
+    async def scrape_forever(self, session: aiohttp.ClientSession, interval_s: float,
+                             timeout_s: float = 5.0, on_slow=None) -> None:
         while True:
-            await asyncio.gather(*(self._scrape(session, e) for e in self.engines))
+            await asyncio.gather(*(self._scrape(session, e, timeout_s, on_slow)
+                                   for e in self.engines))
             await asyncio.sleep(interval_s)
 
-    async def _scrape(self, session: aiohttp.ClientSession, engine: Engine) -> None:
+    async def _scrape(self, session: aiohttp.ClientSession, engine: Engine,
+                      timeout_s: float = 5.0, on_slow=None) -> None:
         try:
             async with session.get(f"{engine.url}/metrics",
-                                   timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except asyncio.TimeoutError:
+            # A busy engine answers /metrics late (its API server shares the CPU with
+            # the model).  Slow is not down: keep the last load and the engine's
+            # health, or a loaded engine drops out of routing and its sessions move
+            # away from their KV.  Refused connections still count as failures.
+            logger.info("metrics scrape of %s timed out after %.1fs; keeping last load",
+                        engine.url, timeout_s)
+            if on_slow is not None:
+                on_slow(engine)
+            return
+        except (aiohttp.ClientError, OSError):
             self.mark_failure(engine)
             return
         gauges = parse_vllm_metrics(text)

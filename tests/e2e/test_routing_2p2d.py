@@ -133,7 +133,8 @@ def _check_reuse(got, prev_decode: str, what: str) -> str:
     h = got.headers
     route = h.get("x-sessionkv-route")
     assert h.get("x-sessionkv-decode-engine") == prev_decode, (
-        f"{what}: decode moved {prev_decode} -> {h.get('x-sessionkv-decode-engine')}")
+        f"{what}: decode moved {prev_decode} -> {h.get('x-sessionkv-decode-engine')} "
+        f"({h.get('x-sessionkv-route-reason')})")
     if route == "disaggregated":
         p = _acct(h, "x-sessionkv-prefill")
         assert p is not None, f"{what}: no P accounting header"

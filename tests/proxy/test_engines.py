@@ -1,0 +1,87 @@
+"""Load scrape of the engines' /metrics: a slow engine stays routable, a dead one does not."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+from aiohttp import web
+
+from sessionkv_proxy.config import EngineConfig, Role
+from sessionkv_proxy.engines import EnginePool, parse_vllm_metrics
+
+METRICS = (
+    'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+    'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+    'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+)
+
+
+def test_parse_sums_label_sets_and_skips_nan():
+    text = METRICS + 'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n' \
+        'vllm:kv_cache_usage_perc{engine="1",model_name="m"} NaN\n'
+    got = parse_vllm_metrics(text)
+    assert got == {"vllm:num_requests_waiting": 2.0, "vllm:num_requests_running": 4.0,
+                   "vllm:kv_cache_usage_perc": 0.25}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _serve(delay_s: float) -> tuple[web.AppRunner, str]:
+    async def metrics(_request):
+        await asyncio.sleep(delay_s)
+        return web.Response(text=METRICS)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = _free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_slow_scrape_keeps_engine_healthy_and_its_last_load():
+    async def main():
+        fast_runner, url = await _serve(0.0)
+        pool = EnginePool.from_configs([EngineConfig(url=url, role=Role.DECODE)])
+        engine = pool.engines[0]
+        slow = []
+        async with aiohttp.ClientSession() as http:
+            await pool._scrape(http, engine, 1.0)
+            assert (engine.running_requests, engine.kv_usage) == (3.0, 0.25)
+            await fast_runner.cleanup()
+            slow_runner, slow_url = await _serve(0.5)
+            engine.config = EngineConfig(url=slow_url, role=Role.DECODE)
+            for _ in range(3):
+                await pool._scrape(http, engine, 0.1, on_slow=slow.append)
+            await slow_runner.cleanup()
+        return engine, slow
+
+    engine, slow = asyncio.run(main())
+    assert engine.healthy and len(slow) == 3
+    assert (engine.running_requests, engine.kv_usage) == (3.0, 0.25)
+
+
+def test_refused_scrapes_mark_engine_unhealthy_until_it_answers():
+    async def main():
+        dead = f"http://127.0.0.1:{_free_port()}"
+        pool = EnginePool.from_configs([EngineConfig(url=dead, role=Role.DECODE)])
+        engine = pool.engines[0]
+        async with aiohttp.ClientSession() as http:
+            await pool._scrape(http, engine, 1.0)
+            after_one = engine.healthy
+            await pool._scrape(http, engine, 1.0)
+            after_two = engine.healthy
+            runner, url = await _serve(0.0)
+            engine.config = EngineConfig(url=url, role=Role.DECODE)
+            await pool._scrape(http, engine, 1.0)
+            await runner.cleanup()
+        return after_one, after_two, engine.healthy
+
+    assert asyncio.run(main()) == (True, False, True)
