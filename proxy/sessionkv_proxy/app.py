@@ -8,10 +8,11 @@ uncached part small.  Streams are passed through byte for byte.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import os
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,18 @@ from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
+from sessionkv_proxy.upstream import UpstreamConnectError, UpstreamPool, UpstreamResponse
 
 __all__ = ["STATE", "ProxyState", "create_app"]
 
 logger = logging.getLogger("sessionkv_proxy.app")
 
 _json = msgspec.json.Encoder()
+_body_decoder = msgspec.json.Decoder()
+# Request ids: a per-process random prefix and a counter (uuid4 per request costs more
+# than the rest of the routing decision).
+_REQUEST_ID_PREFIX = f"skv-{os.urandom(6).hex()}-"
+_request_counter = itertools.count()
 # Fields a P request must not carry: it generates one token, never streams.
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date",
@@ -49,7 +56,8 @@ class ProxyState:
     pool: EnginePool
     index: KVIndex
     metrics: ProxyMetrics
-    http: aiohttp.ClientSession | None = None
+    http: aiohttp.ClientSession | None = None  # control plane: scrape, tokenize, models
+    upstream: UpstreamPool | None = None  # the request hot path
     router: Router | None = None
     consumer: KVEventConsumer | None = None
     handles_redis: Any = None
@@ -68,8 +76,8 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
         raise ApiError(413, f"request body too large (limit {request.client_max_size} bytes)"
                        ) from None
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = _body_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -121,29 +129,37 @@ def _session_id(request: web.Request, body: dict[str, Any], state: ProxyState) -
 
 
 # --------------------------------------------------------------------------- upstream
-def _upstream_headers(request_id: str) -> dict[str, str]:
-    return {"Content-Type": "application/json", "X-Request-Id": request_id}
-
-
 class _Upstream(Exception):
     """A connection-level failure: safe to retry on another worker."""
 
 
 async def _post_json(state: ProxyState, engine: Engine, path: str, body: dict[str, Any],
                      request_id: str) -> tuple[int, bytes]:
-    assert state.http is not None
+    assert state.upstream is not None
     engine.active_requests += 1
     try:
-        async with state.http.post(engine.url + path, data=_json.encode(body),
-                                   headers=_upstream_headers(request_id)) as resp:
-            data = await resp.read()
-            state.pool.mark_success(engine)
-            return resp.status, data
-    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
-        state.pool.mark_failure(engine)
-        raise _Upstream(f"{engine.url}: {exc!r}") from exc
+        resp = await _send(state, engine, path, _json.encode(body), request_id)
+        return resp.status, await resp.read()
     finally:
         engine.active_requests -= 1
+
+
+async def _send(state: ProxyState, engine: Engine, path: str, payload: bytes,
+                request_id: str) -> UpstreamResponse:
+    """POST to an engine; the status and headers are in, the body is not yet read."""
+    assert state.upstream is not None
+    try:
+        resp = await state.upstream.post(engine.url, path, payload,
+                                         {"X-Request-Id": request_id})
+    except UpstreamConnectError as exc:
+        state.pool.mark_failure(engine)
+        raise _Upstream(f"{engine.url}: {exc}") from exc
+    except asyncio.TimeoutError:
+        state.metrics.errors.labels("upstream_timeout").inc()
+        raise ApiError(504, f"engine {engine.url} did not answer within "
+                       f"{state.config.request_timeout_s:g}s", type_="server_error") from None
+    state.pool.mark_success(engine)
+    return resp
 
 
 def _next_after_connect_failure(state: ProxyState, role: Role, failed: Engine,
@@ -217,7 +233,7 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
                   ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
     """Send to D and relay its answer; returns the response and D's kv params
     (non-streaming only)."""
-    assert state.http is not None and state.router is not None
+    assert state.router is not None
     stream = bool(body.get("stream"))
     engine = plan.decode
     tried: set[str] = set()
@@ -230,26 +246,28 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
         engine.active_requests += 1
         engine.active_decode_tokens += held_tokens
         try:
-            upstream = await state.http.post(engine.url + path, data=payload,
-                                             headers=_upstream_headers(request_id))
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            upstream = await _send(state, engine, path, payload, request_id)
+        except _Upstream as exc:
             engine.active_requests -= 1
             engine.active_decode_tokens -= held_tokens
-            state.pool.mark_failure(engine)
             engine = _next_after_connect_failure(state, Role.DECODE, engine, tried,
                                                  attempt, request_id, exc)
             plan.decode = engine
             continue
+        except BaseException:
+            engine.active_requests -= 1
+            engine.active_decode_tokens -= held_tokens
+            raise
         break
     try:
-        state.pool.mark_success(engine)
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
         headers.update(extra_headers)
         headers["x-sessionkv-decode-engine"] = engine.url
         if not stream or upstream.status != 200:
             data = await upstream.read()
             params = None
-            if upstream.status == 200:
+            # Only D's own end-of-turn answer carries them; skip decoding the rest.
+            if upstream.status == 200 and b'"kv_transfer_params"' in data:
                 try:
                     out = msgspec.json.decode(data)
                     params = out.get("kv_transfer_params") if isinstance(out, dict) else None
@@ -261,7 +279,7 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
             return web.Response(status=upstream.status, body=data, headers=headers), params
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
-        async for chunk in upstream.content.iter_any():
+        async for chunk in upstream.iter_chunks():
             await response.write(chunk)
         await response.write_eof()
         return response, None
@@ -276,7 +294,8 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
     state = request.app[STATE]
     endpoint = "chat" if is_chat else "completions"
     started = time.perf_counter()
-    request_id = request.headers.get("X-Request-Id") or f"skv-{uuid.uuid4().hex}"
+    request_id = request.headers.get("X-Request-Id") or \
+        f"{_REQUEST_ID_PREFIX}{next(_request_counter)}"
     try:
         body = await _read_json(request)
         _validate(body, is_chat, state)
@@ -284,18 +303,20 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         assert state.router is not None
         plan = await state.router.plan(body, is_chat, session_id)
     except ApiError as err:
-        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        state.metrics.count_request(endpoint, err.status)
         return error_response(err)
 
-    state.metrics.decisions.labels(plan.mode, plan.reason).inc()
-    state.metrics.handles.labels(plan.handle_outcome).inc()
-    state.metrics.decision_s.observe(plan.terms.get("decision_s", 0.0))
-    state.metrics.prompt_blocks.observe(len(plan.prompt_keys))
-    logger.info(
-        "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "
-        "handle=%s terms=%s", request_id, session_id, plan.mode, plan.reason,
-        plan.prefill.url if plan.prefill else "-", plan.decode.url, plan.handle_outcome,
-        json.dumps(plan.terms, default=str, separators=(",", ":")))
+    m = state.metrics
+    m.child(m.decisions, plan.mode, plan.reason).inc()
+    m.child(m.handles, plan.handle_outcome).inc()
+    m.decision_s.observe(plan.terms.get("decision_s", 0.0))
+    m.prompt_blocks.observe(len(plan.prompt_keys))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug(
+            "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "
+            "handle=%s terms=%s", request_id, session_id, plan.mode, plan.reason,
+            plan.prefill.url if plan.prefill else "-", plan.decode.url, plan.handle_outcome,
+            json.dumps(plan.terms, default=str, separators=(",", ":")))
 
     d_body = dict(body)
     d_body.pop("prompt_cache_key", None)
@@ -319,15 +340,15 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         response, d_params = await _decode(state, request, plan, path, d_body, request_id,
                                            extra_headers)
     except ApiError as err:
-        state.metrics.requests.labels(endpoint, str(err.status)).inc()
+        state.metrics.count_request(endpoint, err.status)
         return error_response(err)
     except _PassThrough as exc:
-        state.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        state.metrics.count_request(endpoint, exc.status)
         return web.Response(status=exc.status, body=exc.body, content_type="application/json")
 
     if session_id:
         await _remember_session(state, plan, session_id, body, d_params)
-    state.metrics.requests.labels(endpoint, str(response.status)).inc()
+    state.metrics.count_request(endpoint, response.status)
     logger.debug("done request_id=%s in %.1f ms", request_id,
                  (time.perf_counter() - started) * 1e3)
     return response
@@ -423,6 +444,8 @@ async def _lifecycle(app: web.Application):
         connector=connector, json_serialize=lambda o: _json.encode(o).decode(),
         timeout=aiohttp.ClientTimeout(total=config.request_timeout_s,
                                       sock_connect=config.connect_timeout_s))
+    state.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s,
+                                  request_timeout_s=config.request_timeout_s)
     handles_url = config.index.redis_url
     if handles_url:
         import redis.asyncio as aioredis
@@ -450,6 +473,7 @@ async def _lifecycle(app: web.Application):
     if state.consumer is not None:
         await state.consumer.stop()
     await state.http.close()
+    state.upstream.close()
     await state.index.close()
     if state.handles_redis is not None:
         await state.handles_redis.aclose()

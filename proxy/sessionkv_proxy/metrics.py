@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["ProxyMetrics"]
@@ -9,6 +11,8 @@ __all__ = ["ProxyMetrics"]
 
 class ProxyMetrics:
     def __init__(self) -> None:
+        # Labelled children resolved once: ``labels()`` costs more than the increment.
+        self._children: dict[tuple, Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("sessionkv_proxy_requests", "Requests by endpoint and status.",
@@ -52,3 +56,13 @@ class ProxyMetrics:
             buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2), registry=r)
         self.in_flight = Gauge("sessionkv_proxy_in_flight_requests",
                                "Requests in flight per engine.", ["engine"], registry=r)
+
+    def child(self, metric, *labels: str):
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        self.child(self.requests, endpoint, str(status)).inc()

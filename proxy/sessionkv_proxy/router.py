@@ -204,6 +204,17 @@ class Router:
                              prefill_params=_fresh_prefill_params())
 
         started = time.perf_counter()
+        # Content (token ids, block keys, index overlap) and the policy only matter
+        # when there is a choice to make: several decode workers, or a prefill pool
+        # (whether to use it, which P, how much the session's D can hand over).  A
+        # lone decode worker gets the request whatever its content.
+        if not has_prefill_pool:
+            healthy = [e for e in self.pool.by_role(Role.DECODE) if e.healthy]
+            if len(healthy) == 1:
+                return RoutePlan("decode_only", None, healthy[0], "single_decode_worker",
+                                 terms={"decision_s": time.perf_counter() - started,
+                                        "detail": "single decode worker; decode only"},
+                                 prompt_tokens=_estimate_tokens(body, is_chat))
         token_ids = await self.prompt_token_ids(body, is_chat)
         keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
                 if token_ids else [])
@@ -268,8 +279,20 @@ class Router:
 
 
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:
-    content = body.get("messages") if is_chat else body.get("prompt")
-    return len(json.dumps(content, default=str)) // 3
+    """About 3 characters a token: enough to tell a long prompt from a short one."""
+    if not is_chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt) // 3
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return len(prompt)
+        return len(json.dumps(prompt, default=str)) // 3
+    chars = 0
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        chars += len(content) if isinstance(content, str) else \
+            len(json.dumps(content, default=str))
+    return chars // 3
 
 
 def _reason_label(reason: str) -> str:

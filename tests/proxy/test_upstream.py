@@ -1,0 +1,195 @@
+"""The hot-path HTTP client against a real aiohttp server: bodies whole and streamed,
+keep-alive reuse, engines that drop idle connections, refused and slow engines."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from aiohttp import web
+
+from sessionkv_proxy.upstream import UpstreamConnectError, UpstreamPool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """A stand-in engine that records what it was sent."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bytes, str | None]] = []
+
+    async def start(self, keepalive_timeout: float = 75.0) -> str:
+        async def echo(request: web.Request):
+            body = await request.read()
+            self.seen.append((request.path, body, request.headers.get("X-Request-Id")))
+            return web.Response(body=b'{"echo":' + body + b"}", content_type="application/json",
+                                headers={"X-Engine": "stub"})
+
+        async def stream(request: web.Request):
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(5):
+                await resp.write(f"data: {i}\n\n".encode())
+                await asyncio.sleep(0.01)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+
+        async def slow(request: web.Request):
+            await asyncio.sleep(2.0)
+            return web.Response(text="late")
+
+        async def error(request: web.Request):
+            return web.Response(status=400, body=b'{"error":"bad"}',
+                                content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/echo", echo)
+        app.router.add_post("/stream", stream)
+        app.router.add_post("/slow", slow)
+        app.router.add_post("/error", error)
+
+        self.runner = web.AppRunner(app, keepalive_timeout=keepalive_timeout)
+        await self.runner.setup()
+        port = _free_port()
+        site = web.TCPSite(self.runner, "127.0.0.1", port)
+        await site.start()
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_json_body_keep_alive_and_headers():
+    async def main():
+        engine = Engine()
+        url = await engine.start()
+        pool = UpstreamPool()
+        try:
+            for i in range(3):
+                resp = await pool.post(url, "/echo", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
+                assert resp.status == 200
+                assert ("X-Engine", "stub") in resp.headers
+                assert await resp.read() == b'{"echo":{"i":%d}}' % i
+            # One connection served all three.
+            assert sum(len(v) for v in pool._idle.values()) == 1
+            assert [s[2] for s in engine.seen] == ["r0", "r1", "r2"]
+        finally:
+            pool.close()
+            await engine.stop()
+
+    _run(main())
+
+
+def test_stream_arrives_in_pieces_and_connection_is_reused():
+    async def main():
+        engine = Engine()
+        url = await engine.start()
+        pool = UpstreamPool()
+        try:
+            resp = await pool.post(url, "/stream", b"{}")
+            pieces = [chunk async for chunk in resp.iter_chunks()]
+            assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) \
+                + b"data: [DONE]\n\n"
+            assert len(pieces) > 1  # relayed as it came, not buffered to the end
+            assert sum(len(v) for v in pool._idle.values()) == 1
+            resp = await pool.post(url, "/echo", b"1")
+            assert await resp.read() == b'{"echo":1}'
+        finally:
+            pool.close()
+            await engine.stop()
+
+    _run(main())
+
+
+def test_abandoned_stream_closes_its_connection():
+    async def main():
+        engine = Engine()
+        url = await engine.start()
+        pool = UpstreamPool()
+        try:
+            resp = await pool.post(url, "/stream", b"{}")
+            agen = resp.iter_chunks()
+            await agen.__anext__()
+            await agen.aclose()  # a client that went away mid-stream
+            assert sum(len(v) for v in pool._idle.values()) == 0
+            resp = await pool.post(url, "/echo", b"2")
+            assert await resp.read() == b'{"echo":2}'
+        finally:
+            pool.close()
+            await engine.stop()
+
+    _run(main())
+
+
+def test_error_status_is_returned_not_raised():
+    async def main():
+        engine = Engine()
+        url = await engine.start()
+        pool = UpstreamPool()
+        try:
+            resp = await pool.post(url, "/error", b"{}")
+            return resp.status, await resp.read()
+        finally:
+            pool.close()
+            await engine.stop()
+
+    assert _run(main()) == (400, b'{"error":"bad"}')
+
+
+def test_engine_closing_idle_connections_is_retried_on_a_new_one():
+    async def main():
+        engine = Engine()
+        url = await engine.start(keepalive_timeout=0.2)
+        pool = UpstreamPool()
+        try:
+            assert await (await pool.post(url, "/echo", b"1")).read() == b'{"echo":1}'
+            await asyncio.sleep(0.6)  # the engine closes the idle keep-alive connection
+            assert await (await pool.post(url, "/echo", b"2")).read() == b'{"echo":2}'
+        finally:
+            pool.close()
+            await engine.stop()
+
+    _run(main())
+
+
+def test_refused_connection_raises_connect_error():
+    async def main():
+        pool = UpstreamPool(connect_timeout_s=1.0)
+        with pytest.raises(UpstreamConnectError):
+            await pool.post(f"http://127.0.0.1:{_free_port()}", "/echo", b"{}")
+
+    _run(main())
+
+
+def test_slow_engine_times_out_and_its_connection_is_dropped():
+    async def main():
+        engine = Engine()
+        url = await engine.start()
+        pool = UpstreamPool(request_timeout_s=0.3)
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await pool.post(url, "/slow", b"{}")
+            assert sum(len(v) for v in pool._idle.values()) == 0
+        finally:
+            pool.close()
+            await engine.stop()
+
+    _run(main())
+
+
+def test_only_plain_http_urls():
+    with pytest.raises(ValueError, match="http://host:port"):
+        UpstreamPool()._target("https://example.com")
