@@ -47,6 +47,14 @@ see.  Above ``decode_kv_pressure_threshold`` affinity is dropped for the cheapes
 under the threshold; if every D is above it, affinity is kept, since moving then
 only adds a transfer and evicts elsewhere.
 
+*Prefix affinity*: without a live session, the D holding the longest prefix (index
+overlap) gets the request while its in-flight requests stay within
+``decode_affinity_load_bound`` times the pool mean (bounded-load consistent hashing);
+beyond that, the cost argmin.  The cost alone cannot keep a prefix in place under
+concurrency: one extra in-flight request on the holder outweighs the blocks it saves,
+so a plain argmin scatters a prefix group over every D (what Dynamo's and
+vllm-router's users see), while the bound caps the imbalance affinity may cause.
+
 Conditional disaggregation: once D is chosen, the request skips P when
 ``uncached_tokens = prompt_tokens - D's device hit`` is at most
 ``decode_only_max_uncached_tokens`` and D is under ``decode_only_max_kv_usage`` and
@@ -181,13 +189,19 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     decode_only_max_uncached_tokens: int = 256  # -1 turns decode-only off
     decode_only_max_kv_usage: float = 0.8
     decode_only_max_active_requests: int = 32
+    # Prefix affinity without a session: the decode worker holding the longest prefix
+    # gets the request while its in-flight requests stay within this factor of the
+    # pool mean ("consistent hashing with bounded loads", Mirrokni et al.); beyond
+    # it, the cheapest worker.  0 turns prefix affinity off (pure cost argmin).
+    decode_affinity_load_bound: float = 1.25
     # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
     decode_only_without_prefill: bool = True
     temperature: float = 0.0  # 0: argmin; > 0: softmax over normalised costs
 
     def __post_init__(self) -> None:
         for name in ("prefill_load_scale", "decode_load_scale", "overlap_credit_decay",
-                     "temperature", "decode_only_max_active_requests"):
+                     "temperature", "decode_only_max_active_requests",
+                     "decode_affinity_load_bound"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingParams.{name} must be >= 0")
         for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage"):
@@ -225,6 +239,7 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     active_requests: int
     affinity: bool  # holds the request's live session
     over_pressure: bool
+    prefix_affinity: bool = False  # chosen for its prefix, within the load bound
     cost: float
 
 
@@ -366,8 +381,22 @@ def pick(costs: Mapping[str, float], temperature: float, rng: random.Random) -> 
     return rng.choices(urls, weights=weights)[0]
 
 
+def _prefix_holder(terms: Sequence[DecodeTerms], bound: float) -> DecodeTerms | None:
+    """The worker holding the longest prefix, if its load is within the bound."""
+    if bound <= 0:
+        return None
+    best = max(terms, key=lambda t: (t.device_blocks, -t.cost, t.url))
+    if best.device_blocks <= 0 or sum(t.device_blocks == best.device_blocks for t in terms) > 1:
+        return None  # nobody, or several alike: leave it to the cost
+    # With the new request counted, at most ceil(bound * mean) requests (the bounded
+    # loads capacity; the ceiling lets two workers differ by one request).
+    total = sum(t.active_requests for t in terms) + 1
+    limit = math.ceil(bound * total / len(terms) - 1e-9)
+    return best if best.active_requests + 1 <= limit else None
+
+
 def _pick_decode(
-    terms: tuple[DecodeTerms, ...], temperature: float, rng: random.Random
+    terms: tuple[DecodeTerms, ...], params: RoutingParams, rng: random.Random
 ) -> tuple[str, str]:
     holder = next((t for t in terms if t.affinity), None)
     under = [t for t in terms if not t.over_pressure]
@@ -379,10 +408,13 @@ def _pick_decode(
         reason = "session affinity dropped: kv pressure"
     elif under:
         reason = "least loaded decode"
+        prefix = _prefix_holder(under, params.decode_affinity_load_bound)
+        if prefix is not None:
+            return prefix.url, "prefix affinity"
     else:
         reason = "least loaded decode: every decode worker over kv pressure"
     pool = under or list(terms)
-    return pick({t.url: t.cost for t in pool}, temperature, rng), reason
+    return pick({t.url: t.cost for t in pool}, params.temperature, rng), reason
 
 
 def route(
@@ -399,7 +431,10 @@ def route(
     is off.
     """
     decode_terms = score_decode(inp, workers, params)
-    decode_url, decode_reason = _pick_decode(decode_terms, params.temperature, rng)
+    decode_url, decode_reason = _pick_decode(decode_terms, params, rng)
+    if decode_reason == "prefix affinity":
+        decode_terms = tuple(msgspec.structs.replace(t, prefix_affinity=True)
+                             if t.url == decode_url else t for t in decode_terms)
     chosen = next(t for t in decode_terms if t.url == decode_url)
     uncached = max(0, inp.prompt_tokens - chosen.device_blocks * inp.block_size)
     small = uncached <= params.decode_only_max_uncached_tokens

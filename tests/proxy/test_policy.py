@@ -261,6 +261,32 @@ def test_without_session_decode_prefers_index_overlap_via_cost():
     assert route(i, workers, params(), random.Random(0)).decode_url == "d2"
 
 
+def test_prefix_affinity_holds_under_small_imbalance_and_yields_beyond_the_bound():
+    # d2 holds 150 of 200 blocks but runs one request more than d1: the cost alone
+    # (one in-flight request of KV > the saved blocks) would move the prefix away.
+    i = inp(3200, overlaps={"d2": TierOverlap(device_blocks=150)})
+    workers = [P("p1"), D("d1", active_requests=1),
+               D("d2", active_requests=2, active_decode_blocks=400.0)]
+    d = route(i, workers, params(), random.Random(0))
+    assert d.decode_url == "d2" and d.reason.startswith("prefix affinity")
+    assert by_url(d.decode_candidates)["d2"].prefix_affinity
+    assert route(i, workers, params(decode_affinity_load_bound=0),
+                 random.Random(0)).decode_url == "d1"
+    # Far over the mean: 6 + 1 > ceil(1.25 * (6 + 1 + 1) / 2).
+    busy = [P("p1"), D("d1", active_requests=1),
+            D("d2", active_requests=6, active_decode_blocks=400.0)]
+    d = route(i, busy, params(), random.Random(0))
+    assert d.decode_url == "d1" and not by_url(d.decode_candidates)["d2"].prefix_affinity
+
+
+def test_prefix_affinity_needs_a_unique_longest_holder():
+    i = inp(3200, overlaps={"d1": TierOverlap(device_blocks=150),
+                            "d2": TierOverlap(device_blocks=150)})
+    workers = [P("p1"), D("d1", active_decode_blocks=50.0), D("d2")]
+    d = route(i, workers, params(), random.Random(0))
+    assert d.decode_url == "d2" and d.reason.startswith("least loaded")
+
+
 # --------------------------------------------------------------------------- decode-only
 
 
@@ -348,7 +374,7 @@ def test_property_chosen_workers_have_minimum_cost():
         seen_modes[d.mode] += 1
         dc = by_url(d.decode_candidates)
         chosen = dc[d.decode_url]
-        if not chosen.affinity:
+        if not chosen.affinity and not chosen.prefix_affinity:
             eligible = [t for t in dc.values() if not t.over_pressure] or list(dc.values())
             assert chosen.cost == min(t.cost for t in eligible)
             assert not chosen.over_pressure or all(t.over_pressure for t in dc.values())
