@@ -4,6 +4,7 @@ keep-alive reuse, engines that drop idle connections, refused and slow engines."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -72,12 +73,21 @@ def _run(coro):
     return asyncio.run(coro)
 
 
+@contextlib.asynccontextmanager
+async def _engine_and_pool(keepalive_timeout: float = 75.0, **pool_kw):
+    engine = Engine()
+    url = await engine.start(keepalive_timeout)
+    pool = UpstreamPool(**pool_kw)
+    try:
+        yield engine, url, pool
+    finally:
+        pool.close()
+        await engine.stop()
+
+
 def test_json_body_keep_alive_and_headers():
     async def main():
-        engine = Engine()
-        url = await engine.start()
-        pool = UpstreamPool()
-        try:
+        async with _engine_and_pool() as (engine, url, pool):
             for i in range(3):
                 resp = await pool.post(url, "/echo", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
                 assert resp.status == 200
@@ -86,19 +96,13 @@ def test_json_body_keep_alive_and_headers():
             # One connection served all three.
             assert sum(len(v) for v in pool._idle.values()) == 1
             assert [s[2] for s in engine.seen] == ["r0", "r1", "r2"]
-        finally:
-            pool.close()
-            await engine.stop()
 
     _run(main())
 
 
 def test_stream_arrives_in_pieces_and_connection_is_reused():
     async def main():
-        engine = Engine()
-        url = await engine.start()
-        pool = UpstreamPool()
-        try:
+        async with _engine_and_pool() as (engine, url, pool):
             resp = await pool.post(url, "/stream", b"{}")
             pieces = [chunk async for chunk in resp.iter_chunks()]
             assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) \
@@ -107,19 +111,13 @@ def test_stream_arrives_in_pieces_and_connection_is_reused():
             assert sum(len(v) for v in pool._idle.values()) == 1
             resp = await pool.post(url, "/echo", b"1")
             assert await resp.read() == b'{"echo":1}'
-        finally:
-            pool.close()
-            await engine.stop()
 
     _run(main())
 
 
 def test_abandoned_stream_closes_its_connection():
     async def main():
-        engine = Engine()
-        url = await engine.start()
-        pool = UpstreamPool()
-        try:
+        async with _engine_and_pool() as (engine, url, pool):
             resp = await pool.post(url, "/stream", b"{}")
             agen = resp.iter_chunks()
             await agen.__anext__()
@@ -127,40 +125,25 @@ def test_abandoned_stream_closes_its_connection():
             assert sum(len(v) for v in pool._idle.values()) == 0
             resp = await pool.post(url, "/echo", b"2")
             assert await resp.read() == b'{"echo":2}'
-        finally:
-            pool.close()
-            await engine.stop()
 
     _run(main())
 
 
 def test_error_status_is_returned_not_raised():
     async def main():
-        engine = Engine()
-        url = await engine.start()
-        pool = UpstreamPool()
-        try:
+        async with _engine_and_pool() as (engine, url, pool):
             resp = await pool.post(url, "/error", b"{}")
             return resp.status, await resp.read()
-        finally:
-            pool.close()
-            await engine.stop()
 
     assert _run(main()) == (400, b'{"error":"bad"}')
 
 
 def test_engine_closing_idle_connections_is_retried_on_a_new_one():
     async def main():
-        engine = Engine()
-        url = await engine.start(keepalive_timeout=0.2)
-        pool = UpstreamPool()
-        try:
+        async with _engine_and_pool(keepalive_timeout=0.2) as (engine, url, pool):
             assert await (await pool.post(url, "/echo", b"1")).read() == b'{"echo":1}'
             await asyncio.sleep(0.6)  # the engine closes the idle keep-alive connection
             assert await (await pool.post(url, "/echo", b"2")).read() == b'{"echo":2}'
-        finally:
-            pool.close()
-            await engine.stop()
 
     _run(main())
 
@@ -176,16 +159,10 @@ def test_refused_connection_raises_connect_error():
 
 def test_slow_engine_times_out_and_its_connection_is_dropped():
     async def main():
-        engine = Engine()
-        url = await engine.start()
-        pool = UpstreamPool(request_timeout_s=0.3)
-        try:
+        async with _engine_and_pool(request_timeout_s=0.3) as (engine, url, pool):
             with pytest.raises(asyncio.TimeoutError):
                 await pool.post(url, "/slow", b"{}")
             assert sum(len(v) for v in pool._idle.values()) == 0
-        finally:
-            pool.close()
-            await engine.stop()
 
     _run(main())
 
