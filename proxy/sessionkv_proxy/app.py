@@ -451,7 +451,8 @@ async def _lifecycle(app: web.Application):
         import redis.asyncio as aioredis
 
         state.handles_redis = aioredis.Redis.from_url(handles_url)
-    state.router = Router(config, state.pool, state.index, state.http, state.handles_redis)
+    state.router = Router(config, state.pool, state.index, state.http, state.handles_redis,
+                          upstream=state.upstream)
     sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
                             replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
                             block_size_tokens=config.block_size)

@@ -8,6 +8,7 @@ answer here costs speed only: the connector verifies every block it attaches.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -27,6 +28,7 @@ from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, KVIndex
+from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
     SessionRecord,
     decode_published_handle,
@@ -57,8 +59,10 @@ class RoutePlan:
 
 class Router:
     def __init__(self, config: ProxyConfig, pool: EnginePool, index: KVIndex,
-                 http: aiohttp.ClientSession, handles_redis=None, rng: random.Random | None = None):
+                 http: aiohttp.ClientSession, handles_redis=None, rng: random.Random | None = None,
+                 upstream: UpstreamPool | None = None):
         self.config = config
+        self.upstream = upstream  # the hot path's client; aiohttp when None
         self.pool = pool
         self.index = index
         self.http = http
@@ -95,19 +99,29 @@ class Router:
             if "add_special_tokens" in body:
                 req["add_special_tokens"] = body["add_special_tokens"]
         try:
-            async with self.http.post(f"{engine.url}/tokenize", data=_json.encode(req),
-                                      headers={"Content-Type": "application/json"}) as resp:
-                if resp.status >= 400:
-                    detail = await resp.text()
-                    if resp.status < 500:
-                        raise ApiError(resp.status, f"cannot tokenize the prompt: {detail[:500]}")
-                    return None
-                out = await resp.json()
-        except (aiohttp.ClientError, OSError) as exc:
+            status, data = await self._post_tokenize(engine.url, _json.encode(req))
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
             logger.warning("tokenize on %s failed: %r; routing on load only", engine.url, exc)
             return None
-        tokens = out.get("tokens")
+        if status >= 400:
+            if status < 500:
+                raise ApiError(status, "cannot tokenize the prompt: "
+                               f"{data[:500].decode(errors='replace')}")
+            return None
+        try:
+            out = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            return None
+        tokens = out.get("tokens") if isinstance(out, dict) else None
         return tokens if isinstance(tokens, list) else None
+
+    async def _post_tokenize(self, url: str, payload: bytes) -> tuple[int, bytes]:
+        if self.upstream is not None:
+            resp = await self.upstream.post(url, "/tokenize", payload)
+            return resp.status, await resp.read()
+        async with self.http.post(f"{url}/tokenize", data=payload,
+                                  headers={"Content-Type": "application/json"}) as resp:
+            return resp.status, await resp.read()
 
     # ------------------------------------------------------------ sessions
     async def load_session(self, session_id: str | None) -> SessionRecord | None:
