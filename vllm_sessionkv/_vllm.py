@@ -49,8 +49,6 @@ __all__ = [
     "create_metric_per_engine",
     "disable_stock_recompute_threshold",
     "is_cpu_platform",
-    "let_engine_idle_while_holding",
-    "has_unsent_connector_meta",
     "host_tier_events",
     "kv_bytes_per_block",
     "kv_bytes_per_token",
@@ -123,45 +121,6 @@ def shorten_pending_send(scheduler: NixlPullConnectorScheduler, request_id: str,
     """Release a held request's blocks after ``grace_s`` (the worker overwrites the
     deadline of a request it still tracks)."""
     scheduler._reqs_need_send[request_id] = time.perf_counter() + grace_s
-
-
-def let_engine_idle_while_holding() -> None:
-    """Let the engine loop block on its input queue while the only finished requests
-    it keeps are session holds.
-
-    vLLM 0.32's ``Scheduler.has_finished_requests`` counts every request whose blocks
-    a connector keeps after it finished, so the engine core steps empty batches in a
-    busy loop (one core at 100%) for as long as any hold lasts: stock P holds last
-    until D reads, ours last a session lease (minutes).  The connector's
-    ``sessionkv_may_idle(num_delayed)``, asked only when nothing else needs a step,
-    says whether all of those are idle session holds; they are then settled (read notifications, expiry) at the next
-    step any new request causes.  Patched on the class once per process; a scheduler
-    whose connector has no ``sessionkv_may_idle`` keeps stock behaviour.
-    """
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    if getattr(Scheduler, "_sessionkv_idle_patch", False):
-        return
-    stock = Scheduler.has_finished_requests
-
-    def has_finished_requests(self) -> bool:
-        if not stock(self):
-            return False
-        connector = self.connector
-        ask = getattr(connector, "sessionkv_may_idle", None)
-        if self.finished_req_ids or ask is None:
-            return True
-        num_running, num_waiting = self.get_request_counts()
-        return not ask(len(self.requests) - num_running - num_waiting)
-
-    Scheduler.has_finished_requests = has_finished_requests
-    Scheduler._sessionkv_idle_patch = True
-
-
-def has_unsent_connector_meta(scheduler: NixlPullConnectorScheduler) -> bool:
-    """Whether stock scheduler state still waits for a step to reach the worker."""
-    return bool(scheduler._reqs_need_send or scheduler._reqs_need_recv
-                or scheduler._reqs_in_batch or scheduler._reqs_not_processed)
 
 
 def pending_send_deadline_unix_s(deadline_perf_counter: float) -> float:

@@ -49,18 +49,11 @@ class SessionKVConnector(_vllm.NixlPullConnector):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = SessionKVScheduler(
                 vllm_config, self.engine_id, kv_cache_config, config)
-            _vllm.let_engine_idle_while_holding()
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = SessionKVWorker(
                 vllm_config, self.engine_id, kv_cache_config, config)
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
-
-    def sessionkv_may_idle(self, num_delayed: int) -> bool:
-        """Whether the engine may stop stepping with ``num_delayed`` finished
-        requests still holding blocks (see ``_vllm.let_engine_idle_while_holding``)."""
-        return (self.connector_scheduler is not None
-                and self.connector_scheduler.may_idle(num_delayed))
 
     def take_events(self):
         if self.connector_scheduler is not None:

@@ -42,10 +42,6 @@ logger = logging.getLogger("vllm.sessionkv.scheduler")
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-# Steps the engine keeps taking after a hold changed, so its deadline and any host
-# copy reach the worker before the engine may go idle.
-_HOLDS_SETTLE_S = 1.0
-
 class _Plan(msgspec.Struct):
     """What we decided for one request, kept until it finishes."""
 
@@ -83,7 +79,6 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # The request whose blocks this engine holds for each session, and back.
         self._session_holds: dict[str, str] = {}
         self._hold_sessions: dict[str, str] = {}
-        self._holds_changed_s = 0.0  # monotonic time a hold was last set or released
         self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
         # Host-DRAM tier: this side decides and tracks; the worker copies.
         self.host: HostTierManager | None = None
@@ -375,17 +370,6 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._attach_host_ops(meta)
         return meta
 
-    def may_idle(self, num_delayed: int) -> bool:
-        """Whether the engine may stop stepping while ``num_delayed`` finished requests
-        keep their blocks: only if every one is a live session hold (a stock P->D
-        send or a superseded hold in its grace period needs steps to be freed on
-        time), nothing waits for a step to reach the worker (hold deadlines, host
-        copies, pins), and the holds have been settled for a moment."""
-        return (num_delayed <= len(self._hold_sessions)
-                and not self._host_ops and not any(self._host_pins)
-                and not _vllm.has_unsent_connector_meta(self)
-                and time.monotonic() - self._holds_changed_s >= _HOLDS_SETTLE_S)
-
     def update_connector_output(self, connector_output) -> None:
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
@@ -403,7 +387,6 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if plan is not None and plan.pull_started_s:
                 plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
         for req_id in getattr(connector_output, "finished_sending", None) or ():
-            self._holds_changed_s = time.monotonic()
             session_id = self._hold_sessions.pop(req_id, None)
             if session_id is not None and self._session_holds.get(session_id) == req_id:
                 del self._session_holds[session_id]
@@ -481,7 +464,6 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
 
         The old turn's blocks are released after a grace period rather than at once,
         in case a pull of them is still in flight."""
-        self._holds_changed_s = time.monotonic()
         previous = self._session_holds.get(session_id)
         if previous is not None and previous != request_id:
             _vllm.shorten_pending_send(self, previous, self.config.superseded_hold_grace_s)

@@ -21,48 +21,10 @@ def test_pinned_version_is_installed():
 
 def test_scheduler_private_state_exists():
     src = inspect.getsource(_vllm.NixlPullConnectorScheduler.__mro__[1].__init__)
-    for attr in ("_reqs_need_send", "_reqs_not_processed", "_reqs_in_batch", "_reqs_need_recv",
+    for attr in ("_reqs_need_send", "_reqs_not_processed", "_reqs_in_batch",
                  "kv_recompute_threshold", "is_bidirectional_kv_xfer_enabled", "block_size"):
         assert f"self.{attr}" in src, attr
     assert hasattr(_vllm.NixlPullConnectorScheduler, "_get_remote_prefill_token_count")
-
-
-def test_idle_patch_wraps_the_scheduler_check_it_relies_on():
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    src = inspect.getsource(Scheduler.has_requests)
-    assert "has_finished_requests()" in src
-    stock = inspect.getsource(Scheduler.has_finished_requests)
-    if not getattr(Scheduler, "_sessionkv_idle_patch", False):
-        assert "len(self.requests) > (num_running + num_waiting)" in stock
-    _vllm.let_engine_idle_while_holding()
-    _vllm.let_engine_idle_while_holding()  # idempotent
-
-    class Connector:
-        def __init__(self, answer):
-            self.answer, self.asked = answer, []
-
-        def sessionkv_may_idle(self, num_delayed):
-            self.asked.append(num_delayed)
-            return self.answer
-
-    class Fake:
-        finished_req_ids: set = set()
-        requests = {"held": object(), "running": object()}
-
-        def get_request_counts(self):
-            return 1, 0
-
-    for answer in (True, False):
-        fake = Fake()
-        fake.connector = Connector(answer)
-        assert Scheduler.has_finished_requests(fake) is (not answer)
-        assert fake.connector.asked == [1]
-    fake = Fake()
-    fake.connector = None
-    assert Scheduler.has_finished_requests(fake) is False
-    fake.connector = object()  # another connector: stock behaviour
-    assert Scheduler.has_finished_requests(fake) is True
 
 
 def test_worker_agent_config_hook_exists():
