@@ -131,22 +131,34 @@ def verified_prefix_blocks(local_hashes: Sequence[bytes], remote_chain: Sequence
 
 
 def request_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None,
-                 lora_name: str | None = None) -> list[RequestKey]:
+                 lora_name: str | None = None,
+                 parent: RequestKey | None = None) -> list[RequestKey]:
     """The router's content keys: one chained 64-bit key per full block.
 
     Tenant salt and LoRA name are folded into the first block, as vLLM does with its
-    extra keys, so two tenants sharing a prompt never share index entries.
+    extra keys, so two tenants sharing a prompt never share index entries.  With
+    ``parent`` the chain continues after that key (a KV event's run that extends an
+    earlier one); salt and LoRA name are then already folded into the parent.
     """
-    keys: list[RequestKey] = []
-    parent = b""
-    if salt or lora_name:
-        parent = hashlib.blake2b(f"{salt or ''}\x00{lora_name or ''}".encode(),
-                                 digest_size=8).digest()
+    if parent is not None:
+        prev = int(parent).to_bytes(CHAIN_HASH_BYTES, "little")
+    elif salt or lora_name:
+        prev = hashlib.blake2b(f"{salt or ''}\x00{lora_name or ''}".encode(),
+                               digest_size=CHAIN_HASH_BYTES).digest()
+    else:
+        prev = b""
     n_blocks = full_blocks(len(token_ids), block_size)
-    for block in range(n_blocks):
-        chunk = token_ids[block * block_size:(block + 1) * block_size]
-        h = hashlib.blake2b(parent, digest_size=8)
-        h.update(array.array("I", chunk).tobytes())
-        parent = h.digest()
-        keys.append(RequestKey(int.from_bytes(parent, "little")))
+    if not n_blocks:
+        return []
+    # One conversion for the whole prompt, then a view per block (the hot path
+    # hashes every routed prompt).
+    data = memoryview(array.array("I", token_ids[:n_blocks * block_size]).tobytes())
+    step = block_size * 4
+    blake2b = hashlib.blake2b
+    keys: list[RequestKey] = []
+    for offset in range(0, n_blocks * step, step):
+        h = blake2b(prev, digest_size=CHAIN_HASH_BYTES)
+        h.update(data[offset:offset + step])
+        prev = h.digest()
+        keys.append(int.from_bytes(prev, "little"))
     return keys
