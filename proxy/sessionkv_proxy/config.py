@@ -59,8 +59,13 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     policy: str = "cost"
     # Parameters passed to the routing policy (see policy.RoutingParams).
     params: dict[str, Any] = msgspec.field(default_factory=dict)
+    # How long the router credits a prefix to the workers it just sent it to, before
+    # their KV events confirm it (see recent.py); 0 turns it off.
+    recent_routes_ttl_s: float = 30.0
 
     def __post_init__(self):
+        if self.recent_routes_ttl_s < 0:
+            raise ValueError("routing.recent_routes_ttl_s must be >= 0")
         if self.policy not in ("cost", "round_robin"):
             raise ValueError(f"routing.policy must be 'cost' or 'round_robin', got {self.policy!r}")
         from sessionkv_proxy.policy import routing_params_from_config

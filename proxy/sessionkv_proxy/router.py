@@ -28,6 +28,7 @@ from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, KVIndex
+from sessionkv_proxy.recent import RecentRoutes
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
     SessionRecord,
@@ -73,6 +74,7 @@ class Router:
         # then the policy credits pullable blocks with a fixed weight.
         self.kv_bytes_per_token = float(config.routing.params.get("kv_bytes_per_token", 0.0))
         self._rr = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
+        self.recent = RecentRoutes(ttl_s=config.routing.recent_routes_ttl_s)
 
     # ------------------------------------------------------------ token ids
     async def prompt_token_ids(self, body: dict[str, Any], is_chat: bool) -> list[int] | None:
@@ -235,6 +237,10 @@ class Router:
         record = await self.load_session(session_id)
         handle, outcome, source = await self._usable_handle(record, session_id, tenant)
         matches = await self.index.lookup(keys) if keys else {}
+        now_s = time.time()
+        for engine, depth in self.recent.overlaps(keys, now_s).items():
+            tiers = matches.setdefault(engine, {})
+            tiers[TIER_DEVICE] = max(tiers.get(TIER_DEVICE, 0), depth)
         peer_blocks = 0
         expires_at = None
         if handle is not None:
@@ -262,7 +268,7 @@ class Router:
         try:
             decision = policy.route(
                 policy.RouteInput(prompt_tokens=num_tokens, block_size=block_size,
-                                  now_s=time.time(),
+                                  now_s=now_s,
                                   overlaps=policy.overlaps_from_match(matches),
                                   session=session_view, peer_pullable_blocks=peer_blocks,
                                   kv_bytes_per_token=self.kv_bytes_per_token),
@@ -271,6 +277,9 @@ class Router:
             raise ApiError(503, str(exc), type_="server_error") from None
         decode = self.pool.get(decision.decode_url)
         prefill = self.pool.get(decision.prefill_url) if decision.prefill_url else None
+        if keys:
+            self.recent.record(keys, [u for u in (decision.decode_url, decision.prefill_url)
+                                      if u], now_s)
         mode = decision.mode.value
         prefill_params = None
         if mode == "disaggregated":
