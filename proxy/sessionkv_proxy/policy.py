@@ -48,9 +48,10 @@ under the threshold; if every D is above it, affinity is kept, since moving then
 only adds a transfer and evicts elsewhere.
 
 *Prefix affinity*: without a live session, the D holding the longest prefix (index
-overlap) gets the request while its in-flight requests stay within
-``decode_affinity_load_bound`` times the pool mean (bounded-load consistent hashing);
-beyond that, the cost argmin.  The cost alone cannot keep a prefix in place under
+overlap) gets the request while that prefix saves at least
+``decode_affinity_min_gain`` of the prompt over the next best D and its in-flight
+requests stay within ``decode_affinity_load_bound`` times the pool mean (bounded-load
+consistent hashing); otherwise the cost argmin.  The cost alone cannot keep a prefix in place under
 concurrency: one extra in-flight request on the holder outweighs the blocks it saves,
 so a plain argmin scatters a prefix group over every D (what Dynamo's and
 vllm-router's users see), while the bound caps the imbalance affinity may cause.
@@ -194,6 +195,10 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # pool mean ("consistent hashing with bounded loads", Mirrokni et al.); beyond
     # it, the cheapest worker.  0 turns prefix affinity off (pure cost argmin).
     decode_affinity_load_bound: float = 1.25
+    # ... and only while its prefix saves at least this share of the prompt over the
+    # next best worker: a short prefix every prompt shares (a tag, a common system
+    # prompt held by one worker so far) must not pull new groups onto one worker.
+    decode_affinity_min_gain: float = 0.25
     # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
     decode_only_without_prefill: bool = True
     temperature: float = 0.0  # 0: argmin; > 0: softmax over normalised costs
@@ -204,7 +209,8 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                      "decode_affinity_load_bound"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingParams.{name} must be >= 0")
-        for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage"):
+        for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage",
+                     "decode_affinity_min_gain"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"RoutingParams.{name} must be in [0, 1]")
 
@@ -381,17 +387,22 @@ def pick(costs: Mapping[str, float], temperature: float, rng: random.Random) -> 
     return rng.choices(urls, weights=weights)[0]
 
 
-def _prefix_holder(terms: Sequence[DecodeTerms], bound: float) -> DecodeTerms | None:
-    """The worker holding the longest prefix, if its load is within the bound."""
-    if bound <= 0:
+def _prefix_holder(terms: Sequence[DecodeTerms], params: RoutingParams) -> DecodeTerms | None:
+    """The worker holding the longest prefix, if that prefix is worth keeping the
+    request there and the worker's load is within the bound."""
+    if params.decode_affinity_load_bound <= 0 or len(terms) < 2:
         return None
-    best = max(terms, key=lambda t: (t.device_blocks, -t.cost, t.url))
-    if best.device_blocks <= 0 or sum(t.device_blocks == best.device_blocks for t in terms) > 1:
-        return None  # nobody, or several alike: leave it to the cost
-    # With the new request counted, at most ceil(bound * mean) requests (the bounded
-    # loads capacity; the ceiling lets two workers differ by one request).
+    ranked = sorted(terms, key=lambda t: (-t.device_blocks, t.cost, t.url))
+    best, runner_up = ranked[0], ranked[1]
+    prompt_blocks = best.device_blocks + best.new_blocks
+    gain = best.device_blocks - runner_up.device_blocks
+    if gain <= 0 or gain < params.decode_affinity_min_gain * prompt_blocks:
+        return None  # nobody, several alike, or too little to be worth a hot spot
+    # With the new request counted: at most ``bound`` times the mean, and one more
+    # than the mean, so two workers may differ by one request at low concurrency.
     total = sum(t.active_requests for t in terms) + 1
-    limit = math.ceil(bound * total / len(terms) - 1e-9)
+    mean = total / len(terms)
+    limit = max(params.decode_affinity_load_bound * mean, mean + 1)
     return best if best.active_requests + 1 <= limit else None
 
 
@@ -408,7 +419,7 @@ def _pick_decode(
         reason = "session affinity dropped: kv pressure"
     elif under:
         reason = "least loaded decode"
-        prefix = _prefix_holder(under, params.decode_affinity_load_bound)
+        prefix = _prefix_holder(under, params)
         if prefix is not None:
             return prefix.url, "prefix affinity"
     else:

@@ -272,11 +272,24 @@ def test_prefix_affinity_holds_under_small_imbalance_and_yields_beyond_the_bound
     assert by_url(d.decode_candidates)["d2"].prefix_affinity
     assert route(i, workers, params(decode_affinity_load_bound=0),
                  random.Random(0)).decode_url == "d1"
-    # Far over the mean: 6 + 1 > ceil(1.25 * (6 + 1 + 1) / 2).
+    # Far over the mean: 6 + 1 > max(1.25 * 4, 4 + 1).
     busy = [P("p1"), D("d1", active_requests=1),
             D("d2", active_requests=6, active_decode_blocks=400.0)]
     d = route(i, busy, params(), random.Random(0))
     assert d.decode_url == "d1" and not by_url(d.decode_candidates)["d2"].prefix_affinity
+
+
+def test_prefix_affinity_needs_a_real_gain_over_the_next_worker():
+    # d2 holds only a short shared prefix (10 of 200 blocks): placement by cost.
+    i = inp(3200, overlaps={"d2": TierOverlap(device_blocks=10)})
+    workers = [P("p1"), D("d1"), D("d2", active_requests=1, active_decode_blocks=300.0)]
+    assert route(i, workers, params(), random.Random(0)).decode_url == "d1"
+    # Both hold the shared part; d2 also holds the group's own 150 blocks.
+    i = inp(3200, overlaps={"d1": TierOverlap(device_blocks=10),
+                            "d2": TierOverlap(device_blocks=160)})
+    assert route(i, workers, params(), random.Random(0)).decode_url == "d2"
+    assert route(i, workers, params(decode_affinity_min_gain=0.9),
+                 random.Random(0)).decode_url == "d1"
 
 
 def test_prefix_affinity_needs_a_unique_longest_holder():
