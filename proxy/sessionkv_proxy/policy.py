@@ -36,10 +36,14 @@ P cost, in blocks of prefill work (Dynamo's linear cost)::
 * ``active_decode_blocks``: KV the worker holds for running requests (on P: blocks
   waiting for D to pull).  It is memory, not compute, so it has its own scale.
 
-D cost, in blocks: ``decode_load_scale * (active_decode_blocks + new_blocks)``, where
+D cost, in blocks: ``decode_load_scale * (active_decode_blocks + new_blocks +
+decode_recent_weight * prompt_blocks * excess_recent_requests)``, where
 ``new_blocks = prompt_blocks - device_blocks`` is what D must receive or compute; the
 prefix it holds on device (index overlap, or the session's verified blocks on the
-session's D) it reuses.  *Session affinity* sends the request to the D that holds the
+session's D) it reuses, and ``excess_recent_requests`` counts the requests the proxy
+sent the worker in a recent window beyond the least sent-to worker's count (cache
+hits are short, so in-flight KV alone would hand a cache-rich worker every new
+prefix and session).  *Session affinity* sends the request to the D that holds the
 session while its lease runs, because that is where the longest prefix is and where
 the next turn's KV will be.  KV pressure is D's ``kv_usage`` from ``/metrics``: it
 includes KV retained for idle sessions, which the proxy's in-flight counts cannot
@@ -131,6 +135,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     active_prefill_blocks: float = 0.0  # prompt blocks routed here and not yet prefilled
     active_decode_blocks: float = 0.0  # KV blocks of requests routed here and still running
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc as a fraction in [0, 1]
+    recent_requests: int = 0  # requests this proxy routed here in the last window
 
 
 class TierOverlap(msgspec.Struct, frozen=True):
@@ -199,6 +204,12 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # next best worker: a short prefix every prompt shares (a tag, a common system
     # prompt held by one worker so far) must not pull new groups onto one worker.
     decode_affinity_min_gain: float = 0.25
+    # Each request a decode worker was sent in the recent window, beyond the least
+    # sent-to worker's count, weighs this share of the request's prompt blocks in its
+    # cost.  In-flight KV alone lets a worker whose requests are cache hits (short)
+    # look idle and collect every new prefix and session; this spreads placements by
+    # count as well.  0 turns it off.
+    decode_recent_weight: float = 2.0
     # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
     decode_only_without_prefill: bool = True
     temperature: float = 0.0  # 0: argmin; > 0: softmax over normalised costs
@@ -206,7 +217,7 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def __post_init__(self) -> None:
         for name in ("prefill_load_scale", "decode_load_scale", "overlap_credit_decay",
                      "temperature", "decode_only_max_active_requests",
-                     "decode_affinity_load_bound"):
+                     "decode_affinity_load_bound", "decode_recent_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingParams.{name} must be >= 0")
         for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage",
@@ -245,6 +256,7 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     active_requests: int
     affinity: bool  # holds the request's live session
     over_pressure: bool
+    recent_requests: int = 0
     prefix_affinity: bool = False  # chosen for its prefix, within the load bound
     cost: float
 
@@ -347,6 +359,7 @@ def score_decode(
     decode = sorted(healthy_workers(workers, Role.DECODE), key=lambda w: w.url)
     holder = _live_session_holder(inp, {w.url for w in decode})
     prompt_blocks = inp.prompt_blocks
+    fewest_recent = min(w.recent_requests for w in decode)
     out = []
     for w in decode:
         device = inp.overlaps.get(w.url, TierOverlap()).device_blocks
@@ -360,7 +373,10 @@ def score_decode(
             new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
             affinity=w.url == holder,
             over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
-            cost=params.decode_load_scale * (w.active_decode_blocks + new),
+            recent_requests=w.recent_requests,
+            cost=params.decode_load_scale * (
+                w.active_decode_blocks + new + params.decode_recent_weight * prompt_blocks
+                * (w.recent_requests - fewest_recent)),
         ))
     return tuple(out)
 

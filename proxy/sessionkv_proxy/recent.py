@@ -10,13 +10,16 @@ router records each decision's request keys for a short time and the policy cred
 them like device blocks; after ``ttl_s`` only the index (the engines' own word)
 counts, so a prefix an engine has since evicted stops attracting requests.
 
+It also counts the requests each worker was sent in the same window, so placement
+can spread new prefixes and sessions by count as well as by in-flight work.
+
 In-process only: another replica learns the same prefix from the index a moment
 later.  A wrong guess costs speed, never correctness (the engines verify).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 
 __all__ = ["RecentRoutes"]
@@ -29,6 +32,7 @@ class RecentRoutes:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._keys: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self._sent: dict[str, deque[float]] = {}  # engine -> times it was sent a request
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -38,6 +42,8 @@ class RecentRoutes:
         if self.ttl_s == 0:
             return
         engines = tuple(engines)
+        for engine in engines:
+            self._sent.setdefault(engine, deque()).append(now_s)
         table = self._keys
         for key in keys:
             seen = table.get(key)
@@ -49,6 +55,16 @@ class RecentRoutes:
                 seen[engine] = now_s
         while len(table) > self.max_keys:
             table.popitem(last=False)
+
+    def sent_counts(self, now_s: float) -> dict[str, int]:
+        """Engine -> requests it was sent within ``ttl_s``."""
+        oldest = now_s - self.ttl_s
+        out = {}
+        for engine, times in self._sent.items():
+            while times and times[0] < oldest:
+                times.popleft()
+            out[engine] = len(times)
+        return out
 
     def overlaps(self, keys: Sequence[int], now_s: float) -> dict[str, int]:
         """Engine -> leading keys of ``keys`` it was sent within ``ttl_s``."""

@@ -292,6 +292,21 @@ def test_prefix_affinity_needs_a_real_gain_over_the_next_worker():
                  random.Random(0)).decode_url == "d1"
 
 
+def test_recent_requests_spread_new_placements_by_count():
+    # d1 looks idle (its requests were short cache hits) but was sent 8 more requests
+    # lately than d2: a new prefix goes to d2 despite d2's in-flight KV.
+    i = inp(3200)
+    workers = [P("p1"), D("d1", recent_requests=10),
+               D("d2", active_decode_blocks=300.0, recent_requests=2)]
+    t = by_url(score_decode(i, workers, params()))
+    assert t["d1"].cost == 200 + 2.0 * 200 * 8 and t["d2"].cost == 300 + 200
+    assert route(i, workers, params(), random.Random(0)).decode_url == "d2"
+    assert route(i, workers, params(decode_recent_weight=0), random.Random(0)).decode_url == "d1"
+    # A session keeps its D whatever the counts.
+    s = inp(3200, session=session("d1"), peer_pullable_blocks=50)
+    assert route(s, workers, params(), random.Random(0)).decode_url == "d1"
+
+
 def test_prefix_affinity_needs_a_unique_longest_holder():
     i = inp(3200, overlaps={"d1": TierOverlap(device_blocks=150),
                             "d2": TierOverlap(device_blocks=150)})
