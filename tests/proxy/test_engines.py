@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 from aiohttp import web
@@ -26,13 +25,7 @@ def test_parse_sums_label_sets_and_skips_nan():
                    "vllm:kv_cache_usage_perc": 0.25}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _serve(delay_s: float) -> tuple[web.AppRunner, str]:
+async def _serve(port: int, delay_s: float) -> tuple[web.AppRunner, str]:
     async def metrics(_request):
         await asyncio.sleep(delay_s)
         return web.Response(text=METRICS)
@@ -41,14 +34,13 @@ async def _serve(delay_s: float) -> tuple[web.AppRunner, str]:
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app)
     await runner.setup()
-    port = _free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     return runner, f"http://127.0.0.1:{port}"
 
 
-def test_slow_scrape_keeps_engine_healthy_and_its_last_load():
+def test_slow_scrape_keeps_engine_healthy_and_its_last_load(free_port):
     async def main():
-        fast_runner, url = await _serve(0.0)
+        fast_runner, url = await _serve(free_port(), 0.0)
         pool = EnginePool.from_configs([EngineConfig(url=url, role=Role.DECODE)])
         engine = pool.engines[0]
         slow = []
@@ -56,7 +48,7 @@ def test_slow_scrape_keeps_engine_healthy_and_its_last_load():
             await pool._scrape(http, engine, 1.0)
             assert (engine.running_requests, engine.kv_usage) == (3.0, 0.25)
             await fast_runner.cleanup()
-            slow_runner, slow_url = await _serve(0.5)
+            slow_runner, slow_url = await _serve(free_port(), 0.5)
             engine.config = EngineConfig(url=slow_url, role=Role.DECODE)
             for _ in range(3):
                 await pool._scrape(http, engine, 0.1, on_slow=slow.append)
@@ -68,9 +60,9 @@ def test_slow_scrape_keeps_engine_healthy_and_its_last_load():
     assert (engine.running_requests, engine.kv_usage) == (3.0, 0.25)
 
 
-def test_refused_scrapes_mark_engine_unhealthy_until_it_answers():
+def test_refused_scrapes_mark_engine_unhealthy_until_it_answers(free_port):
     async def main():
-        dead = f"http://127.0.0.1:{_free_port()}"
+        dead = f"http://127.0.0.1:{free_port()}"
         pool = EnginePool.from_configs([EngineConfig(url=dead, role=Role.DECODE)])
         engine = pool.engines[0]
         async with aiohttp.ClientSession() as http:
@@ -78,7 +70,7 @@ def test_refused_scrapes_mark_engine_unhealthy_until_it_answers():
             after_one = engine.healthy
             await pool._scrape(http, engine, 1.0)
             after_two = engine.healthy
-            runner, url = await _serve(0.0)
+            runner, url = await _serve(free_port(), 0.0)
             engine.config = EngineConfig(url=url, role=Role.DECODE)
             await pool._scrape(http, engine, 1.0)
             await runner.cleanup()

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 
 import pytest
 from aiohttp import web
 
 from sessionkv_proxy.upstream import UpstreamConnectError, UpstreamPool
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Engine:
@@ -25,7 +18,7 @@ class Engine:
     def __init__(self) -> None:
         self.seen: list[tuple[str, bytes, str | None]] = []
 
-    async def start(self, keepalive_timeout: float = 75.0) -> str:
+    async def start(self, port: int, keepalive_timeout: float = 75.0) -> str:
         async def echo(request: web.Request):
             body = await request.read()
             self.seen.append((request.path, body, request.headers.get("X-Request-Id")))
@@ -59,7 +52,6 @@ class Engine:
 
         self.runner = web.AppRunner(app, keepalive_timeout=keepalive_timeout)
         await self.runner.setup()
-        port = _free_port()
         site = web.TCPSite(self.runner, "127.0.0.1", port)
         await site.start()
         self.url = f"http://127.0.0.1:{port}"
@@ -74,9 +66,9 @@ def _run(coro):
 
 
 @contextlib.asynccontextmanager
-async def _engine_and_pool(keepalive_timeout: float = 75.0, **pool_kw):
+async def _engine_and_pool(port: int, keepalive_timeout: float = 75.0, **pool_kw):
     engine = Engine()
-    url = await engine.start(keepalive_timeout)
+    url = await engine.start(port, keepalive_timeout)
     pool = UpstreamPool(**pool_kw)
     try:
         yield engine, url, pool
@@ -85,9 +77,9 @@ async def _engine_and_pool(keepalive_timeout: float = 75.0, **pool_kw):
         await engine.stop()
 
 
-def test_json_body_keep_alive_and_headers():
+def test_json_body_keep_alive_and_headers(free_port):
     async def main():
-        async with _engine_and_pool() as (engine, url, pool):
+        async with _engine_and_pool(free_port()) as (engine, url, pool):
             for i in range(3):
                 resp = await pool.post(url, "/echo", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
                 assert resp.status == 200
@@ -100,9 +92,9 @@ def test_json_body_keep_alive_and_headers():
     _run(main())
 
 
-def test_stream_arrives_in_pieces_and_connection_is_reused():
+def test_stream_arrives_in_pieces_and_connection_is_reused(free_port):
     async def main():
-        async with _engine_and_pool() as (engine, url, pool):
+        async with _engine_and_pool(free_port()) as (engine, url, pool):
             resp = await pool.post(url, "/stream", b"{}")
             pieces = [chunk async for chunk in resp.iter_chunks()]
             assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) \
@@ -115,9 +107,9 @@ def test_stream_arrives_in_pieces_and_connection_is_reused():
     _run(main())
 
 
-def test_abandoned_stream_closes_its_connection():
+def test_abandoned_stream_closes_its_connection(free_port):
     async def main():
-        async with _engine_and_pool() as (engine, url, pool):
+        async with _engine_and_pool(free_port()) as (engine, url, pool):
             resp = await pool.post(url, "/stream", b"{}")
             agen = resp.iter_chunks()
             await agen.__anext__()
@@ -129,18 +121,18 @@ def test_abandoned_stream_closes_its_connection():
     _run(main())
 
 
-def test_error_status_is_returned_not_raised():
+def test_error_status_is_returned_not_raised(free_port):
     async def main():
-        async with _engine_and_pool() as (engine, url, pool):
+        async with _engine_and_pool(free_port()) as (engine, url, pool):
             resp = await pool.post(url, "/error", b"{}")
             return resp.status, await resp.read()
 
     assert _run(main()) == (400, b'{"error":"bad"}')
 
 
-def test_engine_closing_idle_connections_is_retried_on_a_new_one():
+def test_engine_closing_idle_connections_is_retried_on_a_new_one(free_port):
     async def main():
-        async with _engine_and_pool(keepalive_timeout=0.2) as (engine, url, pool):
+        async with _engine_and_pool(free_port(), keepalive_timeout=0.2) as (_, url, pool):
             assert await (await pool.post(url, "/echo", b"1")).read() == b'{"echo":1}'
             await asyncio.sleep(0.6)  # the engine closes the idle keep-alive connection
             assert await (await pool.post(url, "/echo", b"2")).read() == b'{"echo":2}'
@@ -148,18 +140,18 @@ def test_engine_closing_idle_connections_is_retried_on_a_new_one():
     _run(main())
 
 
-def test_refused_connection_raises_connect_error():
+def test_refused_connection_raises_connect_error(free_port):
     async def main():
         pool = UpstreamPool(connect_timeout_s=1.0)
         with pytest.raises(UpstreamConnectError):
-            await pool.post(f"http://127.0.0.1:{_free_port()}", "/echo", b"{}")
+            await pool.post(f"http://127.0.0.1:{free_port()}", "/echo", b"{}")
 
     _run(main())
 
 
-def test_slow_engine_times_out_and_its_connection_is_dropped():
+def test_slow_engine_times_out_and_its_connection_is_dropped(free_port):
     async def main():
-        async with _engine_and_pool(request_timeout_s=0.3) as (engine, url, pool):
+        async with _engine_and_pool(free_port(), request_timeout_s=0.3) as (_, url, pool):
             with pytest.raises(asyncio.TimeoutError):
                 await pool.post(url, "/slow", b"{}")
             assert sum(len(v) for v in pool._idle.values()) == 0
