@@ -247,17 +247,15 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
         engine.active_decode_tokens += held_tokens
         try:
             upstream = await _send(state, engine, path, payload, request_id)
-        except _Upstream as exc:
+        except BaseException as exc:
             engine.active_requests -= 1
             engine.active_decode_tokens -= held_tokens
+            if not isinstance(exc, _Upstream):
+                raise
             engine = _next_after_connect_failure(state, Role.DECODE, engine, tried,
                                                  attempt, request_id, exc)
             plan.decode = engine
             continue
-        except BaseException:
-            engine.active_requests -= 1
-            engine.active_decode_tokens -= held_tokens
-            raise
         break
     try:
         headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
@@ -451,8 +449,8 @@ async def _lifecycle(app: web.Application):
         import redis.asyncio as aioredis
 
         state.handles_redis = aioredis.Redis.from_url(handles_url)
-    state.router = Router(config, state.pool, state.index, state.http, state.handles_redis,
-                          upstream=state.upstream)
+    state.router = Router(config, state.pool, state.index, state.upstream,
+                          state.handles_redis)
     sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
                             replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
                             block_size_tokens=config.block_size)

@@ -55,10 +55,11 @@ only adds a transfer and evicts elsewhere.
 overlap) gets the request while that prefix saves at least
 ``decode_affinity_min_gain`` of the prompt over the next best D and its in-flight
 requests stay within ``decode_affinity_load_bound`` times the pool mean (bounded-load
-consistent hashing); otherwise the cost argmin.  The cost alone cannot keep a prefix in place under
-concurrency: one extra in-flight request on the holder outweighs the blocks it saves,
-so a plain argmin scatters a prefix group over every D (what Dynamo's and
-vllm-router's users see), while the bound caps the imbalance affinity may cause.
+consistent hashing); otherwise the cost argmin.  The cost alone cannot keep a
+prefix in place under concurrency: one extra in-flight request on the holder
+outweighs the blocks it saves, so a plain argmin scatters a prefix group over every
+D (what Dynamo's and vllm-router's users see), while the bound caps the imbalance
+affinity may cause.
 
 Conditional disaggregation: once D is chosen, the request skips P when
 ``uncached_tokens = prompt_tokens - D's device hit`` is at most
@@ -424,24 +425,26 @@ def _prefix_holder(terms: Sequence[DecodeTerms], params: RoutingParams) -> Decod
 
 def _pick_decode(
     terms: tuple[DecodeTerms, ...], params: RoutingParams, rng: random.Random
-) -> tuple[str, str]:
+) -> tuple[str, str, bool]:
+    """(url, reason, chosen for its prefix)."""
     holder = next((t for t in terms if t.affinity), None)
     under = [t for t in terms if not t.over_pressure]
     if holder is not None and not holder.over_pressure:
-        return holder.url, "session affinity"
+        return holder.url, "session affinity", False
     if holder is not None and not under:
-        return holder.url, "session affinity kept: every decode worker over kv pressure"
+        return (holder.url, "session affinity kept: every decode worker over kv pressure",
+                False)
     if holder is not None:
         reason = "session affinity dropped: kv pressure"
     elif under:
         reason = "least loaded decode"
         prefix = _prefix_holder(under, params)
         if prefix is not None:
-            return prefix.url, "prefix affinity"
+            return prefix.url, "prefix affinity", True
     else:
         reason = "least loaded decode: every decode worker over kv pressure"
     pool = under or list(terms)
-    return pick({t.url: t.cost for t in pool}, params.temperature, rng), reason
+    return pick({t.url: t.cost for t in pool}, params.temperature, rng), reason, False
 
 
 def route(
@@ -458,8 +461,8 @@ def route(
     is off.
     """
     decode_terms = score_decode(inp, workers, params)
-    decode_url, decode_reason = _pick_decode(decode_terms, params, rng)
-    if decode_reason == "prefix affinity":
+    decode_url, decode_reason, by_prefix = _pick_decode(decode_terms, params, rng)
+    if by_prefix:
         decode_terms = tuple(msgspec.structs.replace(t, prefix_affinity=True)
                              if t.url == decode_url else t for t in decode_terms)
     chosen = next(t for t in decode_terms if t.url == decode_url)

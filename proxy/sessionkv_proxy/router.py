@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from vllm_sessionkv.hashing import request_keys
@@ -60,13 +59,11 @@ class RoutePlan:
 
 class Router:
     def __init__(self, config: ProxyConfig, pool: EnginePool, index: KVIndex,
-                 http: aiohttp.ClientSession, handles_redis=None, rng: random.Random | None = None,
-                 upstream: UpstreamPool | None = None):
+                 upstream: UpstreamPool, handles_redis=None, rng: random.Random | None = None):
         self.config = config
-        self.upstream = upstream  # the hot path's client; aiohttp when None
+        self.upstream = upstream  # the hot path's client, also for /tokenize
         self.pool = pool
         self.index = index
-        self.http = http
         self.handles_redis = handles_redis
         self.rng = rng or random.Random()
         self.params = policy.routing_params_from_config(config.routing.params)
@@ -101,8 +98,9 @@ class Router:
             if "add_special_tokens" in body:
                 req["add_special_tokens"] = body["add_special_tokens"]
         try:
-            status, data = await self._post_tokenize(engine.url, _json.encode(req))
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            resp = await self.upstream.post(engine.url, "/tokenize", _json.encode(req))
+            status, data = resp.status, await resp.read()
+        except (OSError, asyncio.TimeoutError) as exc:
             logger.warning("tokenize on %s failed: %r; routing on load only", engine.url, exc)
             return None
         if status >= 400:
@@ -116,14 +114,6 @@ class Router:
             return None
         tokens = out.get("tokens") if isinstance(out, dict) else None
         return tokens if isinstance(tokens, list) else None
-
-    async def _post_tokenize(self, url: str, payload: bytes) -> tuple[int, bytes]:
-        if self.upstream is not None:
-            resp = await self.upstream.post(url, "/tokenize", payload)
-            return resp.status, await resp.read()
-        async with self.http.post(f"{url}/tokenize", data=payload,
-                                  headers={"Content-Type": "application/json"}) as resp:
-            return resp.status, await resp.read()
 
     # ------------------------------------------------------------ sessions
     async def load_session(self, session_id: str | None) -> SessionRecord | None:

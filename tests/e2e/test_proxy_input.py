@@ -7,7 +7,7 @@ Runs against the session's ``pd_cluster`` proxy (real vLLM P and D behind it).
   HTML page; afterwards ``/health`` answers 200 and a normal request through the
   same proxy still equals the co-located baseline.
 * The token ids the router hashes into request keys (``Router.prompt_token_ids``,
-  driven here through a small in-test aiohttp session against the same engines) are
+  driven here through the proxy's own upstream client against the same engines) are
   exactly the ``prompt_token_ids`` vLLM reports for that request when it is sent
   through the proxy.  If they differed, every index lookup would miss.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import aiohttp
 import pytest
 import requests
 
@@ -27,6 +26,7 @@ from sessionkv_proxy.config import EngineConfig, ProxyConfig, Role
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.router import Router
+from sessionkv_proxy.upstream import UpstreamPool
 
 pytestmark = pytest.mark.cluster
 
@@ -186,12 +186,13 @@ async def _router_token_ids(cluster, body: dict, is_chat: bool) -> list[int] | N
                + [EngineConfig(url=u, role=Role.DECODE) for u in cluster.decode])
     config = ProxyConfig(engines=engines)
     index = MemoryIndex()
-    async with aiohttp.ClientSession() as http:
-        router = Router(config, EnginePool.from_configs(config.engines), index, http)
-        try:
-            return await router.prompt_token_ids(body, is_chat)
-        finally:
-            await index.close()
+    upstream = UpstreamPool()
+    router = Router(config, EnginePool.from_configs(config.engines), index, upstream)
+    try:
+        return await router.prompt_token_ids(body, is_chat)
+    finally:
+        upstream.close()
+        await index.close()
 
 
 CHAT_CASES = {
