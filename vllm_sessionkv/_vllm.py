@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -53,7 +54,7 @@ __all__ = [
     "kv_bytes_per_block",
     "kv_bytes_per_token",
     "mark_in_batch",
-    "nixl_progress_thread",
+    "nixl_agent_options",
     "pending_send_deadline_unix_s",
     "request_cache_salt",
     "request_session_id",
@@ -69,23 +70,49 @@ def is_cpu_platform() -> bool:
 
 
 @contextlib.contextmanager
-def nixl_progress_thread(enabled: bool) -> Iterator[None]:
-    """Build the NIXL agent with or without UCX's progress thread.
+def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) -> Iterator[None]:
+    """Build the NIXL agent with our progress-thread and UCX error-handling choices.
 
-    0.32's worker hard-codes ``nixl_agent_config(num_threads=..., capture_telemetry=True)``
-    (``base_worker.py`` l.631-644), whose default progress thread busy-polls with a
-    zero delay: about one core per engine while idle.  vLLM already drives progress
-    every step (``check_xfer_state``/``get_new_notifs``), so the thread is not needed.
+    * ``progress_thread=False``: 0.32's worker builds ``nixl_agent_config(num_threads=...,
+      capture_telemetry=True)`` (``base_worker.py`` l.631-644), and nixl's Python agent
+      hard-codes the thread's poll delay to zero: it spins, about one core per engine.
+      vLLM drives progress every step anyway (``check_xfer_state``/``get_new_notifs``).
+      Without the thread NIXL builds single-threaded UCX workers (nixl
+      ``ucx_utils.cpp`` ``makeMtType``) unless the agent asks for
+      ``NIXL_THREAD_SYNC_RW``, and vLLM calls the agent from two threads at once (the
+      handshake thread: ``add_remote_agent``, ``prep_xfer_dlist``; the engine step:
+      ``transfer``, ``check_xfer_state``, ``get_new_notifs``), so we ask for it.
+    * ``ucx_error_handling``: NIXL's ``ucx_error_handling_mode`` backend parameter,
+      which vLLM does not expose.  NIXL's default, ``"peer"``, rules out UCX's
+      shared-memory transports, so two engines on one host talk over TCP, whose
+      connection set-up needs the *remote* engine to drive UCX progress: a first read
+      from a P that is only stepping to hold its blocks could wait until P's lease
+      ran out.  ``"none"`` lets UCX use shared memory for messages and CMA for reads,
+      which need no progress on the remote side.
     """
-    original = _nixl_base_worker.nixl_agent_config
-    if enabled or original is None:
+    original_config = _nixl_base_worker.nixl_agent_config
+    if original_config is None:
         yield
         return
-    _nixl_base_worker.nixl_agent_config = functools.partial(original, enable_prog_thread=False)
-    try:
+    api = importlib.import_module(original_config.__module__)
+    with contextlib.ExitStack() as undo:
+        if not progress_thread:
+            _nixl_base_worker.nixl_agent_config = functools.partial(
+                original_config, enable_prog_thread=False,
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+            undo.callback(setattr, _nixl_base_worker, "nixl_agent_config", original_config)
+        if ucx_error_handling is not None:
+            create_backend = api.nixl_agent.create_backend
+
+            def create_backend_with_mode(agent, backend, initParams=None):  # noqa: N803
+                params = dict(initParams or {})
+                if backend == "UCX":
+                    params["ucx_error_handling_mode"] = ucx_error_handling
+                return create_backend(agent, backend, params)
+
+            api.nixl_agent.create_backend = create_backend_with_mode
+            undo.callback(setattr, api.nixl_agent, "create_backend", create_backend)
         yield
-    finally:
-        _nixl_base_worker.nixl_agent_config = original
 
 
 def disable_stock_recompute_threshold(scheduler: NixlPullConnectorScheduler) -> None:

@@ -67,9 +67,15 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expiry_margin_s: float = 10.0
     # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
     require_hash_meta_match: bool = True
-    # Turn off NIXL's busy-polling progress thread (costs about a core per engine on
-    # CPU; vLLM already drives progress every step).  None = off on the CPU platform.
+    # NIXL's UCX progress thread.  Its poll delay is hard-coded to zero, so it spins
+    # (about a core per engine); vLLM drives progress every engine step anyway.
+    # None = off on the CPU platform.
     nixl_progress_thread: bool | None = None
+    # UCX peer-failure handling for NIXL's endpoints: "peer" (NIXL's default) or
+    # "none".  "peer" rules out shared-memory transports, so engines on one host
+    # connect over TCP, whose set-up needs the remote engine's progress.  None =
+    # "none" on the CPU platform (engines share a host), NIXL's default elsewhere.
+    nixl_ucx_error_handling: str | None = None
     # Publish each session handle to Redis (key prefix below) for streaming clients.
     redis_url: str | None = None
     redis_key_prefix: str = HANDLE_KEY_PREFIX
@@ -86,8 +92,20 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self):
         if self.host_tier_bytes < 0:
             raise ValueError("host_tier_bytes must be >= 0")
+        if self.nixl_ucx_error_handling not in (None, "peer", "none"):
+            raise ValueError("nixl_ucx_error_handling must be 'peer' or 'none', got "
+                             f"{self.nixl_ucx_error_handling!r}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
+
+    def nixl_agent_options(self, cpu_platform: bool) -> tuple[bool, str | None]:
+        """(progress thread on, UCX error-handling mode) for this platform."""
+        progress_thread = (not cpu_platform if self.nixl_progress_thread is None
+                           else self.nixl_progress_thread)
+        error_handling = self.nixl_ucx_error_handling
+        if error_handling is None and cpu_platform:
+            error_handling = "none"
+        return progress_thread, error_handling
 
 
 def parse_config(extra_config: dict[str, Any] | None) -> SessionKVConfig:

@@ -6,6 +6,7 @@ ids and top-5 logprobs against the co-located baseline.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import psutil
@@ -55,6 +56,58 @@ def test_chat_through_proxy_equals_baseline(pd_cluster, stream):
     base = post(pd_cluster.colocated, "/v1/chat/completions", dict(body, stream=False))
     assert_same(got, base, f"chat stream={stream}")
     assert metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before
+
+
+def test_first_pull_from_a_new_prefill_is_prompt_while_decode_is_busy(pd_cluster):
+    """D's first read from a P it has never talked to, while D is busy decoding.
+
+    With NIXL's default UCX peer error handling, two engines on one host talk over
+    TCP, and setting up that connection needs UCX progress on P, which P only gives
+    in certain states: this first read waited for P's 30 s lease to run out, or for
+    minutes.  It must take about as long as any other pull.  Uses the perturbed-model
+    P, which has handed no KV to D yet (its output is the negative control's
+    business, below)."""
+    p_url = pd_cluster.extras["perturbed_prefill"]
+    d_url = pd_cluster.decode[0]
+    stop = threading.Event()
+
+    def keep_decode_busy(seed: int) -> None:
+        prompt = [(13 * i + seed) % 900 + 20 for i in range(60)]
+        while not stop.is_set():
+            post(d_url, "/v1/completions",
+                 completion_body(pd_cluster.model, prompt, max_tokens=200), timeout=120)
+
+    load = [threading.Thread(target=keep_decode_busy, args=(seed,), daemon=True)
+            for seed in (1, 2)]
+    for thread in load:
+        thread.start()
+    took, crossed = [], False
+    try:
+        time.sleep(1.0)
+        # A handshake can still time out on a loaded 2-core machine (D then
+        # recomputes); a second attempt then makes the first real read.
+        for attempt in range(2):
+            prompt = [(17 * i + 7 + attempt) % 900 + 20 for i in range(140)]
+            p_out = post(p_url, "/v1/completions",
+                         completion_body(pd_cluster.model, prompt, max_tokens=1,
+                                         kv_transfer_params=fresh_prefill_params()))
+            bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
+            started = time.perf_counter()
+            post(d_url, "/v1/completions",
+                 completion_body(pd_cluster.model, prompt, max_tokens=8,
+                                 kv_transfer_params=p_out.raw["kv_transfer_params"]),
+                 timeout=90)
+            took.append(time.perf_counter() - started)
+            if metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before:
+                crossed = True
+                break
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(timeout=150)
+    print(f"first pulls from a new P under load took {[round(t, 2) for t in took]} s")
+    assert crossed, "no NIXL transfer from the new P in 2 attempts"
+    assert max(took) < 15.0, f"a first pull from a new P took {max(took):.1f} s"
 
 
 def test_negative_control_perturbed_prefill_is_detected(pd_cluster):

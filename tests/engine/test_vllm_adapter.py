@@ -34,15 +34,53 @@ def test_worker_agent_config_hook_exists():
     assert "self.xfer_stats" in inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
 
 
-def test_progress_thread_patch_is_scoped():
+def test_nixl_agent_options_are_applied_and_scoped():
+    import importlib
+
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
     original = base_worker.nixl_agent_config
-    with _vllm.nixl_progress_thread(False):
-        if original is not None:
-            assert base_worker.nixl_agent_config is not original
-            assert base_worker.nixl_agent_config.keywords == {"enable_prog_thread": False}
-    assert base_worker.nixl_agent_config is original
+    if original is None:
+        pytest.skip("nixl not installed")
+    api = importlib.import_module(original.__module__)
+    create_backend = api.nixl_agent.create_backend
+    seen = []
+
+    def recording_create_backend(agent, backend, initParams=None):  # noqa: N803
+        seen.append((backend, dict(initParams or {})))
+        return create_backend(agent, backend, initParams)
+
+    api.nixl_agent.create_backend = recording_create_backend
+    try:
+        with _vllm.nixl_agent_options(False, "none"):
+            # What vLLM 0.32's worker passes (base_worker.py l.641).
+            config = base_worker.nixl_agent_config(num_threads=4, capture_telemetry=True)
+            # Thread off: the agent must ask for RW sync, or NIXL builds
+            # single-threaded UCX workers that vLLM's handshake thread and engine
+            # step would use at once.
+            assert config.enable_pthread is False
+            assert config.sync_mode.name == "NIXL_THREAD_SYNC_RW"
+            agent = api.nixl_agent("sessionkv-adapter-test", config)
+        assert "UCX" in agent.backends
+        assert seen == [("UCX", {"num_threads": "4", "ucx_error_handling_mode": "none"})]
+        assert base_worker.nixl_agent_config is original
+        assert api.nixl_agent.create_backend is recording_create_backend
+        with _vllm.nixl_agent_options(True, None):  # stock: nothing patched
+            assert base_worker.nixl_agent_config is original
+            assert api.nixl_agent.create_backend is recording_create_backend
+    finally:
+        api.nixl_agent.create_backend = create_backend
+
+
+def test_cpu_defaults_for_nixl_agent():
+    from vllm_sessionkv.config import ConfigError, SessionKVConfig, parse_config
+
+    assert SessionKVConfig().nixl_agent_options(cpu_platform=True) == (False, "none")
+    assert SessionKVConfig().nixl_agent_options(cpu_platform=False) == (True, None)
+    explicit = SessionKVConfig(nixl_progress_thread=True, nixl_ucx_error_handling="peer")
+    assert explicit.nixl_agent_options(cpu_platform=True) == (True, "peer")
+    with pytest.raises(ConfigError, match="nixl_ucx_error_handling"):
+        parse_config({"sessionkv": {"nixl_ucx_error_handling": "sometimes"}})
 
 
 def test_connector_loads_through_factory_and_plugin():
