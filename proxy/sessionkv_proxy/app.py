@@ -322,6 +322,8 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         d_body["session_id"] = session_id
     extra_headers = {"x-sessionkv-route": plan.mode,
                      "x-sessionkv-request-id": request_id}
+    if session_id:
+        extra_headers["x-sessionkv-handle"] = plan.handle_outcome
     if "detail" in plan.terms:
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
     try:

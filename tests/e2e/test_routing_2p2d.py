@@ -140,7 +140,8 @@ def _check_reuse(got, prev_decode: str, what: str) -> str:
         assert p is not None, f"{what}: no P accounting header"
         # Zero counts are left out of the accounting JSON.
         assert p.get("local_hit_tokens", 0) > 0 or p.get("pulled_from_peer_tokens", 0) > 0, (
-            f"{what}: P {h.get('x-sessionkv-prefill-engine')} reused no KV: {p}")
+            f"{what}: P {h.get('x-sessionkv-prefill-engine')} reused no KV: {p} "
+            f"(handle {h.get('x-sessionkv-handle')}; {h.get('x-sessionkv-route-reason')})")
     else:
         assert route == "decode_only", f"{what}: route {route!r}"
         d = _acct(h, "x-sessionkv-decode")

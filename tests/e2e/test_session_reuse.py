@@ -76,6 +76,7 @@ def test_six_turn_conversation_reuses_kv_and_equals_baseline(pd_cluster, stream)
     prompt = _ids(1 if stream else 2, 1500)          # a long system prompt
     prev_prompt_len = 0
     pulled_total = 0
+    handles: list[str] = []
     for turn in range(1, 7):
         body = completion_body(pd_cluster.model, prompt, max_tokens=32, stream=stream,
                                session_id=session)
@@ -84,6 +85,12 @@ def test_six_turn_conversation_reuses_kv_and_equals_baseline(pd_cluster, stream)
         assert_same(got, base, f"turn {turn}")
         acct = json.loads(got.headers["x-sessionkv-prefill"])
         assert acct["prompt_tokens"] == len(prompt)
+        # Turn 1 has no handle; later turns get D's: from the response, or when
+        # streaming from Redis, where D's publisher writes it in the background.
+        handle = got.headers["x-sessionkv-handle"]
+        handles.append(handle)
+        if turn == 1 or not stream:
+            assert handle == ("none" if turn == 1 else "attached"), f"turn {turn}: {handle}"
         if turn > 1:
             new_tokens = len(prompt) - prev_prompt_len   # D's output + the new user text
             reused = acct.get("local_hit_tokens", 0) + acct.get("pulled_from_peer_tokens", 0)
@@ -94,6 +101,7 @@ def test_six_turn_conversation_reuses_kv_and_equals_baseline(pd_cluster, stream)
         prev_prompt_len = len(prompt)
         prompt = prompt + got.token_ids + _ids(100 + turn, 60)
     assert pulled_total > 0, "no turn pulled KV from D"
+    assert "attached" in handles[1:], handles
     assert metric_sum(p_url, "vllm:nixl_bytes_transferred_sum") > pulled_bytes_before
 
 
