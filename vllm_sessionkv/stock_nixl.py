@@ -1,5 +1,5 @@
-"""vLLM's stock ``NixlConnector``, only with our CPU NIXL agent options
-(``_vllm.nixl_agent_options``: no spinning progress thread, shared-memory transports).
+"""vLLM's stock ``NixlConnector``, only without the spinning
+progress thread on CPU (``_vllm.nixl_agent_options``).
 
 Used for control experiments (the upstream #43094 behaviour) so that a stock pair
 does not burn two cores idling next to ours.  Behaviour is otherwise unchanged: no
@@ -16,6 +16,6 @@ __all__ = ["NixlConnector"]
 
 class NixlConnector(_vllm.NixlPullConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
-        cpu = _vllm.is_cpu_platform()
-        with _vllm.nixl_agent_options(not cpu, "none" if cpu else None):
+        # NIXL's own UCX error handling (peer): the control stays as stock as it can.
+        with _vllm.nixl_agent_options(not _vllm.is_cpu_platform(), None):
             super().__init__(vllm_config, role, kv_cache_config)
