@@ -87,8 +87,9 @@ def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) ->
       shared-memory transports, so two engines on one host talk over TCP, whose
       connection set-up needs the *remote* engine to drive UCX progress: a first read
       from a P that is only stepping to hold its blocks could wait until P's lease
-      ran out.  ``"none"`` lets UCX use shared memory for messages and CMA for reads,
-      which need no progress on the remote side.
+      ran out.  ``"none"`` lets UCX use shared memory for messages and CMA for reads.
+      That made such stalls rare, not impossible (README, Limits): what in a first
+      read still waits on the remote engine is not known.
     """
     original_config = _nixl_base_worker.nixl_agent_config
     if original_config is None:

@@ -116,9 +116,9 @@ def test_negative_control_perturbed_prefill_is_detected(pd_cluster):
     comparison can fail and that D really uses transferred KV."""
     p_url = pd_cluster.extras["perturbed_prefill"]
     d_url = pd_cluster.decode[0]
-    # A NIXL handshake with the freshly started P can time out on a loaded 2-core
-    # machine; D then recomputes (the failure policy), which proves nothing here.
-    # Only an attempt whose bytes really crossed counts.
+    # A read from P can fail on a loaded 2-core machine (a handshake timeout); D then
+    # recomputes (the failure policy), which proves nothing here.  Only an attempt
+    # whose bytes really crossed counts.
     for attempt in range(3):
         prompt = [(11 * i + 5 + attempt) % 900 + 20 for i in range(140)]  # not cached on D
         p_out = post(p_url, "/v1/completions",
