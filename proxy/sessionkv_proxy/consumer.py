@@ -15,9 +15,14 @@ Two parts, kept apart so each can be tested alone:
   - on start it drops the engine's entries (they may be stale, e.g. in a Redis index
     that outlived a proxy) and rebuilds them from the publisher's replay buffer;
   - a live batch past the next expected one is a gap: replay from the expected one;
-  - a live sequence number not above the previous live one means the publisher
-    restarted (it counts from 0 again): the engine's entries are dropped and rebuilt
-    from the new publisher's replay buffer;
+  - the publisher restarted (it counts from 0 again, and vLLM 0.32 sends no publisher
+    id) when a live sequence number is not above the previous live one, or when a
+    batch arrives under a sequence number already applied but with other bytes (each
+    batch carries its publish time, so two publishers never send equal bytes).  A
+    replay after a gap starts one batch early to make that byte check, so a restart
+    is caught even when the new publisher has passed the old sequence number.  The
+    engine's entries are then dropped and rebuilt from the new publisher's replay
+    buffer;
   - batches that no replay can supply any more are lost: the engine's entries are
     dropped, because missed removals would leave them wrong, and rebuilt from what
     follows.
@@ -25,10 +30,6 @@ Two parts, kept apart so each can be tested alone:
 Index operations are idempotent (set semantics), so a batch re-applied after an index
 error, or applied by several proxy replicas sharing one Redis index, converges to the
 same state once everyone has caught up.
-
-Limitation of vLLM 0.32's wire format: there is no publisher id, so a publisher that
-restarts while this subscriber is disconnected and publishes past the old sequence
-number before it reconnects looks like a gap, not a restart.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -184,7 +186,8 @@ class EngineSubscriber:
 
     def __init__(self, source: EngineSource, index: KVIndex, context: zmq.asyncio.Context,
                  *, replay_timeout_s: float = 5.0, error_backoff_s: float = 0.5,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 digest_window: int = 10_000) -> None:
         self.source = source
         self.stats = ConsumerStats()
         self._index = index
@@ -196,6 +199,11 @@ class EngineSubscriber:
                                      self.stats, source.group_idx)
         self._next_seq = 0
         self._last_live_seq: int | None = None
+        # seq -> hash of the applied payload, for the recent past: a live batch may
+        # trail a replay that already applied it, and only the bytes tell that
+        # duplicate from a restarted publisher's batch under the same number.
+        self._applied_digests: OrderedDict[int, int] = OrderedDict()
+        self._digest_window = digest_window
 
     async def run(self) -> None:
         """Consume until cancelled."""
@@ -235,11 +243,9 @@ class EngineSubscriber:
     async def handle_live(self, seq: int, payload: bytes) -> None:
         """Handle one batch received on the live stream."""
         if self._last_live_seq is not None and seq <= self._last_live_seq:
-            self.stats.resets += 1
-            logger.warning("KV event publisher restarted (seq %d after %d): rebuilding",
-                           seq, self._last_live_seq, extra={"pod": self.source.engine})
-            await self._index.clear(self.source.engine)
-            self._next_seq = 0
+            await self._restarted(f"live seq {seq} after {self._last_live_seq}")
+        elif seq < self._next_seq and self._applied_digests.get(seq) != hash(payload):
+            await self._restarted(f"live seq {seq} differs from the batch applied as {seq}")
         self._last_live_seq = seq
         if seq < self._next_seq:
             self.stats.batches_duplicate += 1
@@ -257,6 +263,14 @@ class EngineSubscriber:
                 await self._lost(seq)
         await self._apply(seq, payload)
 
+    async def _restarted(self, why: str) -> None:
+        self.stats.resets += 1
+        logger.warning("KV event publisher restarted (%s): rebuilding", why,
+                       extra={"pod": self.source.engine})
+        await self._index.clear(self.source.engine)
+        self._next_seq = 0
+        self._applied_digests.clear()
+
     async def _lost(self, resume_seq: int) -> None:
         lost = resume_seq - self._next_seq
         self.stats.batches_lost += lost
@@ -266,6 +280,14 @@ class EngineSubscriber:
         self._next_seq = resume_seq
 
     async def _replay_from(self, start_seq: int) -> None:
+        # One batch early, when we still know its bytes: if the publisher answers that
+        # number with other bytes, it is a new publisher.
+        check_seq = start_seq - 1 if start_seq - 1 in self._applied_digests else None
+        if await self._replay_once(start_seq if check_seq is None else check_seq, check_seq):
+            await self._replay_once(0, None)
+
+    async def _replay_once(self, request_seq: int, check_seq: int | None) -> bool:
+        """One replay request; True when it showed the publisher restarted."""
         assert self.source.replay_endpoint is not None
         self.stats.replays += 1
         # A fresh DEALER per replay: a timed-out replay's late frames cannot leak into
@@ -274,20 +296,23 @@ class EngineSubscriber:
         dealer.connect(self.source.replay_endpoint)
         timeout_ms = int(self._replay_timeout_s * 1000)
         try:
-            await dealer.send_multipart([b"", start_seq.to_bytes(8, "big")])
+            await dealer.send_multipart([b"", request_seq.to_bytes(8, "big")])
             while True:
                 if not await dealer.poll(timeout_ms):
                     self.stats.replay_failures += 1
                     logger.warning("KV event replay timed out",
                                    extra={"pod": self.source.engine})
-                    return
+                    return False
                 frames = await dealer.recv_multipart()
                 if len(frames) != 4 or len(frames[2]) != 8:
                     self.stats.batches_undecodable += 1
                     continue
                 seq = int.from_bytes(frames[2], "big", signed=True)
                 if seq == _END_SEQ:
-                    return
+                    return False
+                if seq == check_seq and self._applied_digests.get(seq) != hash(frames[3]):
+                    await self._restarted(f"replayed seq {seq} differs from the one applied")
+                    return True
                 if seq < self._next_seq:
                     continue
                 if seq > self._next_seq:
@@ -311,6 +336,9 @@ class EngineSubscriber:
             self.stats.batches_applied += 1
         self._next_seq = seq + 1
         self.stats.last_seq = seq
+        self._applied_digests[seq] = hash(payload)
+        while len(self._applied_digests) > self._digest_window:
+            self._applied_digests.popitem(last=False)
 
 
 class KVEventConsumer:

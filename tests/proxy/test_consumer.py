@@ -297,6 +297,43 @@ async def test_publisher_restart_drops_and_rebuilds(engine, index, zctx):
         await consumer.stop()
 
 
+async def test_restart_seen_only_by_replay_before_is_still_a_restart(engine, index, zctx):
+    # Everything of the first publisher came by replay (the SUB joined late), so no
+    # live number exists to compare with: the bytes under seq 0 tell the restart.
+    sub = EngineSubscriber(engine.source(), index, zctx)
+    for first in range(0, 6, 2):
+        engine.publish(batch(stored(PROMPT_A, first, 2)))
+    await engine.flushed(zctx)
+    await sub.catch_up()
+    assert sub.stats.last_seq == 2 and sub.stats.resets == 0
+
+    engine.restart()
+    await sub.handle_live(0, engine.publish(batch(stored(PROMPT_B, 0, 4))))
+    assert sub.stats.resets == 1 and sub.stats.last_seq == 0
+    assert await index.lookup(request_keys(PROMPT_A, BLOCK)) == {}
+    assert await index.lookup(request_keys(PROMPT_B, BLOCK)) == {"e0": {GPU: 4}}
+    # The same bytes again (a replay overlapping the live stream) are a duplicate.
+    engine.publish(batch(stored(PROMPT_C, 0, 3)))
+    await engine.flushed(zctx)
+    await sub.catch_up()
+    assert sub.stats.resets == 1 and sub.stats.batches_duplicate == 0 and sub.stats.last_seq == 1
+
+
+async def test_restart_that_passed_the_old_sequence_number_is_caught(engine, index, zctx):
+    sub = EngineSubscriber(engine.source(), index, zctx)
+    await sub.handle_live(0, engine.publish(batch(stored(PROMPT_A, 0, 6))))
+    engine.restart()  # the SUB missed the new publisher's first batches
+    engine.publish(batch(stored(PROMPT_B, 0, 2)))
+    engine.publish(batch(stored(PROMPT_B, 2, 2)))
+    payload = engine.publish(batch(stored(PROMPT_C, 0, 3)))
+    await engine.flushed(zctx)
+    await sub.handle_live(2, payload)  # looks like a gap of 1 and 2 after 0
+    assert sub.stats.resets == 1 and sub.stats.batches_lost == 0 and sub.stats.last_seq == 2
+    assert await index.lookup(request_keys(PROMPT_A, BLOCK)) == {}
+    assert await index.lookup(request_keys(PROMPT_B, BLOCK)) == {"e0": {GPU: 4}}
+    assert await index.lookup(request_keys(PROMPT_C, BLOCK)) == {"e0": {GPU: 3}}
+
+
 async def test_bad_batches_and_events_are_counted(engine, index, zctx):
     sub = EngineSubscriber(engine.source(), index, zctx)
     await sub.handle_live(0, b"\xc1 not msgpack")
