@@ -18,6 +18,7 @@ timed too (no handshake).  Prints every time, the medians, and their ratio.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import tempfile
@@ -37,9 +38,9 @@ def _body(model: str, prompt: list[int], max_tokens: int, **extra) -> dict:
             "ignore_eos": True, **extra}
 
 
-def _spec(role: str, model: str, mode: str) -> EngineSpec:
+def _spec(role: str, model: str, mode: str, extra: dict) -> EngineSpec:
     return EngineSpec(role, model, free_port(), side_channel_port=free_port(),
-                      sessionkv={"nixl_ucx_error_handling": mode})
+                      sessionkv={**extra, "nixl_ucx_error_handling": mode})
 
 
 def _keep_busy(url: str, model: str, stop: threading.Event, rng: random.Random) -> None:
@@ -71,6 +72,8 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=2, help="concurrent decodes on D")
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sessionkv", default="{}",
+                        help="more kv_connector_extra_config.sessionkv keys, as JSON")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="first-pull-"))
@@ -82,7 +85,8 @@ def main() -> None:
 
         model = str(generate_tiny_model(work / "tiny-llama", seed=0))
 
-    decodes = {mode: _spec("decode", model, mode) for mode in MODES}
+    extra = json.loads(args.sessionkv)
+    decodes = {mode: _spec("decode", model, mode, extra) for mode in MODES}
     procs = {mode: start_engine(spec, f"decode-{mode}", log_dir)
              for mode, spec in decodes.items()}
     first: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -91,7 +95,7 @@ def main() -> None:
         wait_healthy([(procs[m], decodes[m].url) for m in MODES], timeout_s=600)
         for round_no in range(args.rounds):
             for mode in rng.sample(MODES, len(MODES)):
-                prefill = _spec("prefill", model, mode)
+                prefill = _spec("prefill", model, mode, extra)
                 p_proc = start_engine(prefill, f"prefill-{mode}-{round_no}", log_dir)
                 stop = threading.Event()
                 load = [threading.Thread(target=_keep_busy, daemon=True,
@@ -116,7 +120,7 @@ def main() -> None:
         stop_all(list(procs.values()))
 
     print(f"\n## D's first pull from a new P, {args.rounds} rounds, "
-          f"{args.load} concurrent decodes on D\n")
+          f"{args.load} concurrent decodes on D, sessionkv {extra}\n")
     print("| ucx error handling | first pulls (s) | median | max | second pull median |")
     print("|---|---|---|---|---|")
     for mode in MODES:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import queue
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.device_communicators import shm_broadcast as _shm_broadcast
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _nixl_base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
@@ -31,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlPromMetrics,
 )
 from vllm.platforms import current_platform
+from vllm.v1.engine import core as _engine_core
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 if TYPE_CHECKING:
@@ -53,8 +56,10 @@ __all__ = [
     "host_tier_events",
     "kv_bytes_per_block",
     "kv_bytes_per_token",
+    "limit_engine_busy_poll",
     "mark_in_batch",
     "nixl_agent_options",
+    "pace_holding_steps",
     "pending_send_deadline_unix_s",
     "request_cache_salt",
     "request_session_id",
@@ -114,6 +119,86 @@ def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) ->
             api.nixl_agent.create_backend = create_backend_with_mode
             undo.callback(setattr, api.nixl_agent, "create_backend", create_backend)
         yield
+
+
+_busy_poll_cap_s: float | None = None
+
+
+def limit_engine_busy_poll(seconds: float) -> None:
+    """Cap how long this process spins on vLLM's shared-memory message queues.
+
+    The engine core and its workers talk through ``shm_broadcast.MessageQueue``; a
+    reader waiting for the next message spins (``sched_yield``) for
+    ``SpinCondition.busy_loop_s`` = 1 s after each read before it sleeps on a ZMQ
+    notification that every write sends.  So an engine that served a request in the
+    last second keeps its worker, and while a worker computes its engine core, spinning.
+    On a host with a few cores, two engines (P and D) spinning this way take the CPU
+    that the other engine's real step needs.  Process-wide, idempotent; the smallest
+    cap asked for wins.
+    """
+    global _busy_poll_cap_s
+    if seconds < 0:
+        raise ValueError(f"busy-poll cap must be >= 0, got {seconds}")
+    if _busy_poll_cap_s is None:
+        original_wait = _shm_broadcast.SpinCondition.wait
+
+        def wait_with_cap(self, timeout_ms=None):
+            if self.busy_loop_s > _busy_poll_cap_s:
+                self.busy_loop_s = _busy_poll_cap_s
+            return original_wait(self, timeout_ms)
+
+        _shm_broadcast.SpinCondition.wait = wait_with_cap
+        _busy_poll_cap_s = seconds
+    else:
+        _busy_poll_cap_s = min(_busy_poll_cap_s, seconds)
+
+
+def _only_holding_blocks(core: Any) -> bool:
+    """True when the engine steps only because finished requests still hold blocks
+    (``Scheduler.has_finished_requests``: a peer has yet to read them, or a session
+    lease runs), with nothing to schedule, no output to return and no load to wait for
+    (a request waiting for remote KV is unfinished)."""
+    scheduler = core.scheduler
+    return (core.is_running() and not core.engines_running and not core.batch_queue
+            and not scheduler.has_unfinished_requests() and not scheduler.finished_req_ids
+            and scheduler.has_finished_requests())
+
+
+def pace_holding_steps(interval_s: float) -> None:
+    """Let an engine that only holds blocks wait for input up to ``interval_s`` per step.
+
+    vLLM 0.32's engine core steps back to back while finished requests hold blocks
+    for a peer (``EngineCore.has_work``), sleeping 1 ms between empty steps: a P
+    until D has read, a D for as long as a session lease runs.  That is most of a
+    core per engine.  Here such an engine first waits on its input queue: a new
+    request ends the wait at once; otherwise it steps every ``interval_s``, which
+    still releases read blocks, expires leases and drives NIXL.  Patches
+    ``EngineCoreProc._process_input_queue`` for this process; idempotent.
+    """
+    global _holding_interval_s
+    if interval_s <= 0:
+        return
+    first = _holding_interval_s is None
+    _holding_interval_s = interval_s if first else min(_holding_interval_s, interval_s)
+    if not first:
+        return
+    cls = _engine_core.EngineCoreProc
+    original = cls._process_input_queue
+
+    def process_input_queue(self) -> None:
+        if self.input_queue.empty() and _only_holding_blocks(self):
+            try:
+                request = self.input_queue.get(timeout=_holding_interval_s)
+            except queue.Empty:
+                pass
+            else:
+                self._handle_client_request(*request)
+        original(self)
+
+    cls._process_input_queue = process_input_queue
+
+
+_holding_interval_s: float | None = None
 
 
 def disable_stock_recompute_threshold(scheduler: NixlPullConnectorScheduler) -> None:

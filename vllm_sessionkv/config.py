@@ -76,6 +76,17 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # connect over TCP, whose set-up needs the remote engine's progress.  None =
     # "none" on the CPU platform (engines share a host), NIXL's default elsewhere.
     nixl_ucx_error_handling: str | None = None
+    # How long an engine's processes spin on vLLM's internal message queues after a
+    # message before sleeping until the next one (vLLM: 1 s).  None = 2 ms on the CPU
+    # platform, where spinning engines take the cores other engines compute on;
+    # vLLM's own on other platforms.
+    engine_busy_poll_s: float | None = None
+    # An engine with nothing to compute still steps while finished requests hold
+    # blocks for a peer's read (P until D reads, D for a session's lease).  Such an
+    # engine waits for a new request up to this long before each step (a request
+    # ends the wait at once).  None = 20 ms on the CPU platform, 0 (vLLM's
+    # back-to-back steps) elsewhere.
+    holding_step_interval_s: float | None = None
     # Publish each session handle to Redis (key prefix below) for streaming clients.
     redis_url: str | None = None
     redis_key_prefix: str = HANDLE_KEY_PREFIX
@@ -95,6 +106,12 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.nixl_ucx_error_handling not in (None, "peer", "none"):
             raise ValueError("nixl_ucx_error_handling must be 'peer' or 'none', got "
                              f"{self.nixl_ucx_error_handling!r}")
+        if self.engine_busy_poll_s is not None and self.engine_busy_poll_s < 0:
+            raise ValueError(f"engine_busy_poll_s must be >= 0, got {self.engine_busy_poll_s}")
+        if self.holding_step_interval_s is not None and not \
+                0 <= self.holding_step_interval_s <= 1.0:
+            raise ValueError("holding_step_interval_s must be within [0, 1], got "
+                             f"{self.holding_step_interval_s}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
 
@@ -106,6 +123,19 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if error_handling is None and cpu_platform:
             error_handling = "none"
         return progress_thread, error_handling
+
+
+    def busy_poll_cap_s(self, cpu_platform: bool) -> float | None:
+        """The spin cap for this platform, or None to leave vLLM's."""
+        if self.engine_busy_poll_s is None:
+            return 0.002 if cpu_platform else None
+        return self.engine_busy_poll_s
+
+
+    def holding_step_interval(self, cpu_platform: bool) -> float:
+        if self.holding_step_interval_s is None:
+            return 0.02 if cpu_platform else 0.0
+        return self.holding_step_interval_s
 
 
 def parse_config(extra_config: dict[str, Any] | None) -> SessionKVConfig:

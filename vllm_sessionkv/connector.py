@@ -43,6 +43,11 @@ class SessionKVConnector(_vllm.NixlPullConnector):
             transfer_config.kv_load_failure_policy = "recompute"
             logger.info("sessionkv: kv_load_failure_policy set to 'recompute'")
         self.sessionkv_config = config
+        busy_poll_cap_s = config.busy_poll_cap_s(_vllm.is_cpu_platform())
+        if busy_poll_cap_s is not None:
+            # Both roles: the scheduler half lives in the engine core, the worker half
+            # in each worker process, and each process spins on its own queue.
+            _vllm.limit_engine_busy_poll(busy_poll_cap_s)
         _vllm.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         self.connector_scheduler = None
         self.connector_worker = None

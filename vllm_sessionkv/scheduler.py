@@ -96,6 +96,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # Host restores decided for a request: (start_block, num_blocks).
         self._host_plans: dict[str, tuple[int, int]] = {}
         self._host_restored: dict[str, int] = {}
+        # This runs in the engine-core process, whose loop the pacing changes.
+        _vllm.pace_holding_steps(config.holding_step_interval(_vllm.is_cpu_platform()))
 
     # ------------------------------------------------------------------ inputs
     def _session_params(self, params: dict[str, Any] | None) -> dict[str, Any]:

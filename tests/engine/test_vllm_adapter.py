@@ -21,7 +21,7 @@ def test_pinned_version_is_installed():
 
 def test_scheduler_private_state_exists():
     src = inspect.getsource(_vllm.NixlPullConnectorScheduler.__mro__[1].__init__)
-    for attr in ("_reqs_need_send", "_reqs_not_processed", "_reqs_in_batch",
+    for attr in ("_reqs_need_send", "_reqs_need_recv", "_reqs_not_processed", "_reqs_in_batch",
                  "kv_recompute_threshold", "is_bidirectional_kv_xfer_enabled", "block_size"):
         assert f"self.{attr}" in src, attr
     assert hasattr(_vllm.NixlPullConnectorScheduler, "_get_remote_prefill_token_count")
@@ -70,6 +70,42 @@ def test_nixl_agent_options_are_applied_and_scoped():
             assert api.nixl_agent.create_backend is recording_create_backend
     finally:
         api.nixl_agent.create_backend = create_backend
+
+
+def test_busy_poll_cap_makes_an_idle_reader_sleep_until_notified():
+    import time
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    ctx = zmq.Context()
+    address = get_open_zmq_ipc_path()
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address=address)
+    try:
+        reader.record_read()
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)  # within vLLM's 1 s spin: returns at once
+        assert time.monotonic() - started < 0.1 and reader.busy_loop_s == 1
+
+        _vllm.limit_engine_busy_poll(0.002)
+        _vllm.limit_engine_busy_poll(0.5)  # the smallest cap stays
+        reader.record_read()
+        time.sleep(0.01)
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)  # past the cap: sleeps until notified or timed out
+        assert time.monotonic() - started > 0.2 and reader.busy_loop_s == 0.002
+
+        time.sleep(0.2)  # the SUB has joined by now
+        started = time.monotonic()
+        writer.notify()
+        reader.wait(timeout_ms=3000)  # every write notifies, which wakes it at once
+        assert time.monotonic() - started < 1.0
+        with pytest.raises(ValueError):
+            _vllm.limit_engine_busy_poll(-1)
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_cpu_defaults_for_nixl_agent():

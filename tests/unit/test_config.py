@@ -18,3 +18,22 @@ def test_unknown_key_is_named():
 def test_nested_bad_type_is_named():
     with pytest.raises(ConfigError, match=r"cost.per_transfer_s"):
         parse_config({"sessionkv": {"cost": {"per_transfer_s": "fast"}}})
+
+
+def test_engine_pacing_defaults_depend_on_platform():
+    cfg = parse_config({})
+    assert cfg.busy_poll_cap_s(cpu_platform=True) == 0.002
+    assert cfg.busy_poll_cap_s(cpu_platform=False) is None
+    assert cfg.holding_step_interval(cpu_platform=True) == 0.02
+    assert cfg.holding_step_interval(cpu_platform=False) == 0.0
+    cfg = parse_config({"sessionkv": {"engine_busy_poll_s": 1.0, "holding_step_interval_s": 0}})
+    assert cfg.busy_poll_cap_s(cpu_platform=True) == 1.0
+    assert cfg.holding_step_interval(cpu_platform=True) == 0.0
+
+
+@pytest.mark.parametrize("key,value", [("engine_busy_poll_s", -0.1),
+                                       ("holding_step_interval_s", 1.5),
+                                       ("holding_step_interval_s", -1)])
+def test_bad_pacing_values_are_named(key, value):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"sessionkv": {key: value}})
