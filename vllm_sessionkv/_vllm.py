@@ -121,7 +121,9 @@ def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) ->
         yield
 
 
+# Process-wide settings of the two pacing patches below (None: not patched).
 _busy_poll_cap_s: float | None = None
+_holding_interval_s: float | None = None
 
 
 def limit_engine_busy_poll(seconds: float) -> None:
@@ -196,9 +198,6 @@ def pace_holding_steps(interval_s: float) -> None:
         original(self)
 
     cls._process_input_queue = process_input_queue
-
-
-_holding_interval_s: float | None = None
 
 
 def disable_stock_recompute_threshold(scheduler: NixlPullConnectorScheduler) -> None:

@@ -124,15 +124,14 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             error_handling = "none"
         return progress_thread, error_handling
 
-
     def busy_poll_cap_s(self, cpu_platform: bool) -> float | None:
         """The spin cap for this platform, or None to leave vLLM's."""
         if self.engine_busy_poll_s is None:
             return 0.002 if cpu_platform else None
         return self.engine_busy_poll_s
 
-
     def holding_step_interval(self, cpu_platform: bool) -> float:
+        """Seconds a holding engine waits for input per step (0 = vLLM's loop)."""
         if self.holding_step_interval_s is None:
             return 0.02 if cpu_platform else 0.0
         return self.holding_step_interval_s
