@@ -59,6 +59,25 @@ def test_chat_through_proxy_equals_baseline(pd_cluster, stream):
     assert metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before
 
 
+def _pull_through(p_url: str, d_url: str, model: str, prompt: list[int], max_tokens: int,
+                  timeout: float = 300.0):
+    """P prefills ``prompt`` for D, then D decodes on P's handle.
+
+    Returns D's generation, whether NIXL bytes reached D meanwhile (a failed read
+    makes D recompute, which looks the same from outside), and D's request time."""
+    p_out = post(p_url, "/v1/completions",
+                 completion_body(model, prompt, max_tokens=1,
+                                 kv_transfer_params=fresh_prefill_params()))
+    bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
+    started = time.perf_counter()
+    got = post(d_url, "/v1/completions",
+               completion_body(model, prompt, max_tokens=max_tokens,
+                               kv_transfer_params=p_out.raw["kv_transfer_params"]),
+               timeout=timeout)
+    took_s = time.perf_counter() - started
+    return got, metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before, took_s
+
+
 def test_first_pull_from_a_new_prefill_is_prompt_while_decode_is_busy(pd_cluster):
     """D's first read from a P it has never talked to, while D is busy decoding.
 
@@ -89,18 +108,10 @@ def test_first_pull_from_a_new_prefill_is_prompt_while_decode_is_busy(pd_cluster
         # recomputes); a second attempt then makes the first real read.
         for attempt in range(2):
             prompt = [(17 * i + 7 + attempt) % 900 + 20 for i in range(140)]
-            p_out = post(p_url, "/v1/completions",
-                         completion_body(pd_cluster.model, prompt, max_tokens=1,
-                                         kv_transfer_params=fresh_prefill_params()))
-            bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
-            started = time.perf_counter()
-            post(d_url, "/v1/completions",
-                 completion_body(pd_cluster.model, prompt, max_tokens=8,
-                                 kv_transfer_params=p_out.raw["kv_transfer_params"]),
-                 timeout=90)
-            took.append(time.perf_counter() - started)
-            if metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before:
-                crossed = True
+            _, crossed, took_s = _pull_through(p_url, d_url, pd_cluster.model, prompt,
+                                               max_tokens=8, timeout=90)
+            took.append(took_s)
+            if crossed:
                 break
     finally:
         stop.set()
@@ -122,15 +133,8 @@ def test_negative_control_perturbed_prefill_is_detected(pd_cluster):
     # whose bytes really crossed counts.
     for attempt in range(3):
         prompt = [(11 * i + 5 + attempt) % 900 + 20 for i in range(140)]  # not cached on D
-        p_out = post(p_url, "/v1/completions",
-                     completion_body(pd_cluster.model, prompt, max_tokens=1,
-                                     kv_transfer_params=fresh_prefill_params()))
-        params = p_out.raw["kv_transfer_params"]
-        bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
-        got = post(d_url, "/v1/completions",
-                   completion_body(pd_cluster.model, prompt, max_tokens=24,
-                                   kv_transfer_params=params))
-        if metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before:
+        got, crossed, _ = _pull_through(p_url, d_url, pd_cluster.model, prompt, max_tokens=24)
+        if crossed:
             break
     else:
         pytest.fail("no NIXL transfer from the perturbed P in 3 attempts")
