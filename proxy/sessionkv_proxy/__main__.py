@@ -67,20 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from sessionkv_proxy.app import serve
+
+    # SIGINT/SIGTERM: stop accepting, finish in-flight requests up to 30 s, close.
     try:
         import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
-        pass
-    from aiohttp import web
-
-    from sessionkv_proxy.app import create_app
-
-    # aiohttp's run_app handles SIGINT/SIGTERM: stop accepting, finish in-flight
-    # requests up to shutdown_timeout, then run the cleanup contexts.
-    web.run_app(create_app(config), host=config.host, port=config.port,
-                access_log=None, shutdown_timeout=30.0, print=None)
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
     return 0
 
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 import msgspec
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY
@@ -31,10 +30,11 @@ from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.router import RoutePlan, Router
+from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
 from sessionkv_proxy.upstream import UpstreamConnectError, UpstreamPool, UpstreamResponse
 
-__all__ = ["STATE", "ProxyState", "create_app"]
+__all__ = ["ProxyApp", "ProxyState", "create_app", "serve"]
 
 logger = logging.getLogger("sessionkv_proxy.app")
 
@@ -46,8 +46,8 @@ _REQUEST_ID_PREFIX = f"skv-{os.urandom(6).hex()}-"
 _request_counter = itertools.count()
 # Fields a P request must not carry: it generates one token, never streams.
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date",
-                "server", "content-encoding"}
+_HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
+                b"date", b"server", b"content-encoding"}
 
 
 @dataclass
@@ -65,18 +65,11 @@ class ProxyState:
     models_body: bytes = b""
 
 
-STATE = web.AppKey("sessionkv_state", ProxyState)
-
-
 # --------------------------------------------------------------------------- input
-async def _read_json(request: web.Request) -> dict[str, Any]:
+def _read_json(request: Request) -> dict[str, Any]:
+    # The server has already refused bodies over max_body_bytes with a 413.
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body too large (limit {request.client_max_size} bytes)"
-                       ) from None
-    try:
-        body = _body_decoder.decode(raw)
+        body = _body_decoder.decode(request.body)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -114,9 +107,9 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
                        param="kv_transfer_params")
 
 
-def _session_id(request: web.Request, body: dict[str, Any], state: ProxyState) -> str | None:
+def _session_id(request: Request, body: dict[str, Any], state: ProxyState) -> str | None:
     for source, value in (("prompt_cache_key", body.get("prompt_cache_key")),
-                          ("X-Session-ID", request.headers.get("X-Session-ID")),
+                          ("X-Session-ID", request.headers.get("x-session-id")),
                           ("session_id", body.get("session_id"))):
         if value is None:
             continue
@@ -228,11 +221,12 @@ def _accounting_header(params: dict[str, Any] | None) -> str | None:
     return json.dumps(acct, separators=(",", ":")) if acct else None
 
 
-async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path: str,
+async def _decode(state: ProxyState, request: Request, plan: RoutePlan, path: str,
                   body: dict[str, Any], request_id: str, extra_headers: dict[str, str]
-                  ) -> tuple[web.StreamResponse, dict[str, Any] | None]:
-    """Send to D and relay its answer; returns the response and D's kv params
-    (non-streaming only)."""
+                  ) -> tuple[Response | None, int, dict[str, Any] | None]:
+    """Send to D and relay its answer.  Returns the whole response (None when it
+    was streamed to the client here), D's status and D's kv params (non-streaming
+    only)."""
     assert state.router is not None
     stream = bool(body.get("stream"))
     engine = plan.decode
@@ -258,9 +252,10 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
             continue
         break
     try:
-        headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
-        headers.update(extra_headers)
-        headers["x-sessionkv-decode-engine"] = engine.url
+        headers = [(k, v) for k, v in upstream.raw_headers
+                   if k.lower() not in _HOP_HEADERS]
+        headers += extra_headers.items()
+        headers.append(("x-sessionkv-decode-engine", engine.url))
         if not stream or upstream.status != 200:
             data = await upstream.read()
             params = None
@@ -273,14 +268,23 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
                     params = None
                 acct = _accounting_header(params)
                 if acct:
-                    headers["x-sessionkv-decode"] = acct
-            return web.Response(status=upstream.status, body=data, headers=headers), params
-        response = web.StreamResponse(status=200, headers=headers)
-        await response.prepare(request)
-        async for chunk in upstream.iter_chunks():
-            await response.write(chunk)
-        await response.write_eof()
-        return response, None
+                    headers.append(("x-sessionkv-decode", acct))
+            return (Response(upstream.status, data, headers, content_type=None),
+                    upstream.status, params)
+        await request.start_stream(200, headers)
+        try:
+            async for chunk in upstream.iter_chunks():
+                await request.write(chunk)
+        except (ConnectionResetError, asyncio.TimeoutError) as exc:
+            # Either side may end it; only the engine's side is an error of ours.  The
+            # server cuts the client's connection so a broken stream never looks whole.
+            if not request.client_gone:
+                state.metrics.errors.labels("decode_stream_broken").inc()
+                logger.warning("decode stream broke request_id=%s engine=%s: %r",
+                               request_id, engine.url, exc)
+            raise ConnectionResetError("stream ended early") from exc
+        request.end_stream()   # before the session is stored: the client is done
+        return None, 200, None
     finally:
         engine.active_requests -= 1
         engine.active_decode_tokens -= held_tokens
@@ -288,14 +292,14 @@ async def _decode(state: ProxyState, request: web.Request, plan: RoutePlan, path
 
 
 # --------------------------------------------------------------------------- handlers
-async def _generate(request: web.Request, path: str, is_chat: bool) -> web.StreamResponse:
-    state = request.app[STATE]
+async def _generate(state: ProxyState, request: Request, path: str, is_chat: bool
+                    ) -> Response | None:
     endpoint = "chat" if is_chat else "completions"
     started = time.perf_counter()
-    request_id = request.headers.get("X-Request-Id") or \
+    request_id = request.headers.get("x-request-id") or \
         f"{_REQUEST_ID_PREFIX}{next(_request_counter)}"
     try:
-        body = await _read_json(request)
+        body = _read_json(request)
         _validate(body, is_chat, state)
         session_id = _session_id(request, body, state)
         assert state.router is not None
@@ -304,6 +308,8 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
 
+    plan_done = time.perf_counter()
+    prefill_s = 0.0
     m = state.metrics
     m.child(m.decisions, plan.mode, plan.reason).inc()
     m.child(m.handles, plan.handle_outcome).inc()
@@ -328,7 +334,9 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
     try:
         if plan.mode == "disaggregated":
+            prefill_started = time.perf_counter()
             p_params = await _prefill(state, plan, path, d_body, is_chat, request_id)
+            prefill_s = time.perf_counter() - prefill_started
             acct = _accounting_header(p_params)
             if acct:
                 extra_headers["x-sessionkv-prefill"] = acct
@@ -337,20 +345,25 @@ async def _generate(request: web.Request, path: str, is_chat: bool) -> web.Strea
         elif session_id:
             # D keeps this turn for the next P pull only if it knows the session.
             d_body["kv_transfer_params"] = {SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
-        response, d_params = await _decode(state, request, plan, path, d_body, request_id,
-                                           extra_headers)
+        decode_started = time.perf_counter()
+        response, status, d_params = await _decode(state, request, plan, path, d_body,
+                                                   request_id, extra_headers)
     except ApiError as err:
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
     except _PassThrough as exc:
         state.metrics.count_request(endpoint, exc.status)
-        return web.Response(status=exc.status, body=exc.body, content_type="application/json")
+        return Response(exc.status, exc.body)
 
     if session_id:
         await _remember_session(state, plan, session_id, body, d_params)
-    state.metrics.count_request(endpoint, response.status)
-    logger.debug("done request_id=%s in %.1f ms", request_id,
-                 (time.perf_counter() - started) * 1e3)
+    state.metrics.count_request(endpoint, status)
+    if logger.isEnabledFor(logging.DEBUG):
+        done = time.perf_counter()
+        logger.debug("done request_id=%s in %.1f ms: plan %.1f ms, prefill %.1f ms, "
+                     "decode %.1f ms", request_id, (done - started) * 1e3,
+                     (plan_done - started) * 1e3, prefill_s * 1e3,
+                     (done - decode_started) * 1e3)
     return response
 
 
@@ -373,33 +386,30 @@ async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
         logger.warning("session %s not stored: %r", session_id, exc)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "/v1/completions", is_chat=False)
+async def completions(state: ProxyState, request: Request) -> Response | None:
+    return await _generate(state, request, "/v1/completions", is_chat=False)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, "/v1/chat/completions", is_chat=True)
+async def chat_completions(state: ProxyState, request: Request) -> Response | None:
+    return await _generate(state, request, "/v1/chat/completions", is_chat=True)
 
 
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def models(state: ProxyState, request: Request) -> Response:
     if not state.models_body:
         await _discover_models(state)
     if not state.models_body:
         return error_response(ApiError(503, "no engine answered /v1/models"))
-    return web.Response(body=state.models_body, content_type="application/json")
+    return Response(200, state.models_body)
 
 
-async def health(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def health(state: ProxyState, request: Request) -> Response:
     healthy = {role.value: sum(e.healthy for e in state.pool.by_role(role)) for role in Role}
     ok = healthy["decode"] > 0
-    return web.json_response({"status": "ok" if ok else "unavailable", "healthy": healthy},
-                             status=200 if ok else 503)
+    return Response(200 if ok else 503,
+                    _json.encode({"status": "ok" if ok else "unavailable", "healthy": healthy}))
 
 
-async def metrics(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+async def metrics(state: ProxyState, request: Request) -> Response:
     try:
         state.metrics.index_blocks.set(await state.index.size())
     except Exception:
@@ -413,8 +423,8 @@ async def metrics(request: web.Request) -> web.Response:
             state.metrics.undecodable.labels(engine).set(stats.batches_undecodable)
     for engine in state.pool.engines:
         state.metrics.in_flight.labels(engine.url).set(engine.active_requests)
-    return web.Response(body=generate_latest(state.metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return Response(200, generate_latest(state.metrics.registry),
+                    content_type=CONTENT_TYPE_LATEST)
 
 
 # --------------------------------------------------------------------------- lifecycle
@@ -436,50 +446,6 @@ async def _discover_models(state: ProxyState) -> None:
         return
 
 
-async def _lifecycle(app: web.Application):
-    state = app[STATE]
-    config = state.config
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
-    state.http = aiohttp.ClientSession(
-        connector=connector, json_serialize=lambda o: _json.encode(o).decode(),
-        timeout=aiohttp.ClientTimeout(total=config.request_timeout_s,
-                                      sock_connect=config.connect_timeout_s))
-    state.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s,
-                                  request_timeout_s=config.request_timeout_s)
-    handles_url = config.index.redis_url
-    if handles_url:
-        import redis.asyncio as aioredis
-
-        state.handles_redis = aioredis.Redis.from_url(handles_url)
-    state.router = Router(config, state.pool, state.index, state.upstream,
-                          state.handles_redis)
-    sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
-                            replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
-                            block_size_tokens=config.block_size)
-               for e in config.engines if e.kv_events]
-    if sources:
-        state.consumer = KVEventConsumer(sources, state.index)
-        state.consumer.start()
-    await _discover_models(state)
-    scraper = asyncio.create_task(state.pool.scrape_forever(
-        state.http, config.metrics_scrape_interval_s, config.metrics_scrape_timeout_s,
-        on_slow=lambda e: state.metrics.errors.labels("metrics_scrape_slow").inc()),
-        name="metrics-scraper")
-    logger.info("proxy ready: %d prefill, %d decode engines, index=%s, policy=%s",
-                len(config.prefill), len(config.decode), config.index.backend,
-                config.routing.policy)
-    yield
-    scraper.cancel()
-    await asyncio.gather(scraper, return_exceptions=True)
-    if state.consumer is not None:
-        await state.consumer.stop()
-    await state.http.close()
-    state.upstream.close()
-    await state.index.close()
-    if state.handles_redis is not None:
-        await state.handles_redis.aclose()
-
-
 def _make_index(config: ProxyConfig) -> KVIndex:
     if config.index.backend == "redis":
         from sessionkv_proxy.index.redis import RedisIndex
@@ -490,28 +456,106 @@ def _make_index(config: ProxyConfig) -> KVIndex:
     return MemoryIndex(max_blocks_per_slot=config.index.max_blocks_per_engine)
 
 
-@web.middleware
-async def _errors_middleware(request: web.Request, handler):
+def _server_error(status: int, message: str) -> Response:
+    return error_response(ApiError(status, message))
+
+
+class ProxyApp:
+    """The proxy's state, its routes and their lifecycle (start, then stop)."""
+
+    def __init__(self, config: ProxyConfig, index: KVIndex | None = None) -> None:
+        self.state = ProxyState(config=config, pool=EnginePool.from_configs(config.engines),
+                                index=index if index is not None else _make_index(config),
+                                metrics=ProxyMetrics())
+        self._scraper: asyncio.Task | None = None
+        state = self.state
+
+        def bind(handler):
+            async def bound(request: Request):
+                try:
+                    return await handler(state, request)
+                except ApiError as err:
+                    return error_response(err)
+            return bound
+
+        self.server = HttpServer(
+            {"/v1/completions": {"POST": bind(completions)},
+             "/v1/chat/completions": {"POST": bind(chat_completions)},
+             "/v1/models": {"GET": bind(models)},
+             "/health": {"GET": bind(health)},
+             "/metrics": {"GET": bind(metrics)}},
+            error_response=_server_error, max_body_bytes=config.max_body_bytes)
+
+    async def start(self) -> None:
+        """Open the clients, the index consumer and the scraper, then listen."""
+        state = self.state
+        config = state.config
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60)
+        state.http = aiohttp.ClientSession(
+            connector=connector, json_serialize=lambda o: _json.encode(o).decode(),
+            timeout=aiohttp.ClientTimeout(total=config.request_timeout_s,
+                                          sock_connect=config.connect_timeout_s))
+        state.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s,
+                                      request_timeout_s=config.request_timeout_s)
+        handles_url = config.index.redis_url
+        if handles_url:
+            import redis.asyncio as aioredis
+
+            state.handles_redis = aioredis.Redis.from_url(handles_url)
+        state.router = Router(config, state.pool, state.index, state.upstream,
+                              state.handles_redis)
+        sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
+                                replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
+                                block_size_tokens=config.block_size)
+                   for e in config.engines if e.kv_events]
+        if sources:
+            state.consumer = KVEventConsumer(sources, state.index)
+            state.consumer.start()
+        await _discover_models(state)
+        self._scraper = asyncio.create_task(state.pool.scrape_forever(
+            state.http, config.metrics_scrape_interval_s, config.metrics_scrape_timeout_s,
+            on_slow=lambda e: state.metrics.errors.labels("metrics_scrape_slow").inc()),
+            name="metrics-scraper")
+        await self.server.start(config.host, config.port)
+        logger.info("proxy ready on %s:%d: %d prefill, %d decode engines, index=%s, "
+                    "policy=%s", config.host, config.port, len(config.prefill),
+                    len(config.decode), config.index.backend, config.routing.policy)
+
+    async def stop(self, grace_s: float = 30.0) -> None:
+        """Stop accepting, finish in-flight requests up to ``grace_s``, close all."""
+        state = self.state
+        await self.server.stop(grace_s)
+        if self._scraper is not None:
+            self._scraper.cancel()
+            await asyncio.gather(self._scraper, return_exceptions=True)
+        if state.consumer is not None:
+            await state.consumer.stop()
+        if state.http is not None:
+            await state.http.close()
+        if state.upstream is not None:
+            state.upstream.close()
+        await state.index.close()
+        if state.handles_redis is not None:
+            await state.handles_redis.aclose()
+
+
+def create_app(config: ProxyConfig, index: KVIndex | None = None) -> ProxyApp:
+    return ProxyApp(config, index)
+
+
+async def serve(config: ProxyConfig, shutdown_grace_s: float = 30.0) -> None:
+    """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    import signal
+
+    app = create_app(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.status >= 400:
-            return error_response(ApiError(exc.status, exc.reason or "error"))
-        raise
-    except ApiError as err:
-        return error_response(err)
-
-
-def create_app(config: ProxyConfig, index: KVIndex | None = None) -> web.Application:
-    app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[_errors_middleware])
-    app[STATE] = ProxyState(config=config, pool=EnginePool.from_configs(config.engines),
-                            index=index if index is not None else _make_index(config),
-                            metrics=ProxyMetrics())
-    app.cleanup_ctx.append(_lifecycle)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics)
-    return app
+        await app.start()
+        await stop.wait()
+        logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
+                    shutdown_grace_s)
+    finally:
+        await app.stop(shutdown_grace_s)

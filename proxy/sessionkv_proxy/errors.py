@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import msgspec
-from aiohttp import web
+
+from sessionkv_proxy.server import Response
 
 __all__ = ["ApiError", "error_response"]
 
@@ -23,8 +24,7 @@ class ApiError(Exception):
         self.code = code
 
 
-def error_response(err: ApiError) -> web.Response:
+def error_response(err: ApiError) -> Response:
     body = {"error": {"message": err.message, "type": err.type, "param": err.param,
                       "code": err.code}}
-    return web.Response(status=err.status, body=_encoder.encode(body),
-                        content_type="application/json")
+    return Response(err.status, _encoder.encode(body))

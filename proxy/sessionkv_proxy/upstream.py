@@ -49,6 +49,8 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; one request at a time."""
 
     def __init__(self) -> None:
+        # Cached: on Python <= 3.11 every get_running_loop() is a getpid() syscall.
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -57,7 +59,7 @@ class _Conn(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.headers_done: asyncio.Future[None] = self.loop.create_future()
         self.chunks: collections.deque[bytes] = collections.deque()
         self.wakeup: asyncio.Future[None] | None = None
         self.complete = False
@@ -145,9 +147,13 @@ class UpstreamResponse:
     def headers(self) -> list[tuple[str, str]]:
         return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._conn.headers]
 
+    @property
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        return self._conn.headers
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
-        loop = asyncio.get_running_loop()
+        loop = conn.loop
         try:
             while True:
                 while conn.chunks:
@@ -162,6 +168,13 @@ class UpstreamResponse:
             self.release()
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn.complete:   # the usual case for a short answer: it came with the head
+            chunks = conn.chunks
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self.release()
+            return data
         parts = [chunk async for chunk in self.iter_chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -227,10 +240,9 @@ class UpstreamPool:
                 str(len(body)).encode(), b"\r\n"]
         for name, value in (headers or {}).items():
             head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
-        head.append(b"\r\n")
-        request = b"".join(head) + body
+        head += (b"\r\n", body)
+        request = b"".join(head)
         idle = self._idle.get(key)
-        loop = asyncio.get_running_loop()
         # An idle connection may have been closed by the engine meanwhile; a request
         # that got no byte back on a reused connection is retried once on a new one.
         for reused in (True, False):
@@ -246,7 +258,7 @@ class UpstreamPool:
             conn._reset()
             conn.transport.write(request)
             try:
-                await _wait(loop, conn.headers_done, self.request_timeout_s)
+                await _wait(conn.loop, conn.headers_done, self.request_timeout_s)
             except asyncio.TimeoutError:
                 conn.close()
                 raise
