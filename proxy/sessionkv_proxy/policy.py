@@ -36,30 +36,42 @@ P cost, in blocks of prefill work (Dynamo's linear cost)::
 * ``active_decode_blocks``: KV the worker holds for running requests (on P: blocks
   waiting for D to pull).  It is memory, not compute, so it has its own scale.
 
-D cost, in blocks: ``decode_load_scale * (active_decode_blocks + new_blocks +
-decode_recent_weight * prompt_blocks * excess_recent_requests)``, where
-``new_blocks = prompt_blocks - device_blocks`` is what D must receive or compute; the
-prefix it holds on device (index overlap, or the session's verified blocks on the
-session's D) it reuses, and ``excess_recent_requests`` counts the requests the proxy
-sent the worker in a recent window beyond the least sent-to worker's count (cache
-hits are short, so in-flight KV alone would hand a cache-rich worker every new
-prefix and session).  *Session affinity* sends the request to the D that holds the
-session while its lease runs, because that is where the longest prefix is and where
-the next turn's KV will be.  KV pressure is D's ``kv_usage`` from ``/metrics``: it
-includes KV retained for idle sessions, which the proxy's in-flight counts cannot
-see.  Above ``decode_kv_pressure_threshold`` affinity is dropped for the cheapest D
-under the threshold; if every D is above it, affinity is kept, since moving then
-only adds a transfer and evicts elsewhere.
+D cost, in blocks: ``decode_load_scale * (active_decode_blocks + new_blocks * (1 +
+decode_recent_weight * excess_recent_requests))``, where ``new_blocks = prompt_blocks
+- device_blocks`` is what D must receive or compute; the prefix it holds on device
+(index overlap, or the session's verified blocks on the session's D) it reuses, and
+``excess_recent_requests`` counts the requests the proxy sent the worker in a recent
+window beyond the least sent-to worker's count (cache hits are short, so in-flight
+KV alone would hand a cache-rich worker every new prefix and session).  The
+surcharge multiplies the new blocks, not the prompt: it spreads new prefixes and
+sessions by count, while a worker that already holds the request's prefix adds
+little work however many requests it was sent lately.  Charged on the whole prompt,
+one request sent more outweighed a prefix of 80% of the prompt, and requests left the
+worker holding it whenever the load bound below released them.
+
+*Session affinity* sends the request to the D that holds the session while its lease
+runs, because that is where the longest prefix is and where the next turn's KV will
+be.  KV pressure is D's ``kv_usage`` from ``/metrics``: it includes KV retained for
+idle sessions, which the proxy's in-flight counts cannot see.  Above
+``decode_kv_pressure_threshold`` affinity is dropped for the cheapest D under the
+threshold; if every D is above it, affinity is kept, since moving then only adds a
+transfer and evicts elsewhere.
 
 *Prefix affinity*: without a live session, the D holding the longest prefix (index
 overlap) gets the request while that prefix saves at least
 ``decode_affinity_min_gain`` of the prompt over the next best D and its in-flight
-requests stay within ``decode_affinity_load_bound`` times the pool mean (bounded-load
-consistent hashing); otherwise the cost argmin.  The cost alone cannot keep a
-prefix in place under concurrency: one extra in-flight request on the holder
-outweighs the blocks it saves, so a plain argmin scatters a prefix group over every
-D (what Dynamo's and vllm-router's users see), while the bound caps the imbalance
-affinity may cause.
+requests, the new one included, stay within ``max(decode_affinity_load_bound * mean,
+mean + decode_affinity_load_slack)`` (bounded-load consistent hashing, plus an
+absolute slack like the ``--balance-abs-threshold`` of SGLang's and vllm-router's
+cache-aware policy); otherwise the cost argmin.  The slack is for low concurrency:
+there a few requests of one prefix arriving together already exceed any multiple of
+the small mean, a burst that random arrivals make common and that costs little while
+the workers are far from saturated; at high concurrency the multiplicative bound is
+the tighter one.
+The cost alone cannot keep a prefix in place under concurrency: one extra in-flight
+request on the holder outweighs the blocks it saves, so a plain argmin scatters a
+prefix group over every D (what Dynamo's and vllm-router's users see), while the
+bound caps the imbalance affinity may cause.
 
 Conditional disaggregation: once D is chosen, the request skips P when
 ``uncached_tokens = prompt_tokens - D's device hit`` is at most
@@ -201,15 +213,22 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # pool mean ("consistent hashing with bounded loads", Mirrokni et al.); beyond
     # it, the cheapest worker.  0 turns prefix affinity off (pure cost argmin).
     decode_affinity_load_bound: float = 1.25
+    # ... or within this many requests above the mean, whichever allows more.  On
+    # two workers at a concurrency of 8 (benchmarks/router_bench.py), a slack of 1
+    # released requests when the holder ran 2 against 0 or 5 against 1, and 3 still
+    # released them at 6 against 0: bursts of prefix groups homed on one worker, each
+    # released request recomputing its prefix on the other (about 2% of the hits
+    # each).  4 keeps them; the multiplicative bound takes over from a mean of 16.
+    decode_affinity_load_slack: float = 4.0
     # ... and only while its prefix saves at least this share of the prompt over the
     # next best worker: a short prefix every prompt shares (a tag, a common system
     # prompt held by one worker so far) must not pull new groups onto one worker.
     decode_affinity_min_gain: float = 0.25
     # Each request a decode worker was sent in the recent window, beyond the least
-    # sent-to worker's count, weighs this share of the request's prompt blocks in its
-    # cost.  In-flight KV alone lets a worker whose requests are cache hits (short)
-    # look idle and collect every new prefix and session; this spreads placements by
-    # count as well.  0 turns it off.
+    # sent-to worker's count, adds this share of the request's new blocks on that
+    # worker (those it does not hold) to its cost.  In-flight KV alone lets a worker
+    # whose requests are cache hits (short) look idle and collect every new prefix
+    # and session; this spreads placements by count as well.  0 turns it off.
     decode_recent_weight: float = 2.0
     # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
     decode_only_without_prefill: bool = True
@@ -218,7 +237,8 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     def __post_init__(self) -> None:
         for name in ("prefill_load_scale", "decode_load_scale", "overlap_credit_decay",
                      "temperature", "decode_only_max_active_requests",
-                     "decode_affinity_load_bound", "decode_recent_weight"):
+                     "decode_affinity_load_bound", "decode_affinity_load_slack",
+                     "decode_recent_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingParams.{name} must be >= 0")
         for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage",
@@ -375,9 +395,13 @@ def score_decode(
             affinity=w.url == holder,
             over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
             recent_requests=w.recent_requests,
+            # The recent-requests surcharge prices the work this request adds here
+            # (its new blocks), not its whole prompt: a worker that already holds the
+            # prefix adds little work whatever it was sent lately.
             cost=params.decode_load_scale * (
-                w.active_decode_blocks + new + params.decode_recent_weight * prompt_blocks
-                * (w.recent_requests - fewest_recent)),
+                w.active_decode_blocks
+                + new * (1.0 + params.decode_recent_weight
+                         * (w.recent_requests - fewest_recent))),
         ))
     return tuple(out)
 
@@ -415,11 +439,13 @@ def _prefix_holder(terms: Sequence[DecodeTerms], params: RoutingParams) -> Decod
     gain = best.device_blocks - runner_up.device_blocks
     if gain <= 0 or gain < params.decode_affinity_min_gain * prompt_blocks:
         return None  # nobody, several alike, or too little to be worth a hot spot
-    # With the new request counted: at most ``bound`` times the mean, and one more
-    # than the mean, so two workers may differ by one request at low concurrency.
+    # With the new request counted: at most ``bound`` times the mean, or ``slack``
+    # requests above it, so that at low concurrency a short burst of one prefix
+    # group stays where its prefix is.
     total = sum(t.active_requests for t in terms) + 1
     mean = total / len(terms)
-    limit = max(params.decode_affinity_load_bound * mean, mean + 1)
+    limit = max(params.decode_affinity_load_bound * mean,
+                mean + params.decode_affinity_load_slack)
     return best if best.active_requests + 1 <= limit else None
 
 

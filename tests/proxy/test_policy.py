@@ -272,11 +272,33 @@ def test_prefix_affinity_holds_under_small_imbalance_and_yields_beyond_the_bound
     assert by_url(d.decode_candidates)["d2"].prefix_affinity
     assert route(i, workers, params(decode_affinity_load_bound=0),
                  random.Random(0)).decode_url == "d1"
-    # Far over the mean: 6 + 1 > max(1.25 * 4, 4 + 1).
+    # Far over the mean: 9 + 1 > max(1.25 * 5.5, 5.5 + 4).
     busy = [P("p1"), D("d1", active_requests=1),
-            D("d2", active_requests=6, active_decode_blocks=400.0)]
+            D("d2", active_requests=9, active_decode_blocks=400.0)]
     d = route(i, busy, params(), random.Random(0))
     assert d.decode_url == "d1" and not by_url(d.decode_candidates)["d2"].prefix_affinity
+
+
+def test_prefix_affinity_rides_out_a_low_concurrency_burst():
+    # Two workers at low concurrency: the holder of 150 of 200 blocks runs 2
+    # requests, the other none.  3 > 1.25 * 1.5 and 3 > 1.5 + 1, but within the
+    # slack (1.5 + 4): the burst stays where its prefix is instead of recomputing it.
+    i = inp(3200, overlaps={"d2": TierOverlap(device_blocks=150)})
+    workers = [P("p1"), D("d1"), D("d2", active_requests=2, active_decode_blocks=400.0)]
+    d = route(i, workers, params(), random.Random(0))
+    assert d.decode_url == "d2" and d.reason.startswith("prefix affinity")
+    assert route(i, workers, params(decode_affinity_load_slack=1),
+                 random.Random(0)).decode_url == "d1"
+    # At high concurrency the multiplicative bound is the tighter one and the slack
+    # changes nothing: 30 + 1 <= 1.25 * 25.5 keeps the prefix, 33 + 1 does not.
+    loaded = [P("p1"), D("d1", active_requests=20, active_decode_blocks=4000.0),
+              D("d2", active_requests=30, active_decode_blocks=6000.0)]
+    assert route(i, loaded, params(), random.Random(0)).decode_url == "d2"
+    hot = [P("p1"), D("d1", active_requests=17, active_decode_blocks=3400.0),
+           D("d2", active_requests=33, active_decode_blocks=6600.0)]
+    for slack in (0, 4):
+        d = route(i, hot, params(decode_affinity_load_slack=slack), random.Random(0))
+        assert d.decode_url == "d1" and d.reason.startswith("least loaded")
 
 
 def test_prefix_affinity_needs_a_real_gain_over_the_next_worker():
@@ -305,6 +327,22 @@ def test_recent_requests_spread_new_placements_by_count():
     # A session keeps its D whatever the counts.
     s = inp(3200, session=session("d1"), peer_pullable_blocks=50)
     assert route(s, workers, params(), random.Random(0)).decode_url == "d1"
+
+
+def test_recent_requests_surcharge_only_the_blocks_a_worker_must_compute():
+    # d2 holds 150 of the 200 blocks and was sent one request more than d1 lately, at
+    # equal in-flight load.  The surcharge applies to d2's 50 new blocks, not to the
+    # 200-block prompt, so the prefix keeps the request even where the cost decides
+    # (prefix affinity off, as after the load bound released it).
+    i = inp(3200, overlaps={"d2": TierOverlap(device_blocks=150)})
+    workers = [P("p1"), D("d1", recent_requests=2), D("d2", recent_requests=3)]
+    no_affinity = params(decode_affinity_load_bound=0)
+    t = by_url(score_decode(i, workers, no_affinity))
+    assert t["d1"].cost == 200 and t["d2"].cost == 50 * (1 + 2.0 * 1)
+    assert route(i, workers, no_affinity, random.Random(0)).decode_url == "d2"
+    # A larger excess still moves it: 50 * (1 + 2 * 3) > 200.
+    skewed = [P("p1"), D("d1", recent_requests=2), D("d2", recent_requests=5)]
+    assert route(i, skewed, no_affinity, random.Random(0)).decode_url == "d1"
 
 
 def test_prefix_affinity_needs_a_unique_longest_holder():
@@ -459,6 +497,8 @@ def test_params_reject_unknown_fields_and_bad_values():
         params(decode_kv_pressure_threshold=1.5)
     with pytest.raises(ValueError, match="temperature"):
         params(temperature=-1.0)
+    with pytest.raises(ValueError, match="decode_affinity_load_slack"):
+        params(decode_affinity_load_slack=-1.0)
     with pytest.raises(ValueError, match="block_size"):
         inp(block_size=0)
 
