@@ -191,7 +191,7 @@ class RouterProc:
 def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 prefill: list[Backend] | None = None) -> list[str]:
     """The command line of one router.  ``kind``: ours, ours-notok, toy,
-    vr:<policy>, vr-pd."""
+    vr:<policy>, vr-pd, bare (the no-logic relay floor, one backend)."""
     urls = [b.url for b in decode]
     if kind in ("ours", "ours-notok"):
         argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
@@ -207,6 +207,9 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 spec = f"url={b.url},events={b.events},replay={b.replay}" if b.events else b.url
                 argv += [flag, spec]
         return argv
+    if kind == "bare":
+        return [sys.executable, str(BENCH_DIR / "bare_relay.py"), "--port", str(port),
+                "--backend", urls[0]]
     if kind == "toy":
         argv = [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port)]
         for b in prefill or []:
@@ -348,9 +351,32 @@ def pct(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def _schedstat_seconds(pid: int) -> float:
+    """On-CPU time of every thread of ``pid`` from ``/proc/<pid>/task/*/schedstat``
+    (nanoseconds, where /proc/<pid>/stat counts 10 ms clock ticks: at 300 requests
+    a tick is 33 us per request).  A thread that ends in the window takes its time
+    with it; the routers' threads live as long as they do."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total_ns += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total_ns / 1e9
+
+
 def cpu_seconds(pid: int) -> float:
-    """user+sys CPU of a process, its threads and its live children."""
+    """user+sys CPU of a process, its threads and its live children (nanosecond
+    schedstat where the kernel has it, else psutil's clock ticks)."""
     import psutil
+
+    if Path(f"/proc/{pid}/task").is_dir() and Path(f"/proc/{pid}/schedstat").exists():
+        try:
+            proc = psutil.Process(pid)
+            return _schedstat_seconds(pid) + sum(
+                _schedstat_seconds(c.pid) for c in proc.children(recursive=True))
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            return float("nan")
 
     try:
         proc = psutil.Process(pid)
@@ -458,6 +484,7 @@ def part_overhead(args, ports: PortPool, log_dir: Path, results: dict) -> None:
                  ("vllm-router-cache", "vr:cache_aware", one, None),
                  ("vllm-router-chash", "vr:consistent_hash", one, None),
                  ("toy", "toy", one, None),
+                 ("bare relay (floor)", "bare", one, None),
                  ("ours (2 stubs)", "ours", two, None),
                  ("vllm-router-cache (2 stubs)", "vr:cache_aware", two, None)]
         routers = start_routers(specs, ports, log_dir, procs)
@@ -1027,10 +1054,13 @@ def render_report(results: dict, rows: list[dict]) -> str:
                    f"once); ~{om['prompt_chars']}-char distinct prompts, max_tokens=1, "
                    f"/v1/completions. Latency client: {om['latency_client']}. Throughput "
                    f"client: {om['throughput_client']}. CPU = router process user+sys "
-                   "(psutil, threads and children; 10 ms clock ticks) over the measured "
+                   "(/proc schedstat, threads and children, nanoseconds) over the measured "
                    "window, per request. ours (tokenizer engine) and vllm-router-cache make "
                    "one more backend call per request (/tokenize, /v1/completions/render), "
-                   "which the stub answers too")
+                   "which the stub answers too. bare relay (floor) = benchmarks/"
+                   "bare_relay.py: uvloop + httptools + our upstream pool, relaying bytes "
+                   "with no validation, routing or metrics; what any Python relay here "
+                   "pays")
     if "affinity_meta" in results:
         am = results["affinity_meta"]
         out.append(f"- part 2 backends: 2 co-located vLLM {meta['vllm']} (CPU) servers, "
