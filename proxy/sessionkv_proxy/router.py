@@ -26,7 +26,7 @@ from sessionkv_proxy import policy
 from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
-from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, KVIndex
+from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex
 from sessionkv_proxy.recent import RecentRoutes
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
