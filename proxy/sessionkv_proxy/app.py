@@ -252,7 +252,7 @@ async def _decode(state: ProxyState, request: Request, plan: RoutePlan, path: st
             continue
         break
     try:
-        headers = [(k, v) for k, v in upstream.raw_headers
+        headers = [(k, v) for k, v in upstream.headers
                    if k.lower() not in _HOP_HEADERS]
         headers += extra_headers.items()
         headers.append(("x-sessionkv-decode-engine", engine.url))

@@ -82,6 +82,15 @@ def _head(status: int, headers: list[tuple[str, str]], version: bytes) -> list[b
     return parts
 
 
+def _whole_answer(response: Response, version: bytes, keep_alive: bool) -> bytes:
+    parts = _head(response.status, response.headers, version)
+    parts += [b"Content-Length: ", str(len(response.body)).encode(), b"\r\n"]
+    if not keep_alive:
+        parts.append(b"Connection: close\r\n")
+    parts += [b"\r\n", response.body]
+    return b"".join(parts)
+
+
 class Request:
     """One parsed request, and the means to answer it by streaming."""
 
@@ -111,12 +120,7 @@ class Request:
 
     # -- whole answers (the server calls this with the handler's Response)
     def _send(self, response: Response) -> None:
-        parts = _head(response.status, response.headers, self._version)
-        parts += [b"Content-Length: ", str(len(response.body)).encode(), b"\r\n"]
-        if not self._keep_alive:
-            parts.append(b"Connection: close\r\n")
-        parts += [b"\r\n", response.body]
-        self._conn.write(b"".join(parts))
+        self._conn.write(_whole_answer(response, self._version, self._keep_alive))
 
     # -- streamed answers
     async def start_stream(self, status: int, headers: list[tuple[str, str]]) -> None:
@@ -332,11 +336,8 @@ class _Connection(asyncio.Protocol):
         self.rejected = status
         if self.closed:
             return
-        response = self.server.error_response(status, message)
-        parts = _head(status, response.headers, b"HTTP/1.1")
-        parts += [b"Content-Length: ", str(len(response.body)).encode(),
-                  b"\r\nConnection: close\r\n\r\n", response.body]
-        self.transport.write(b"".join(parts))
+        self.transport.write(_whole_answer(self.server.error_response(status, message),
+                                           b"HTTP/1.1", keep_alive=False))
 
     def _close_after_writes(self) -> None:
         if not self.closed and self.transport is not None:

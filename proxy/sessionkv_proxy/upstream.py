@@ -144,11 +144,8 @@ class UpstreamResponse:
         self.status = conn.status
 
     @property
-    def headers(self) -> list[tuple[str, str]]:
-        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self._conn.headers]
-
-    @property
-    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """As the engine sent them: relayed without decoding."""
         return self._conn.headers
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:

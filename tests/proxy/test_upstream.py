@@ -83,7 +83,7 @@ def test_json_body_keep_alive_and_headers(free_port):
             for i in range(3):
                 resp = await pool.post(url, "/echo", b'{"i":%d}' % i, {"X-Request-Id": f"r{i}"})
                 assert resp.status == 200
-                assert ("X-Engine", "stub") in resp.headers
+                assert (b"X-Engine", b"stub") in resp.headers
                 assert await resp.read() == b'{"echo":{"i":%d}}' % i
             # One connection served all three.
             assert sum(len(v) for v in pool._idle.values()) == 1
