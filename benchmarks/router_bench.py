@@ -34,7 +34,8 @@ Parts (all in one run; ``--skip-*`` drops one):
    blocks (or router state) another arm left behind.
 3. **P/D path**: 1 prefill + 1 decode engine with SessionKVConnector
    (``vllm_sessionkv.launch.LocalCluster``), concurrency 1, ~500-token prompts,
-   ``max_tokens`` 1 and 16.  Arms: the same request straight to P as an ordinary
+   ``max_tokens`` 1, 2 and 16 (at 1 our proxy serves the request on P alone, since
+   there is nothing to decode; 2 is the shortest request on the P -> D path).  Arms: the same request straight to P as an ordinary
    request, ours (the cluster's proxy), toy in P/D mode, vllm-router in its vLLM P/D
    mode.  p50 latency and its ratio to direct P; D's prompt-token sources show
    whether D really pulled the KV.
@@ -920,7 +921,7 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
             rng.shuffle(order)
             log(f"P/D round {rnd + 1}/{args.rounds}: {', '.join(order)}")
             data: dict = {"order": order, "arms": {}}
-            for max_tokens in (1, 16):
+            for max_tokens in args.pd_max_tokens:
                 for arm in order:
                     closed_loop(targets[arm] + "/v1/completions", bodies(2, max_tokens), 1)
                     src0 = prompt_sources(d_url)
@@ -948,7 +949,8 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
             rounds.append(data)
         results["pd_rounds"] = rounds
         results["pd_unavailable"] = unavailable
-        results["pd_meta"] = {"requests": args.pd_requests, "arms": list(targets)}
+        results["pd_meta"] = {"requests": args.pd_requests, "arms": list(targets),
+                              "max_tokens": list(args.pd_max_tokens)}
         for arm in ("toy (P/D)", "vllm-router (P/D)"):
             log_file = log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", arm) + ".log")
             if arm in unavailable and log_file.exists():
@@ -966,7 +968,7 @@ def summarize_pd(results: dict) -> list[dict]:
         return []
     rows = []
     arms = results["pd_meta"]["arms"]
-    for max_tokens in (1, 16):
+    for max_tokens in results["pd_meta"].get("max_tokens", (1, 16)):
         for arm in arms:
             key, base = f"{arm}|{max_tokens}", f"direct P|{max_tokens}"
             per = [r["arms"][key] for r in rounds]
@@ -1199,6 +1201,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--affinity-max-tokens", type=int, default=4)
     p.add_argument("--pd-requests", type=int, default=20,
                    help="P/D: measured requests per arm, per max_tokens, per round")
+    p.add_argument("--pd-max-tokens", default="1,2,16",
+                   type=lambda v: tuple(int(x) for x in v.split(",")),
+                   help="P/D: the max_tokens values measured, comma-separated.  At 1 our "
+                        "proxy serves the request on P alone (nothing to decode); 2 is "
+                        "the shortest request that takes the P -> D path")
     p.add_argument("--model", help="HF model dir for parts 2-3 (default: generate the tiny "
                                    "Llama)")
     p.add_argument("--max-wait-vllm-s", type=float, default=3600,

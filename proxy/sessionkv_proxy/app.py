@@ -2,7 +2,8 @@
 
 A request goes either P then D (P prefills with ``max_tokens=1`` and hands its KV to
 D over NIXL; D decodes and streams), or straight to D when the policy finds the
-uncached part small.  Streams are passed through byte for byte.
+uncached part small, or only to P when there is nothing to decode (at most one new
+token).  Streams are passed through byte for byte.
 """
 
 from __future__ import annotations
@@ -221,41 +222,52 @@ def _accounting_header(params: dict[str, Any] | None) -> str | None:
     return json.dumps(acct, separators=(",", ":")) if acct else None
 
 
-async def _decode(state: ProxyState, request: Request, plan: RoutePlan, path: str,
-                  body: dict[str, Any], request_id: str, extra_headers: dict[str, str]
+async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Role,
+                  path: str, body: dict[str, Any], request_id: str,
+                  extra_headers: dict[str, str]
                   ) -> tuple[Response | None, int, dict[str, Any] | None]:
-    """Send to D and relay its answer.  Returns the whole response (None when it
-    was streamed to the client here), D's status and D's kv params (non-streaming
-    only)."""
+    """Send the request to the engine that answers it (D, or P for a prefill-only
+    request) and relay that answer.  Returns the whole response (None when it was
+    streamed to the client here), the engine's status and its kv params
+    (non-streaming only)."""
     assert state.router is not None
     stream = bool(body.get("stream"))
-    engine = plan.decode
+    engine = plan.decode if role is Role.DECODE else plan.prefill
+    assert engine is not None
     tried: set[str] = set()
     payload = _json.encode(body)
-    # KV this request will hold on D while it runs: the policy's decode load term.
-    held_tokens = plan.prompt_tokens + int(body.get("max_tokens") or
-                                           body.get("max_completion_tokens") or 16)
+    # What this request adds to the policy's load terms while it runs: on D the KV it
+    # holds, on P the prompt it prefills.
+    if role is Role.DECODE:
+        load_attr = "active_decode_tokens"
+        load = plan.prompt_tokens + int(body.get("max_tokens") or
+                                        body.get("max_completion_tokens") or 16)
+    else:
+        load_attr, load = "active_prefill_tokens", plan.prompt_tokens
     for attempt in range(state.config.connect_retries + 1):
         tried.add(engine.url)
         engine.active_requests += 1
-        engine.active_decode_tokens += held_tokens
+        setattr(engine, load_attr, getattr(engine, load_attr) + load)
         try:
             upstream = await _send(state, engine, path, payload, request_id)
         except BaseException as exc:
             engine.active_requests -= 1
-            engine.active_decode_tokens -= held_tokens
+            setattr(engine, load_attr, getattr(engine, load_attr) - load)
             if not isinstance(exc, _Upstream):
                 raise
-            engine = _next_after_connect_failure(state, Role.DECODE, engine, tried,
+            engine = _next_after_connect_failure(state, role, engine, tried,
                                                  attempt, request_id, exc)
-            plan.decode = engine
+            if role is Role.DECODE:
+                plan.decode = engine
+            else:
+                plan.prefill = engine
             continue
         break
     try:
         headers = [(k, v) for k, v in upstream.headers
                    if k.lower() not in _HOP_HEADERS]
         headers += extra_headers.items()
-        headers.append(("x-sessionkv-decode-engine", engine.url))
+        headers.append((f"x-sessionkv-{role.value}-engine", engine.url))
         if not stream or upstream.status != 200:
             data = await upstream.read()
             params = None
@@ -279,15 +291,15 @@ async def _decode(state: ProxyState, request: Request, plan: RoutePlan, path: st
             # Either side may end it; only the engine's side is an error of ours.  The
             # server cuts the client's connection so a broken stream never looks whole.
             if not request.client_gone:
-                state.metrics.errors.labels("decode_stream_broken").inc()
-                logger.warning("decode stream broke request_id=%s engine=%s: %r",
+                state.metrics.errors.labels(f"{role.value}_stream_broken").inc()
+                logger.warning("%s stream broke request_id=%s engine=%s: %r", role.value,
                                request_id, engine.url, exc)
             raise ConnectionResetError("stream ended early") from exc
         request.end_stream()   # before the session is stored: the client is done
         return None, 200, None
     finally:
         engine.active_requests -= 1
-        engine.active_decode_tokens -= held_tokens
+        setattr(engine, load_attr, getattr(engine, load_attr) - load)
         upstream.release()
 
 
@@ -342,12 +354,13 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
                 extra_headers["x-sessionkv-prefill"] = acct
             extra_headers["x-sessionkv-prefill-engine"] = plan.prefill.url
             d_body["kv_transfer_params"] = p_params
-        elif session_id:
+        elif session_id and plan.mode == "decode_only":
             # D keeps this turn for the next P pull only if it knows the session.
             d_body["kv_transfer_params"] = {SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
         decode_started = time.perf_counter()
-        response, status, d_params = await _decode(state, request, plan, path, d_body,
-                                                   request_id, extra_headers)
+        role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
+        response, status, d_params = await _answer(state, request, plan, role, path,
+                                                   d_body, request_id, extra_headers)
     except ApiError as err:
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
@@ -355,7 +368,9 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         state.metrics.count_request(endpoint, exc.status)
         return Response(exc.status, exc.body)
 
-    if session_id:
+    # A prefill-only turn leaves the session where it was: its D (and any handle
+    # there) still serves the next turn, and P's copy is in the index.
+    if session_id and plan.mode != "prefill_only":
         await _remember_session(state, plan, session_id, body, d_params)
     state.metrics.count_request(endpoint, status)
     if logger.isEnabledFor(logging.DEBUG):

@@ -80,6 +80,12 @@ Conditional disaggregation: once D is chosen, the request skips P when
 plus a transfer, but only while D has room (Dynamo's ``isl_bounding``, llm-d's
 ``prefix-based-pd-decider``).  Like theirs, the load check is advisory, not a
 reservation.
+
+*Prefill only*: a request that D does not take whole and that is capped at one new
+token (``max_output_tokens <= 1``: scoring, classification, a probe) has nothing to
+decode.  P computes that token as the last step of its prefill, so P serves the
+request whole as a plain request, and neither a KV transfer nor D's fixed
+per-request cost is paid for a decode that never runs.
 """
 
 from __future__ import annotations
@@ -128,6 +134,7 @@ class Role(enum.Enum):
 class Mode(enum.Enum):
     DISAGGREGATED = "disaggregated"  # P prefills, D pulls the KV and decodes
     DECODE_ONLY = "decode_only"  # D prefills the uncached rest itself
+    PREFILL_ONLY = "prefill_only"  # nothing to decode: P serves the whole request
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -184,6 +191,9 @@ class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
     # keys with this prompt's (the proxy cannot see engine hashes).
     peer_pullable_blocks: int = 0
     kv_bytes_per_token: float = 0.0  # 0: unknown, the peer is credited weights.peer
+    # The request's cap on new tokens (max_tokens / max_completion_tokens); None when
+    # the request sets none, so the engine's default applies.
+    max_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -232,6 +242,10 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     decode_recent_weight: float = 2.0
     # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
     decode_only_without_prefill: bool = True
+    # A request capped at one new token has nothing to decode: P computes that token
+    # while prefilling, so a hop to D would only add D's per-request cost and a KV
+    # transfer.  P then serves it whole, as a plain request.  False sends it P -> D.
+    prefill_only_without_decode: bool = True
     temperature: float = 0.0  # 0: argmin; > 0: softmax over normalised costs
 
     def __post_init__(self) -> None:
@@ -285,7 +299,7 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     mode: Mode
     prefill_url: str | None
-    decode_url: str
+    decode_url: str  # with PREFILL_ONLY: the D that would have decoded, not called
     reason: str
     uncached_tokens: int  # prompt tokens the chosen D does not hold on device
     prefill_candidates: tuple[PrefillTerms, ...] = ()
@@ -502,8 +516,13 @@ def route(
             reason=f"{decode_reason}; decode only: {uncached} uncached tokens",
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
+    no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
+                 and inp.max_output_tokens <= 1)
     try:
-        prefill_terms = score_prefill(inp, workers, params)
+        # A prefill-only request is a plain request on P: no handle, so no peer pull.
+        prefill_terms = score_prefill(
+            msgspec.structs.replace(inp, peer_pullable_blocks=0) if no_decode else inp,
+            workers, params)
     except NoWorkerAvailable:
         if not params.decode_only_without_prefill:
             raise
@@ -513,6 +532,14 @@ def route(
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
+    if no_decode:
+        return RouteDecision(
+            mode=Mode.PREFILL_ONLY, prefill_url=prefill_url, decode_url=decode_url,
+            reason=f"{decode_reason}; prefill only: at most {inp.max_output_tokens} new "
+                   f"token, computed by the prefill ({uncached} tokens uncached on D)",
+            uncached_tokens=uncached, prefill_candidates=prefill_terms,
+            decode_candidates=decode_terms,
+        )
     why = "increment too large" if not small else "decode worker busy"
     return RouteDecision(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,

@@ -46,7 +46,7 @@ _json = msgspec.json.Encoder()
 
 @dataclass
 class RoutePlan:
-    mode: str                          # "disaggregated" or "decode_only"
+    mode: str                          # "disaggregated", "decode_only" or "prefill_only"
     prefill: Engine | None
     decode: Engine
     reason: str
@@ -262,7 +262,8 @@ class Router:
                                   now_s=now_s,
                                   overlaps=policy.overlaps_from_match(matches),
                                   session=session_view, peer_pullable_blocks=peer_blocks,
-                                  kv_bytes_per_token=self.kv_bytes_per_token),
+                                  kv_bytes_per_token=self.kv_bytes_per_token,
+                                  max_output_tokens=_max_output_tokens(body, is_chat)),
                 workers, self.params, self.rng)
         except policy.NoWorkerAvailable as exc:
             raise ApiError(503, str(exc), type_="server_error") from None
@@ -279,7 +280,7 @@ class Router:
             prefill_params = (handle_params_for_prefill(handle) if handle is not None
                               else _fresh_prefill_params())
         elif handle is not None:
-            outcome = "unused_decode_only"
+            outcome = f"unused_{mode}"
         terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
                  "detail": decision.reason,
@@ -308,10 +309,20 @@ def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:
     return chars // 3
 
 
+def _max_output_tokens(body: dict[str, Any], is_chat: bool) -> int | None:
+    """The request's cap on new tokens as vLLM reads it (chat: max_completion_tokens
+    before the deprecated max_tokens); None when it sets none."""
+    value = body.get("max_completion_tokens") if is_chat else None
+    if value is None:
+        value = body.get("max_tokens")
+    return value if isinstance(value, int) else None
+
+
 def _reason_label(reason: str) -> str:
     """A bounded label for metrics from the policy's free-text reason."""
     for needle, label in (("no healthy prefill", "no_prefill_worker"),
                           ("decode only", "small_increment"),
+                          ("prefill only", "no_decode"),
                           ("increment too large", "increment_too_large"),
                           ("decode worker busy", "decode_busy")):
         if needle in reason:

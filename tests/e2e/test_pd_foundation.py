@@ -59,6 +59,38 @@ def test_chat_through_proxy_equals_baseline(pd_cluster, stream):
     assert metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before
 
 
+@pytest.mark.parametrize("path, stream", [("/v1/completions", False),
+                                          ("/v1/completions", True),
+                                          ("/v1/chat/completions", False),
+                                          ("/v1/chat/completions", True)])
+def test_one_token_request_is_served_by_prefill_alone(pd_cluster, path, stream):
+    """Nothing to decode: P answers it whole; D and NIXL are not touched."""
+    p_url, d_url = pd_cluster.prefill[0], pd_cluster.decode[0]
+    if path == "/v1/completions":
+        body = completion_body(pd_cluster.model, PROMPT_IDS[::-1], max_tokens=1,
+                               stream=stream)
+    else:  # the chat cap vLLM reads first
+        body = chat_body(pd_cluster.model, MESSAGES[::-1], max_tokens=None, stream=stream,
+                         max_completion_tokens=1)
+        del body["max_tokens"]
+
+    def counts() -> tuple[float, float, float]:
+        return (metric_sum(p_url, "vllm:request_success_total"),
+                metric_sum(d_url, "vllm:request_success_total"),
+                metric_sum(d_url, "vllm:nixl_bytes_transferred_sum"))
+
+    before = counts()
+    got = post(pd_cluster.proxy, path, body)
+    time.sleep(0.5)  # vLLM counts a finished request after its answer is out
+    after = counts()
+    base = post(pd_cluster.colocated, path, dict(body, stream=False))
+    assert_same(got, base, f"{path} stream={stream}, one token")
+    assert got.headers.get("x-sessionkv-route") == "prefill_only", got.headers
+    assert got.headers.get("x-sessionkv-prefill-engine") == p_url
+    assert len(got.token_ids) == 1
+    assert (after[0] - before[0], after[1] - before[1], after[2] - before[2]) == (1, 0, 0)
+
+
 def _pull_through(p_url: str, d_url: str, model: str, prompt: list[int], max_tokens: int,
                   timeout: float = 300.0):
     """P prefills ``prompt`` for D, then D decodes on P's handle.

@@ -394,6 +394,48 @@ def test_decode_only_threshold_is_inclusive_and_can_be_disabled():
     assert route(full, workers, prm, random.Random(0)).mode is Mode.DISAGGREGATED
 
 
+# --------------------------------------------------------------------------- prefill-only
+
+
+@pytest.mark.parametrize("max_output_tokens, mode", [
+    (0, Mode.PREFILL_ONLY), (1, Mode.PREFILL_ONLY),
+    (2, Mode.DISAGGREGATED), (None, Mode.DISAGGREGATED),
+])
+def test_nothing_to_decode_is_served_by_prefill_alone(max_output_tokens, mode):
+    # 3200 uncached tokens: too many for D; P computes the only new token anyway.
+    i = inp(3200, max_output_tokens=max_output_tokens)
+    d = route(i, [P("p1"), P("p2", active_prefill_blocks=50), D("d1")], params(),
+              random.Random(0))
+    assert d.mode is mode and d.prefill_url == "p1" and d.decode_url == "d1"
+    if mode is Mode.PREFILL_ONLY:
+        assert "prefill only" in d.reason and d.prefill_candidates
+
+
+def test_prefill_only_yields_to_decode_only_and_can_be_disabled():
+    # D holds all but 40 tokens: D serves the whole request, one token or many.
+    held = inp(1000, session=session("d1"), peer_pullable_blocks=60, max_output_tokens=1)
+    workers = [P("p1"), D("d1")]
+    assert route(held, workers, params(), random.Random(0)).mode is Mode.DECODE_ONLY
+    big = inp(3200, max_output_tokens=1)
+    off = params(prefill_only_without_decode=False)
+    assert route(big, workers, off, random.Random(0)).mode is Mode.DISAGGREGATED
+    # No healthy P: D serves it whole, as for any request.
+    d = route(big, [P("p1", healthy=False), D("d1")], params(), random.Random(0))
+    assert d.mode is Mode.DECODE_ONLY and "no healthy prefill" in d.reason
+
+
+def test_prefill_only_credits_no_peer_pull():
+    # A plain request on P carries no handle, so the session's D blocks are not
+    # P's to pull: the same session priced for P -> D credits them.
+    i = inp(3200, session=session("d1"), peer_pullable_blocks=100)
+    workers = [P("p1"), D("d1", active_requests=32)]
+    both = route(i, workers, params(), random.Random(0))
+    alone = route(msgspec.structs.replace(i, max_output_tokens=1), workers, params(),
+                  random.Random(0))
+    assert both.mode is Mode.DISAGGREGATED and both.prefill_candidates[0].peer_blocks == 100
+    assert alone.mode is Mode.PREFILL_ONLY and alone.prefill_candidates[0].peer_blocks == 0
+
+
 # --------------------------------------------------------------------------- pick
 
 
