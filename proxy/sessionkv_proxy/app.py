@@ -33,6 +33,7 @@ from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
+from sessionkv_proxy.tokenizer import PROBES, first_mismatch
 from sessionkv_proxy.upstream import UpstreamConnectError, UpstreamPool, UpstreamResponse
 
 __all__ = ["ProxyApp", "ProxyState", "create_app", "serve"]
@@ -461,6 +462,47 @@ async def _discover_models(state: ProxyState) -> None:
         return
 
 
+async def _check_local_tokenizer(state: ProxyState) -> None:
+    """Compare the local tokenizer with an engine's /tokenize on a few probes.  A match
+    lets the router use it; a mismatch would make every index lookup miss, so the
+    engine's /tokenize serves for the rest of the process life.  When no engine
+    answers there is no verdict, and a later request tries again."""
+    router = state.router
+    assert router is not None
+    local = router.local_tokenizer
+    if local is None or router.local_tokenizer_ok:
+        return
+    cases = [(p, special) for special in (True, False) for p in PROBES]
+
+    async def engine_ids(case: tuple[str, bool]) -> list[int] | None:
+        return await router.prompt_token_ids(
+            {"prompt": case[0], "add_special_tokens": case[1]}, False, engine_only=True)
+
+    try:
+        # One probe first: an unreachable engine costs one timeout, not one per probe.
+        theirs = [await engine_ids(cases[0])]
+        if theirs[0] is not None:
+            theirs += await asyncio.gather(*map(engine_ids, cases[1:]))
+    except ApiError as exc:
+        theirs = [None]
+        logger.warning("local tokenizer check: an engine refused a probe: %s", exc.message)
+    if any(ids is None for ids in theirs):
+        logger.info("local tokenizer check: no engine answered /tokenize; trying again on "
+                    "a later request, the engine tokenizes until then")
+        return
+    bad = first_mismatch(cases, [local.encode(p, special) for p, special in cases], theirs)
+    if bad is None:
+        router.local_tokenizer_ok = True
+        logger.info("local tokenizer %s matches the engine on %d probes; completions "
+                    "prompts are tokenized in the proxy", local.path, len(cases))
+        return
+    router.local_tokenizer = None
+    state.metrics.errors.labels("local_tokenizer_mismatch").inc()
+    logger.error("local tokenizer %s differs from the engine's /tokenize on probe %r "
+                 "(add_special_tokens=%s); the engine tokenizes from now on",
+                 local.path, bad[0], bad[1])
+
+
 def _make_index(config: ProxyConfig) -> KVIndex:
     if config.index.backend == "redis":
         from sessionkv_proxy.index.redis import RedisIndex
@@ -527,6 +569,9 @@ class ProxyApp:
             state.consumer = KVEventConsumer(sources, state.index)
             state.consumer.start()
         await _discover_models(state)
+        if state.router.local_tokenizer is not None:
+            state.router.check_local_tokenizer = lambda: _check_local_tokenizer(state)
+            await _check_local_tokenizer(state)
         self._scraper = asyncio.create_task(state.pool.scrape_forever(
             state.http, config.metrics_scrape_interval_s, config.metrics_scrape_timeout_s,
             on_slow=lambda e: state.metrics.errors.labels("metrics_scrape_slow").inc()),

@@ -80,7 +80,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     index: IndexConfig = IndexConfig()
     routing: RoutingConfig = RoutingConfig()
     # Token ids for routing: "engine" asks a P engine's /tokenize (exact by
-    # construction); "none" routes on session affinity and load only.
+    # construction); "none" routes on session affinity and load only; a path (the
+    # model directory given to `vllm serve`, or its tokenizer.json) tokenizes
+    # completions string prompts in the proxy, checked against an engine's
+    # /tokenize once (see tokenizer.py).  Chat prompts always ask the engine.
     tokenizer: str = "engine"
     block_size: int = 32
     max_body_bytes: int = 8 * 1024 * 1024
@@ -103,7 +106,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
         if self.tokenizer not in ("engine", "none"):
-            raise ValueError(f"tokenizer must be 'engine' or 'none', got {self.tokenizer!r}")
+            from sessionkv_proxy.tokenizer import LocalTokenizer
+
+            LocalTokenizer.load(self.tokenizer)  # fail at start-up, naming the key
         if self.block_size <= 0 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
 

@@ -14,6 +14,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,7 @@ from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex
 from sessionkv_proxy.recent import RecentRoutes
+from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
     SessionRecord,
@@ -72,14 +74,34 @@ class Router:
         self.kv_bytes_per_token = float(config.routing.params.get("kv_bytes_per_token", 0.0))
         self._rr = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
         self.recent = RecentRoutes(ttl_s=config.routing.recent_routes_ttl_s)
+        # Completions string prompts are tokenized here once these ids matched an
+        # engine's (``local_tokenizer_ok``); the app sets ``check_local_tokenizer``,
+        # run in the background on a request while no check has given a verdict, and
+        # drops ``local_tokenizer`` on a mismatch.
+        self.local_tokenizer = (None if config.tokenizer in ("engine", "none")
+                                else LocalTokenizer.load(config.tokenizer))
+        self.local_tokenizer_ok = False
+        self.check_local_tokenizer: Callable[[], Awaitable[None]] | None = None
+        self._tokenizer_check: asyncio.Task | None = None
 
     # ------------------------------------------------------------ token ids
-    async def prompt_token_ids(self, body: dict[str, Any], is_chat: bool) -> list[int] | None:
-        """The prompt's token ids exactly as the engines will see them, or None."""
+    async def prompt_token_ids(self, body: dict[str, Any], is_chat: bool,
+                               engine_only: bool = False) -> list[int] | None:
+        """The prompt's token ids exactly as the engines will see them, or None.
+        ``engine_only`` asks the engine even where the local tokenizer could answer."""
         if not is_chat:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
                 return prompt
+            local = self.local_tokenizer
+            if local is not None and isinstance(prompt, str) and not engine_only:
+                if self.local_tokenizer_ok:
+                    ids = local.ids_for_completion(body)
+                    if ids is not None:
+                        return ids
+                elif self.check_local_tokenizer is not None and (
+                        self._tokenizer_check is None or self._tokenizer_check.done()):
+                    self._tokenizer_check = asyncio.create_task(self.check_local_tokenizer())
         if self.config.tokenizer == "none":
             return None
         engines = [e for e in self.pool.engines if e.healthy] or self.pool.engines
