@@ -253,6 +253,11 @@ def scheduled_requests(scheduler_output: Any) -> int:
     return len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
 
 
+def reads_in_flight(worker: NixlPullConnectorWorker) -> bool:
+    """Whether the worker has NIXL reads posted and not yet seen done."""
+    return bool(worker._recving_transfers)
+
+
 def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
     """KV bytes one token occupies across all layers (what a pull moves per token)."""
     total_bytes = sum(t.size for t in kv_cache_config.kv_cache_tensors)

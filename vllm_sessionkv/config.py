@@ -87,6 +87,13 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # ends the wait at once).  None = 20 ms on the CPU platform, 0 (vLLM's
     # back-to-back steps) elsewhere.
     holding_step_interval_s: float | None = None
+    # A step that runs no model (every request is waiting for its KV) waits up to
+    # this long for the reads it has in flight before it reports, so a read that
+    # lands within the wait is seen by this step and the request runs in the next.
+    # Without it the engine steps empty (1 ms apart, each a round trip through the
+    # engine core and its worker) until one step sees the read.  A step with a model
+    # to run never waits.  0 = vLLM's loop.
+    idle_step_recv_wait_s: float = 0.005
     # Publish each session handle to Redis (key prefix below) for streaming clients.
     redis_url: str | None = None
     redis_key_prefix: str = HANDLE_KEY_PREFIX
@@ -112,6 +119,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 0 <= self.holding_step_interval_s <= 1.0:
             raise ValueError("holding_step_interval_s must be within [0, 1], got "
                              f"{self.holding_step_interval_s}")
+        if not 0 <= self.idle_step_recv_wait_s <= 1.0:
+            raise ValueError("idle_step_recv_wait_s must be within [0, 1], got "
+                             f"{self.idle_step_recv_wait_s}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
 

@@ -370,6 +370,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
         meta = super().build_connector_meta(scheduler_output)
         self._attach_host_ops(meta)
+        # The worker may wait for its reads only when it has no model to run.
+        meta.sessionkv_idle_step = running == 0
         return meta
 
     def update_connector_output(self, connector_output) -> None:

@@ -33,6 +33,7 @@ _SESSION_KEYS = (
     "host_resident_bytes",
     "host_store_s",
     "host_restore_s",
+    "idle_step_recv_wait_s",
 )
 
 
@@ -129,6 +130,15 @@ class SessionKVPromMetrics(NixlPromMetrics):
                                 buckets=[1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0],
                                 labelnames=labelnames), per_engine_labelvalues)
 
+        self._idle_recv_wait_s = create_metric_per_engine(
+            self._histogram_cls(name="sessionkv_idle_step_recv_wait_seconds",
+                                documentation="Time a step with no model to run and "
+                                              "KV reads in flight waited for them (0 "
+                                              "when done at the first poll; "
+                                              "idle_step_recv_wait_s caps it).",
+                                buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1],
+                                labelnames=labelnames), per_engine_labelvalues)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         super().observe(transfer_stats_data, engine_idx)
         for source in PROMPT_TOKEN_SOURCES:
@@ -155,6 +165,8 @@ class SessionKVPromMetrics(NixlPromMetrics):
             self._host_resident[engine_idx].set(resident[-1])
         for seconds in transfer_stats_data.get("host_restore_s", ()):
             self._host_restore_s[engine_idx].observe(seconds)
+        for seconds in transfer_stats_data.get("idle_step_recv_wait_s", ()):
+            self._idle_recv_wait_s[engine_idx].observe(seconds)
 
 
 def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:

@@ -39,12 +39,15 @@ def test_local_cluster_ready_within_two_minutes(pd_cluster):
 def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     d_url = pd_cluster.decode[0]
     bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
+    waits_before = metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count")
     body = completion_body(pd_cluster.model, PROMPT_IDS, max_tokens=24, stream=stream)
     got = post(pd_cluster.proxy, "/v1/completions", body)
     base = post(pd_cluster.colocated, "/v1/completions", dict(body, stream=False))
     assert_same(got, base, f"completions stream={stream}")
     assert got.headers.get("x-sessionkv-route") == "disaggregated"
     assert metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before
+    # D had nothing else to run while its read was in flight: that step waited for it.
+    assert metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count") > waits_before
     assert metric_sum(d_url, "vllm:nixl_num_failed_transfers_total") == 0
 
 

@@ -31,7 +31,12 @@ def test_worker_agent_config_hook_exists():
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
     assert hasattr(base_worker, "nixl_agent_config")
-    assert "self.xfer_stats" in inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    init_src = inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    assert "self.xfer_stats" in init_src
+    # _vllm.reads_in_flight: posted reads stay here until a poll sees them done.
+    assert "self._recving_transfers" in init_src
+    assert "del transfers[req_id]" in inspect.getsource(
+        base_worker.NixlBaseConnectorWorker._pop_done_transfers)
 
 
 def test_nixl_agent_options_are_applied_and_scoped():
