@@ -362,6 +362,11 @@ class LocalCluster:
                                        f"replay={e.kv_events_replay_endpoint}"]
                 if self.redis_url:
                     argv += ["--redis-url", self.redis_url]
+                if (Path(spec.model) / "tokenizer.json").is_file() and \
+                        "--tokenizer" not in spec.proxy_args:
+                    # The engines' own tokenizer files: text prompts are tokenized in
+                    # the proxy (checked against the engines' /tokenize at start-up).
+                    argv += ["--tokenizer", spec.model]
                 argv += spec.proxy_args
                 proxy = start_process("proxy", argv, log_dir)
                 self.procs.append(proxy)
