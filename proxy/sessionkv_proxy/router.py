@@ -1,9 +1,11 @@
 """Gathers what a routing decision needs and asks the policy.
 
 The policy (``policy.py``) is a pure function of plain data.  This module does the
-I/O around it: token ids for the prompt (the engine's own tokenizer, so they equal
-vLLM's), the index lookup, the session record, the engines' load.  A wrong or stale
-answer here costs speed only: the connector verifies every block it attaches.
+I/O around it: token ids for the prompt (the engine's ``/tokenize``, or for
+completions text the same tokenizer in-process once it matched the engine's, so
+they equal vLLM's), the index lookup, the session record, the engines' load.  A
+wrong or stale answer here costs speed only: the connector verifies every block it
+attaches.
 """
 
 from __future__ import annotations
