@@ -35,7 +35,9 @@ Parts (all in one run; ``--skip-*`` drops one):
 3. **P/D path**: 1 prefill + 1 decode engine with SessionKVConnector
    (``vllm_sessionkv.launch.LocalCluster``), concurrency 1, ~500-token prompts,
    ``max_tokens`` 1, 2 and 16 (at 1 our proxy serves the request on P alone, since
-   there is nothing to decode; 2 is the shortest request on the P -> D path).  Arms: the same request straight to P as an ordinary
+   there is nothing to decode; 2 is the shortest request on the P -> D path); the
+   arms take turns every ``--pd-chunk`` requests, so drift in the machine's speed
+   reaches them alike.  Arms: the same request straight to P as an ordinary
    request, ours (the cluster's proxy), toy in P/D mode, vllm-router in its vLLM P/D
    mode.  p50 latency and its ratio to direct P; D's prompt-token sources show
    whether D really pulled the KV.
@@ -924,32 +926,54 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
             for max_tokens in args.pd_max_tokens:
                 for arm in order:
                     closed_loop(targets[arm] + "/v1/completions", bodies(2, max_tokens), 1)
-                    src0 = prompt_sources(d_url)
-                    p0 = metric_sums(p_url, ("vllm:request_success_total",))
-                    res = closed_loop(targets[arm] + "/v1/completions",
-                                      bodies(args.pd_requests, max_tokens), 1,
-                                      collect_header="x-sessionkv-route")
-                    time.sleep(0.5)
-                    src1 = prompt_sources(d_url)
-                    p1 = metric_sums(p_url, ("vllm:request_success_total",))
-                    d_src = {k: src1[k] - src0[k] for k in PD_SOURCES}
-                    data["arms"][f"{arm}|{max_tokens}"] = {
-                        "p50_ms": pct(res.latencies_s, 0.5) * 1e3 if res.latencies_s else None,
-                        "ok": len(res.latencies_s), "errors": res.errors,
-                        "first_error": res.first_error, "routes": res.headers,
-                        "d_prompt_sources": d_src,
-                        "p_requests": p1["vllm:request_success_total"]
-                        - p0["vllm:request_success_total"],
-                        "mean_prompt_tokens": (statistics.mean(res.usage_prompt_tokens)
-                                               if res.usage_prompt_tokens else None)}
-                    e = data["arms"][f"{arm}|{max_tokens}"]
+                # The arms take turns in chunks, so a drift in the machine's speed
+                # during the round (direct P moved 15-20 ms between rounds) reaches
+                # every arm alike instead of whichever arm ran then.
+                acc = {arm: {"latencies_s": [], "errors": 0, "first_error": "",
+                             "routes": {}, "d_src": dict.fromkeys(PD_SOURCES, 0.0),
+                             "p_requests": 0.0, "usage": []} for arm in order}
+                left = args.pd_requests
+                while left > 0:
+                    n = min(args.pd_chunk, left)
+                    left -= n
+                    for arm in order:
+                        a = acc[arm]
+                        src0 = prompt_sources(d_url)
+                        p0 = metric_sums(p_url, ("vllm:request_success_total",))
+                        res = closed_loop(targets[arm] + "/v1/completions",
+                                          bodies(n, max_tokens), 1,
+                                          collect_header="x-sessionkv-route")
+                        time.sleep(0.3)
+                        src1 = prompt_sources(d_url)
+                        p1 = metric_sums(p_url, ("vllm:request_success_total",))
+                        a["latencies_s"] += res.latencies_s
+                        a["errors"] += res.errors
+                        a["first_error"] = a["first_error"] or res.first_error
+                        for k, v in res.headers.items():
+                            a["routes"][k] = a["routes"].get(k, 0) + v
+                        for k in PD_SOURCES:
+                            a["d_src"][k] += src1[k] - src0[k]
+                        a["p_requests"] += (p1["vllm:request_success_total"]
+                                            - p0["vllm:request_success_total"])
+                        a["usage"] += res.usage_prompt_tokens
+                for arm in order:
+                    a = acc[arm]
+                    lat = a["latencies_s"]
+                    data["arms"][f"{arm}|{max_tokens}"] = e = {
+                        "p50_ms": pct(lat, 0.5) * 1e3 if lat else None,
+                        "ok": len(lat), "errors": a["errors"],
+                        "first_error": a["first_error"], "routes": a["routes"],
+                        "d_prompt_sources": a["d_src"], "p_requests": a["p_requests"],
+                        "mean_prompt_tokens": (statistics.mean(a["usage"])
+                                               if a["usage"] else None)}
                     log(f"  {arm} max_tokens={max_tokens}: p50 {e['p50_ms'] or 0:.1f} ms, "
-                        f"D sources {dict((k, int(v)) for k, v in d_src.items() if v)}, "
-                        f"P requests {e['p_requests']:.0f}, {res.errors} errors")
+                        f"D sources {dict((k, int(v)) for k, v in a['d_src'].items() if v)}, "
+                        f"P requests {e['p_requests']:.0f}, {a['errors']} errors")
             rounds.append(data)
         results["pd_rounds"] = rounds
         results["pd_unavailable"] = unavailable
-        results["pd_meta"] = {"requests": args.pd_requests, "arms": list(targets),
+        results["pd_meta"] = {"requests": args.pd_requests, "chunk": args.pd_chunk,
+                              "arms": list(targets),
                               "max_tokens": list(args.pd_max_tokens)}
         for arm in ("toy (P/D)", "vllm-router (P/D)"):
             log_file = log_dir / (re.sub(r"[^A-Za-z0-9_.-]+", "_", arm) + ".log")
@@ -1080,8 +1104,10 @@ def render_report(results: dict, rows: list[dict]) -> str:
         out.append(f"- part 3 backends: 1 prefill + 1 decode vLLM {meta['vllm']} (CPU) with "
                    "SessionKVConnector (LocalCluster), tiny model; ~500-token distinct "
                    f"prompts, concurrency 1, {results['pd_meta']['requests']} requests per "
-                   "arm per round; client: Python aiohttp. × direct P = p50 / p50 of the same "
-                   "request sent to P as an ordinary request")
+                   f"arm per round, the arms taking turns every "
+                   f"{results['pd_meta'].get('chunk', '-')} requests; client: Python "
+                   "aiohttp. × direct P = p50 / p50 of the same kind of request sent to P "
+                   "as an ordinary request, in the same round")
     out += ["", render_table(rows), ""]
     for name, cmd in sorted(results.get("commands", {}).items()):
         out.append(f"- `{name}`: `{cmd}`")
@@ -1201,6 +1227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--affinity-max-tokens", type=int, default=4)
     p.add_argument("--pd-requests", type=int, default=20,
                    help="P/D: measured requests per arm, per max_tokens, per round")
+    p.add_argument("--pd-chunk", type=int, default=5,
+                   help="P/D: requests an arm sends before the next arm's turn")
     p.add_argument("--pd-max-tokens", default="1,2,16",
                    type=lambda v: tuple(int(x) for x in v.split(",")),
                    help="P/D: the max_tokens values measured, comma-separated.  At 1 our "
