@@ -241,8 +241,7 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
     # holds, on P the prompt it prefills.
     if role is Role.DECODE:
         load_attr = "active_decode_tokens"
-        load = plan.prompt_tokens + int(body.get("max_tokens") or
-                                        body.get("max_completion_tokens") or 16)
+        load = plan.prompt_tokens + (plan.max_output_tokens or 16)
     else:
         load_attr, load = "active_prefill_tokens", plan.prompt_tokens
     for attempt in range(state.config.connect_retries + 1):

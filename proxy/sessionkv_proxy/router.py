@@ -59,6 +59,7 @@ class RoutePlan:
     terms: dict[str, Any] = field(default_factory=dict)
     handle_outcome: str = "none"
     prompt_tokens: int = 0
+    max_output_tokens: int | None = None  # the request's cap on new tokens, as vLLM reads it
 
 
 class Router:
@@ -224,14 +225,17 @@ class Router:
     async def plan(self, body: dict[str, Any], is_chat: bool, session_id: str | None
                    ) -> RoutePlan:
         tenant = body.get("cache_salt")
+        max_output = _max_output_tokens(body, is_chat)
         has_prefill_pool = bool(self.pool.by_role(Role.PREFILL))
         if self.config.routing.policy == "round_robin":
             decode = self._next(Role.DECODE)
             if not has_prefill_pool:
-                return RoutePlan("decode_only", None, decode, "no_prefill_pool")
+                return RoutePlan("decode_only", None, decode, "no_prefill_pool",
+                                 max_output_tokens=max_output)
             prefill = self._next(Role.PREFILL)
             return RoutePlan("disaggregated", prefill, decode, "round_robin",
-                             prefill_params=_fresh_prefill_params())
+                             prefill_params=_fresh_prefill_params(),
+                             max_output_tokens=max_output)
 
         started = time.perf_counter()
         # Content (token ids, block keys, index overlap) and the policy only matter
@@ -244,7 +248,8 @@ class Router:
                 return RoutePlan("decode_only", None, healthy[0], "single_decode_worker",
                                  terms={"decision_s": time.perf_counter() - started,
                                         "detail": "single decode worker; decode only"},
-                                 prompt_tokens=_estimate_tokens(body, is_chat))
+                                 prompt_tokens=_estimate_tokens(body, is_chat),
+                                 max_output_tokens=max_output)
         token_ids = await self.prompt_token_ids(body, is_chat)
         keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
                 if token_ids else [])
@@ -287,7 +292,7 @@ class Router:
                                   overlaps=policy.overlaps_from_match(matches),
                                   session=session_view, peer_pullable_blocks=peer_blocks,
                                   kv_bytes_per_token=self.kv_bytes_per_token,
-                                  max_output_tokens=_max_output_tokens(body, is_chat)),
+                                  max_output_tokens=max_output),
                 workers, self.params, self.rng)
         except policy.NoWorkerAvailable as exc:
             raise ApiError(503, str(exc), type_="server_error") from None
@@ -313,7 +318,8 @@ class Router:
         return RoutePlan(mode, prefill, decode, _reason_label(decision.reason),
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,
-                         prompt_tokens=len(token_ids) if token_ids else num_tokens)
+                         prompt_tokens=len(token_ids) if token_ids else num_tokens,
+                         max_output_tokens=max_output)
 
 
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:

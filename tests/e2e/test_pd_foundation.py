@@ -73,7 +73,7 @@ def test_one_token_request_is_served_by_prefill_alone(pd_cluster, path, stream):
         body = completion_body(pd_cluster.model, PROMPT_IDS[::-1], max_tokens=1,
                                stream=stream)
     else:  # the chat cap vLLM reads first
-        body = chat_body(pd_cluster.model, MESSAGES[::-1], max_tokens=None, stream=stream,
+        body = chat_body(pd_cluster.model, MESSAGES[::-1], stream=stream,
                          max_completion_tokens=1)
         del body["max_tokens"]
 
