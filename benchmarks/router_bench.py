@@ -281,6 +281,15 @@ class LoadResult:
     headers: dict[str, int] = field(default_factory=dict)   # collected header values
     usage_prompt_tokens: list[int] = field(default_factory=list)
 
+    def extend(self, other: "LoadResult") -> None:
+        """Add another load's requests to this one's."""
+        self.latencies_s += other.latencies_s
+        self.errors += other.errors
+        self.first_error = self.first_error or other.first_error
+        for value, count in other.headers.items():
+            self.headers[value] = self.headers.get(value, 0) + count
+        self.usage_prompt_tokens += other.usage_prompt_tokens
+
 
 async def _closed_loop(url: str, bodies: list[bytes], concurrency: int,
                        headers: list[dict] | None, collect_header: str | None,
@@ -929,15 +938,14 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
                 # The arms take turns in chunks, so a drift in the machine's speed
                 # during the round (direct P moved 15-20 ms between rounds) reaches
                 # every arm alike instead of whichever arm ran then.
-                acc = {arm: {"latencies_s": [], "errors": 0, "first_error": "",
-                             "routes": {}, "d_src": dict.fromkeys(PD_SOURCES, 0.0),
-                             "p_requests": 0.0, "usage": []} for arm in order}
+                load = {arm: LoadResult([], 0) for arm in order}
+                d_src = {arm: dict.fromkeys(PD_SOURCES, 0.0) for arm in order}
+                p_requests = dict.fromkeys(order, 0.0)
                 left = args.pd_requests
                 while left > 0:
                     n = min(args.pd_chunk, left)
                     left -= n
                     for arm in order:
-                        a = acc[arm]
                         src0 = prompt_sources(d_url)
                         p0 = metric_sums(p_url, ("vllm:request_success_total",))
                         res = closed_loop(targets[arm] + "/v1/completions",
@@ -946,29 +954,23 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
                         time.sleep(0.3)
                         src1 = prompt_sources(d_url)
                         p1 = metric_sums(p_url, ("vllm:request_success_total",))
-                        a["latencies_s"] += res.latencies_s
-                        a["errors"] += res.errors
-                        a["first_error"] = a["first_error"] or res.first_error
-                        for k, v in res.headers.items():
-                            a["routes"][k] = a["routes"].get(k, 0) + v
+                        load[arm].extend(res)
                         for k in PD_SOURCES:
-                            a["d_src"][k] += src1[k] - src0[k]
-                        a["p_requests"] += (p1["vllm:request_success_total"]
+                            d_src[arm][k] += src1[k] - src0[k]
+                        p_requests[arm] += (p1["vllm:request_success_total"]
                                             - p0["vllm:request_success_total"])
-                        a["usage"] += res.usage_prompt_tokens
                 for arm in order:
-                    a = acc[arm]
-                    lat = a["latencies_s"]
+                    res, lat = load[arm], load[arm].latencies_s
                     data["arms"][f"{arm}|{max_tokens}"] = e = {
                         "p50_ms": pct(lat, 0.5) * 1e3 if lat else None,
-                        "ok": len(lat), "errors": a["errors"],
-                        "first_error": a["first_error"], "routes": a["routes"],
-                        "d_prompt_sources": a["d_src"], "p_requests": a["p_requests"],
-                        "mean_prompt_tokens": (statistics.mean(a["usage"])
-                                               if a["usage"] else None)}
+                        "ok": len(lat), "errors": res.errors,
+                        "first_error": res.first_error, "routes": res.headers,
+                        "d_prompt_sources": d_src[arm], "p_requests": p_requests[arm],
+                        "mean_prompt_tokens": (statistics.mean(res.usage_prompt_tokens)
+                                               if res.usage_prompt_tokens else None)}
                     log(f"  {arm} max_tokens={max_tokens}: p50 {e['p50_ms'] or 0:.1f} ms, "
-                        f"D sources {dict((k, int(v)) for k, v in a['d_src'].items() if v)}, "
-                        f"P requests {e['p_requests']:.0f}, {a['errors']} errors")
+                        f"D sources {dict((k, int(v)) for k, v in d_src[arm].items() if v)}, "
+                        f"P requests {e['p_requests']:.0f}, {res.errors} errors")
             rounds.append(data)
         results["pd_rounds"] = rounds
         results["pd_unavailable"] = unavailable
