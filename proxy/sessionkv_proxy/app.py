@@ -322,11 +322,8 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
 
     plan_done = time.perf_counter()
     prefill_s = 0.0
-    m = state.metrics
-    m.child(m.decisions, plan.mode, plan.reason).inc()
-    m.child(m.handles, plan.handle_outcome).inc()
-    m.decision_s.observe(plan.terms.get("decision_s", 0.0))
-    m.prompt_blocks.observe(len(plan.prompt_keys))
+    state.metrics.count_route(plan.mode, plan.reason, plan.handle_outcome,
+                              plan.terms.get("decision_s", 0.0), len(plan.prompt_keys))
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "

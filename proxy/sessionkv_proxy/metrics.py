@@ -1,31 +1,57 @@
-"""The proxy's Prometheus metrics (``sessionkv_proxy_*``), in their own registry."""
+"""The proxy's Prometheus metrics (``sessionkv_proxy_*``), in their own registry.
+
+The series updated on every request (requests, routing decisions, session handles, and
+the decision-time and prompt-size histograms) are plain Python counts read by a custom
+collector at scrape time, not prometheus_client metric objects: ``Counter.inc`` and
+``Histogram.observe`` each take a lock, and ``observe`` walks the buckets in Python,
+several microseconds per request in all. No lock is needed: the proxy runs on one
+event-loop thread and ``/metrics`` is served from that same loop, so a scrape never
+runs in the middle of an update. The exported names, labels, help texts and buckets are
+those the prometheus_client objects gave, less the ``_created`` samples of these five.
+The rarer series (errors, retries, gauges) stay prometheus_client objects.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from bisect import bisect_left
+from typing import Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 __all__ = ["ProxyMetrics"]
+
+_INF = float("inf")
+_DECISION_S_BOUNDS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, _INF)
+_PROMPT_BLOCKS_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, _INF)
+
+_REQUESTS = ("sessionkv_proxy_requests", "Requests by endpoint and status.",
+             ("endpoint", "status"))
+_DECISIONS = ("sessionkv_proxy_routing_decisions", "Routing decisions by mode and reason.",
+              ("mode", "reason"))
+_HANDLES = ("sessionkv_proxy_session_handles",
+            "Session handles by outcome: attached, expired, other_tenant, none.", ("outcome",))
+_DECISION_S = ("sessionkv_proxy_routing_decision_seconds", "Time to make a routing decision.")
+_PROMPT_BLOCKS = ("sessionkv_proxy_prompt_blocks", "Full prompt blocks per routed request.")
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
         # Labelled children resolved once: ``labels()`` costs more than the increment.
         self._children: dict[tuple, Any] = {}
+        # Per-request counts (see the module docstring), keyed by label values.
+        self._requests: dict[tuple[str, int], int] = {}
+        self._decisions: dict[tuple[str, str], int] = {}
+        self._handles: dict[str, int] = {}
+        # Histograms: a count per bucket (not cumulative; the last is +Inf) and a sum.
+        self._decision_s_buckets = [0] * len(_DECISION_S_BOUNDS)
+        self._decision_s_sum = 0.0
+        self._prompt_blocks_buckets = [0] * len(_PROMPT_BLOCKS_BOUNDS)
+        self._prompt_blocks_sum = 0
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("sessionkv_proxy_requests", "Requests by endpoint and status.",
-                                ["endpoint", "status"], registry=r)
-        self.decisions = Counter("sessionkv_proxy_routing_decisions",
-                                 "Routing decisions by mode and reason.", ["mode", "reason"],
-                                 registry=r)
-        self.overlap_blocks = Histogram(
-            "sessionkv_proxy_overlap_blocks", "Leading prompt blocks the chosen engine held.",
-            ["tier"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024), registry=r)
-        self.prompt_blocks = Histogram(
-            "sessionkv_proxy_prompt_blocks", "Full prompt blocks per routed request.",
-            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024), registry=r)
+        r.register(_RequestCollector(self))
         self.index_blocks = Gauge("sessionkv_proxy_index_blocks",
                                   "Entries in the KV index.", registry=r)
         self.event_lag_s = Gauge("sessionkv_proxy_event_lag_seconds",
@@ -48,12 +74,6 @@ class ProxyMetrics:
         self.retries = Counter("sessionkv_proxy_upstream_retries",
                                "Requests re-sent to another worker after a connection "
                                "failure.", ["role"], registry=r)
-        self.handles = Counter("sessionkv_proxy_session_handles",
-                               "Session handles by outcome: attached, expired, other_tenant, "
-                               "none.", ["outcome"], registry=r)
-        self.decision_s = Histogram(
-            "sessionkv_proxy_routing_decision_seconds", "Time to make a routing decision.",
-            buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2), registry=r)
         self.in_flight = Gauge("sessionkv_proxy_in_flight_requests",
                                "Requests in flight per engine.", ["engine"], registry=r)
 
@@ -65,4 +85,74 @@ class ProxyMetrics:
         return found
 
     def count_request(self, endpoint: str, status: int) -> None:
-        self.child(self.requests, endpoint, str(status)).inc()
+        """One answered request (``sessionkv_proxy_requests``)."""
+        key = (endpoint, status)
+        counts = self._requests
+        counts[key] = counts.get(key, 0) + 1
+
+    def count_route(self, mode: str, reason: str, handle_outcome: str, decision_s: float,
+                    prompt_blocks: int) -> None:
+        """One routing decision: its mode and reason, the session handle's outcome, the
+        time it took and the prompt's full blocks."""
+        key = (mode, reason)
+        counts = self._decisions
+        counts[key] = counts.get(key, 0) + 1
+        handles = self._handles
+        handles[handle_outcome] = handles.get(handle_outcome, 0) + 1
+        # bisect_left: the first bound >= the value, Prometheus' ``le``.
+        self._decision_s_buckets[bisect_left(_DECISION_S_BOUNDS, decision_s)] += 1
+        self._decision_s_sum += decision_s
+        self._prompt_blocks_buckets[bisect_left(_PROMPT_BLOCKS_BOUNDS, prompt_blocks)] += 1
+        self._prompt_blocks_sum += prompt_blocks
+
+
+def _counter(spec: tuple, counts: dict | None) -> CounterMetricFamily:
+    name, documentation, labels = spec
+    family = CounterMetricFamily(name, documentation, labels=labels)
+    if counts:
+        # Label values as prometheus_client writes them (str); keys that read alike
+        # add up.
+        merged: dict[tuple[str, ...], int] = {}
+        for key, n in list(counts.items()):
+            values = tuple(map(str, key if isinstance(key, tuple) else (key,)))
+            merged[values] = merged.get(values, 0) + n
+        for values, n in merged.items():
+            family.add_metric(values, float(n))
+    return family
+
+
+def _histogram(spec: tuple, bounds: tuple, buckets: list[int] | None,
+               total: float) -> HistogramMetricFamily:
+    name, documentation = spec
+    cumulative = []
+    running = 0
+    for bound, n in zip(bounds, buckets or [0] * len(bounds)):
+        running += n
+        cumulative.append((floatToGoString(bound), float(running)))
+    return HistogramMetricFamily(name, documentation, buckets=cumulative,
+                                 sum_value=float(total))
+
+
+class _RequestCollector:
+    """Exports ProxyMetrics' per-request counts at scrape time."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._m = metrics
+
+    def describe(self) -> Iterator[Metric]:
+        # Names only, so the registry refuses a clash with another metric.
+        yield _counter(_REQUESTS, None)
+        yield _counter(_DECISIONS, None)
+        yield _histogram(_PROMPT_BLOCKS, _PROMPT_BLOCKS_BOUNDS, None, 0.0)
+        yield _counter(_HANDLES, None)
+        yield _histogram(_DECISION_S, _DECISION_S_BOUNDS, None, 0.0)
+
+    def collect(self) -> Iterator[Metric]:
+        m = self._m
+        yield _counter(_REQUESTS, m._requests)
+        yield _counter(_DECISIONS, m._decisions)
+        yield _histogram(_PROMPT_BLOCKS, _PROMPT_BLOCKS_BOUNDS,
+                         list(m._prompt_blocks_buckets), m._prompt_blocks_sum)
+        yield _counter(_HANDLES, m._handles)
+        yield _histogram(_DECISION_S, _DECISION_S_BOUNDS,
+                         list(m._decision_s_buckets), m._decision_s_sum)
