@@ -13,7 +13,7 @@ import functools
 import importlib
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.device_communicators import shm_broadcast as _shm_broadcast
@@ -66,6 +66,7 @@ __all__ = [
     "scheduled_requests",
     "set_pending_send_deadline",
     "shorten_pending_send",
+    "wait_for_prefill_params",
     "worker_set_stats",
 ]
 
@@ -166,6 +167,55 @@ def _only_holding_blocks(core: Any) -> bool:
             and scheduler.has_finished_requests())
 
 
+def _only_awaiting_prefill(core: Any, held: int) -> bool:
+    """True when every unfinished request is one the connector holds until its P's
+    parameters arrive (early decode): a step would schedule nothing."""
+    scheduler = core.scheduler
+    return (held > 0 and core.is_running() and not core.engines_running
+            and not core.batch_queue and not scheduler.running
+            and not scheduler.finished_req_ids
+            and scheduler.get_num_unfinished_requests() == held)
+
+
+class _PrefillWait:
+    """What ``wait_for_prefill_params`` installed: how many requests are held, and a
+    wait for the next message that releases one."""
+
+    def __init__(self, held: Callable[[], int], wait_s: Callable[[float], bool],
+                 max_wait_s: float) -> None:
+        self.held, self.wait_s, self.max_wait_s = held, wait_s, max_wait_s
+
+
+_prefill_wait: _PrefillWait | None = None
+# How often a held engine looks at its input queue while it waits for a message.
+_INPUT_CHECK_S = 0.001
+
+
+def _wait_for_prefill(core: Any, wait: _PrefillWait) -> None:
+    deadline = time.monotonic() + wait.max_wait_s
+    while core.input_queue.empty() and time.monotonic() < deadline:
+        if wait.wait_s(_INPUT_CHECK_S):
+            return
+
+
+def wait_for_prefill_params(held: Callable[[], int], wait_s: Callable[[float], bool],
+                            max_wait_s: float) -> None:
+    """Let an engine whose only requests wait for their P's parameters (early decode)
+    block on the message that releases them, instead of stepping.
+
+    vLLM 0.32 steps such an engine back to back (``Scheduler.has_requests``), 1 ms
+    apart: each step a round trip through the engine core and its worker, which then
+    spins.  That takes the CPU the P engine computes those very parameters with.
+    Here the engine core waits on ``wait_s`` (the early-decode socket) and checks its
+    input queue every millisecond, so a new request is not delayed either; it steps
+    at least every ``max_wait_s`` (held requests time out by steps).  Patches
+    ``EngineCoreProc._process_input_queue`` for this process; one engine per process.
+    """
+    global _prefill_wait
+    _prefill_wait = _PrefillWait(held, wait_s, max_wait_s)
+    _patch_input_queue()
+
+
 def pace_holding_steps(interval_s: float) -> None:
     """Let an engine that only holds blocks wait for input up to ``interval_s`` per step.
 
@@ -182,19 +232,33 @@ def pace_holding_steps(interval_s: float) -> None:
         return
     first = _holding_interval_s is None
     _holding_interval_s = interval_s if first else min(_holding_interval_s, interval_s)
-    if not first:
+    _patch_input_queue()
+
+
+_input_queue_patched = False
+
+
+def _patch_input_queue() -> None:
+    global _input_queue_patched
+    if _input_queue_patched:
         return
+    _input_queue_patched = True
     cls = _engine_core.EngineCoreProc
     original = cls._process_input_queue
 
     def process_input_queue(self) -> None:
-        if self.input_queue.empty() and _only_holding_blocks(self):
-            try:
-                request = self.input_queue.get(timeout=_holding_interval_s)
-            except queue.Empty:
-                pass
-            else:
-                self._handle_client_request(*request)
+        if self.input_queue.empty():
+            prefill_wait = _prefill_wait
+            if _holding_interval_s and _only_holding_blocks(self):
+                try:
+                    request = self.input_queue.get(timeout=_holding_interval_s)
+                except queue.Empty:
+                    pass
+                else:
+                    self._handle_client_request(*request)
+            elif prefill_wait is not None and _only_awaiting_prefill(self,
+                                                                     prefill_wait.held()):
+                _wait_for_prefill(self, prefill_wait)
         original(self)
 
     cls._process_input_queue = process_input_queue

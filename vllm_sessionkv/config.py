@@ -94,6 +94,14 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # engine core and its worker) until one step sees the read.  A step with a model
     # to run never waits.  0 = vLLM's loop.
     idle_step_recv_wait_s: float = 0.005
+    # Early decode: a ZMQ PULL port on which this engine, as D, takes P's parameters
+    # for requests the proxy sent it while P was still prefilling (early_decode.py).
+    # 0 = off.  Give the proxy the same endpoint: --decode url=...,early=tcp://HOST:PORT.
+    early_decode_port: int = 0
+    early_decode_bind_host: str = "*"
+    # A held request whose parameters never come computes its prompt itself after
+    # this long (the proxy died, or the message was lost).
+    early_decode_timeout_s: float = 60.0
     # Publish each session handle to Redis (key prefix below) for streaming clients.
     redis_url: str | None = None
     redis_key_prefix: str = HANDLE_KEY_PREFIX
@@ -122,6 +130,12 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 <= self.idle_step_recv_wait_s <= 1.0:
             raise ValueError("idle_step_recv_wait_s must be within [0, 1], got "
                              f"{self.idle_step_recv_wait_s}")
+        if not 0 <= self.early_decode_port < 65536:
+            raise ValueError(f"early_decode_port must be within [0, 65535], got "
+                             f"{self.early_decode_port}")
+        if self.early_decode_timeout_s <= 0:
+            raise ValueError("early_decode_timeout_s must be > 0, got "
+                             f"{self.early_decode_timeout_s}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
 

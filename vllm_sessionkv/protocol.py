@@ -6,6 +6,7 @@ a newer connector's handle and the other way round.
 
 PROTOCOL_VERSION history:
   1: first release (SessionHandle, TokenAccounting).
+     PrefillDone added later, with defaults only.
 """
 
 from __future__ import annotations
@@ -13,13 +14,17 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "EARLY_DECODE_ID_KEY",
     "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
+    "PrefillDone",
     "SESSIONKV_PARAMS_KEY",
     "SessionHandle",
     "TokenAccounting",
     "decode_handle",
+    "decode_prefill_done",
     "encode_handle",
+    "encode_prefill_done",
 ]
 
 PROTOCOL_VERSION = 1
@@ -27,6 +32,10 @@ PROTOCOL_VERSION = 1
 # Everything we add to vLLM's ``kv_transfer_params`` lives under this one key, so the
 # stock NIXL fields stay exactly as vLLM defines them.
 SESSIONKV_PARAMS_KEY = "sessionkv"
+
+# Under ``kv_transfer_params["sessionkv"]`` of a D request sent while P still
+# prefills: the id under which P's parameters will reach D (see ``PrefillDone``).
+EARLY_DECODE_ID_KEY = "early_decode_id"
 
 # Redis key prefix under which engines publish each session's latest handle.
 HANDLE_KEY_PREFIX = "sessionkv:handle:"
@@ -81,7 +90,23 @@ class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):
     decision: str = ""
 
 
+class PrefillDone(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """P's parameters for a D request the proxy sent while P was prefilling.
+
+    Pushed by the proxy to D's early-decode socket (ZMQ PUSH -> PULL) once P answers.
+    D's scheduler holds the request, which names ``early_decode_id``, until this
+    arrives.  ``kv_transfer_params`` is what P returned, exactly what D would have
+    got in the request body had it been sent after P; None when P failed, and D then
+    computes the prompt itself.
+    """
+
+    early_decode_id: str
+    kv_transfer_params: dict | None = None
+    version: int = PROTOCOL_VERSION
+
+
 _handle_decoder = msgspec.json.Decoder(SessionHandle)
+_prefill_done_decoder = msgspec.json.Decoder(PrefillDone)
 _encoder = msgspec.json.Encoder()
 
 
@@ -92,3 +117,12 @@ def encode_handle(handle: SessionHandle) -> bytes:
 def decode_handle(raw: bytes | str) -> SessionHandle:
     """Decode a handle; raises ``msgspec.ValidationError`` naming the bad field."""
     return _handle_decoder.decode(raw)
+
+
+def encode_prefill_done(message: PrefillDone) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_prefill_done(raw: bytes) -> PrefillDone:
+    """Decode a message; raises ``msgspec.DecodeError`` (incl. ValidationError)."""
+    return _prefill_done_decoder.decode(raw)

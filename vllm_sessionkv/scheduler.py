@@ -25,9 +25,15 @@ import msgspec
 from vllm_sessionkv import _vllm
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel, decide_pull
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.host_tier import HostTierManager
-from vllm_sessionkv.protocol import PROTOCOL_VERSION, SESSIONKV_PARAMS_KEY, TokenAccounting
+from vllm_sessionkv.protocol import (
+    EARLY_DECODE_ID_KEY,
+    PROTOCOL_VERSION,
+    SESSIONKV_PARAMS_KEY,
+    TokenAccounting,
+)
 from vllm_sessionkv.publisher import HandlePublisher
 from vllm_sessionkv.stats import SessionKVStats
 from vllm_sessionkv.verification import LocalPrompt, RemoteKV, Verdict, verify_remote_kv
@@ -38,6 +44,10 @@ if TYPE_CHECKING:
 __all__ = ["SessionKVScheduler"]
 
 logger = logging.getLogger("vllm.sessionkv.scheduler")
+
+# An engine whose only requests wait for P's parameters steps this often (it waits
+# on the early-decode socket in between): held requests time out by steps.
+_HELD_STEP_INTERVAL_S = 0.02
 
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -96,6 +106,21 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # Host restores decided for a request: (start_block, num_blocks).
         self._host_plans: dict[str, tuple[int, int]] = {}
         self._host_restored: dict[str, int] = {}
+        # D requests sent while P prefills wait here for P's parameters.
+        self.early_decode: EarlyDecodeInbox | None = None
+        if config.early_decode_port:
+            if vllm_config.parallel_config.data_parallel_size > 1:
+                # The proxy cannot tell which rank's scheduler holds its request.
+                raise ValueError("sessionkv early_decode_port does not support "
+                                 "data_parallel_size > 1")
+            self.early_decode = EarlyDecodeInbox(
+                f"tcp://{config.early_decode_bind_host}:{config.early_decode_port}",
+                config.early_decode_timeout_s)
+            logger.info("sessionkv early decode: taking P's parameters on %s",
+                        self.early_decode.endpoint)
+            inbox = self.early_decode
+            _vllm.wait_for_prefill_params(lambda: inbox.waiting, inbox.wait,
+                                          max_wait_s=_HELD_STEP_INTERVAL_S)
         # This runs in the engine-core process, whose loop the pacing changes.
         _vllm.pace_holding_steps(config.holding_step_interval(_vllm.is_cpu_platform()))
 
@@ -202,7 +227,42 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 and bool(self._session_params(params).get("session_id"))
                 and self.is_bidirectional_kv_xfer_enabled)
 
+    def _early_decode_ready(self, request: Request) -> bool:
+        """False while a D request sent before P finished still waits for P's
+        parameters; once they are in (or will not come) the request carries exactly
+        what it would have carried if sent after P, and goes on as such."""
+        params = request.kv_transfer_params
+        ours = self._session_params(params)
+        early_id = ours.get(EARLY_DECODE_ID_KEY)
+        if not early_id:
+            return True
+        if self.early_decode is None:
+            outcome, p_params, waited_s = "refused", None, 0.0
+            logger.warning("sessionkv early decode request_id=%s: this engine has no "
+                           "early_decode_port; computing the prompt here",
+                           request.request_id)
+        else:
+            result, p_params, waited_s = self.early_decode.poll(str(early_id))
+            if result is Outcome.WAITING:
+                return False
+            outcome = result.value
+        if p_params is not None:
+            request.kv_transfer_params = p_params
+        else:
+            # D alone: what is left is a plain turn (a session's id stays, so D still
+            # holds the turn for the next one).
+            rest = {k: v for k, v in ours.items() if k != EARLY_DECODE_ID_KEY}
+            request.kv_transfer_params = {SESSIONKV_PARAMS_KEY: rest} if rest else None
+        self.stats.record(f"early_decode_{outcome}")
+        self.stats.record("early_decode_wait_s", waited_s)
+        log = logger.info if outcome == "ready" else logger.warning
+        log("sessionkv early decode request_id=%s outcome=%s waited_ms=%.1f",
+            request.request_id, outcome, waited_s * 1e3)
+        return True
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        if not self._early_decode_ready(request):
+            return None, False   # vLLM asks again at the next step; no blocks held
         params = request.kv_transfer_params
         if params and params.get("_remote_blocks_processed"):
             # Asked again after a failed or declined load (vLLM resets the request to
@@ -403,6 +463,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids):
+        early_id = self._session_params(request.kv_transfer_params).get(EARLY_DECODE_ID_KEY)
+        if early_id and self.early_decode is not None:
+            self.early_decode.forget(str(early_id))   # aborted while waiting for P
         plan = self._plans.pop(request.request_id, None)
         had_local_hit = request.request_id in self._local_hits
         if plan is not None or had_local_hit:
@@ -507,4 +570,6 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
 
     def shutdown(self):
         self._publisher.close()
+        if self.early_decode is not None:
+            self.early_decode.close()
         super().shutdown()

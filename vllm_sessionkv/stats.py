@@ -13,11 +13,16 @@ from typing import Any
 
 from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_metric_per_engine
 
-__all__ = ["PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics", "SessionKVStats"]
+__all__ = ["EARLY_DECODE_OUTCOMES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
+           "SessionKVStats"]
 
 # How a request's prompt tokens were obtained.  Keys of TokenAccounting, per source.
 PROMPT_TOKEN_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
                         "refused_by_verification")
+
+# How a request sent to D while P prefilled got its KV (early_decode.Outcome, and
+# "refused" when this engine has no early-decode socket).
+EARLY_DECODE_OUTCOMES = ("ready", "prefill_failed", "timed_out", "refused")
 
 _SESSION_KEYS = (
     *(f"prompt_tokens_{s}" for s in PROMPT_TOKEN_SOURCES),
@@ -34,6 +39,8 @@ _SESSION_KEYS = (
     "host_store_s",
     "host_restore_s",
     "idle_step_recv_wait_s",
+    *(f"early_decode_{o}" for o in EARLY_DECODE_OUTCOMES),
+    "early_decode_wait_s",
 )
 
 
@@ -139,6 +146,24 @@ class SessionKVPromMetrics(NixlPromMetrics):
                                 buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1],
                                 labelnames=labelnames), per_engine_labelvalues)
 
+        early = counter("sessionkv_early_decode_requests",
+                        "Requests sent to D while P prefilled, by how they got their KV: "
+                        "ready (P's parameters came), prefill_failed, timed_out, refused "
+                        "(no early-decode socket here); all but ready compute the prompt "
+                        "on D.", ("outcome",))
+        self._early_decode = {
+            o: _per_engine_with_label(early, per_engine_labelvalues, o)
+            for o in EARLY_DECODE_OUTCOMES
+        }
+        self._early_decode_wait_s = create_metric_per_engine(
+            self._histogram_cls(name="sessionkv_early_decode_wait_seconds",
+                                documentation="Time a request sent to D while P "
+                                              "prefilled waited in D's scheduler for "
+                                              "P's parameters.",
+                                buckets=[1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                                         1.0, 5.0, 30.0],
+                                labelnames=labelnames), per_engine_labelvalues)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         super().observe(transfer_stats_data, engine_idx)
         for source in PROMPT_TOKEN_SOURCES:
@@ -167,6 +192,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
             self._host_restore_s[engine_idx].observe(seconds)
         for seconds in transfer_stats_data.get("idle_step_recv_wait_s", ()):
             self._idle_recv_wait_s[engine_idx].observe(seconds)
+        for outcome in EARLY_DECODE_OUTCOMES:
+            total = sum(transfer_stats_data.get(f"early_decode_{outcome}", ()))
+            if total:
+                self._early_decode[outcome][engine_idx].inc(total)
+        for seconds in transfer_stats_data.get("early_decode_wait_s", ()):
+            self._early_decode_wait_s[engine_idx].observe(seconds)
 
 
 def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:

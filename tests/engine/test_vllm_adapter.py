@@ -87,8 +87,11 @@ def test_engine_core_surface_for_holding_pacing_exists():
     assert "self.input_queue" in proc_init and "self.engines_running" in proc_init
     assert "self.batch_queue" in inspect.getsource(EngineCore.__init__)
     assert "self.finished_req_ids" in inspect.getsource(Scheduler.__init__)
-    for name in ("has_unfinished_requests", "has_finished_requests"):
+    for name in ("has_unfinished_requests", "has_finished_requests",
+                 "get_num_unfinished_requests"):
         assert callable(getattr(Scheduler, name, None)), name
+    # The early-decode wait counts held requests against these.
+    assert "self.running" in inspect.getsource(Scheduler.__init__)
     # The wait is only safe because has_work() keeps holding engines stepping.
     assert "has_requests()" in inspect.getsource(EngineCoreProc.has_work)
 

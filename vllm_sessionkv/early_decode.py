@@ -1,0 +1,118 @@
+"""D's inbox for P's parameters of requests sent before P finished ("early decode").
+
+Sent after P, a D request pays D's whole front end (HTTP, parsing, tokenizing, the
+engine's input path) after P's prefill, on the critical path.  Sent at the same time
+as P's, it pays that while P computes, and waits in D's scheduler (the connector
+answers "not yet" to ``get_num_new_matched_tokens``, holding no blocks) until the
+proxy pushes P's ``kv_transfer_params`` here.  From then on the request is exactly
+the one the proxy would have sent after P: same parameters, same verification.
+
+The socket is a ZMQ PULL bound in the engine-core process; the scheduler drains it
+without blocking at each step.  Unclaimed messages (the D request was aborted, or
+never came) and requests whose message never comes (the proxy died) both expire
+after ``timeout_s``; an expired request computes its prompt itself, so a lost
+message costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from vllm_sessionkv.protocol import decode_prefill_done
+
+__all__ = ["EarlyDecodeInbox", "Outcome"]
+
+logger = logging.getLogger("vllm.sessionkv.early_decode")
+
+
+class Outcome(enum.Enum):
+    WAITING = "waiting"          # P has not answered yet: hold the request
+    READY = "ready"              # P's parameters are in: load from P
+    PREFILL_FAILED = "prefill_failed"  # P failed: compute the prompt here
+    TIMED_OUT = "timed_out"      # nothing came in time: compute the prompt here
+
+
+class EarlyDecodeInbox:
+    def __init__(self, bind: str, timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(bind)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"sessionkv early_decode_port: cannot bind {bind}: {exc}"
+                             ) from None
+        self.endpoint = bind
+        # early_decode_id -> (P's params or None, arrival time)
+        self._arrived: dict[str, tuple[dict[str, Any] | None, float]] = {}
+        # early_decode_id -> when the scheduler first asked for it
+        self._waiting: dict[str, float] = {}
+        self.malformed = 0
+
+    def _drain(self, now: float) -> None:
+        while True:
+            try:
+                raw = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                message = decode_prefill_done(raw)
+            except msgspec.DecodeError as exc:
+                self.malformed += 1
+                logger.warning("sessionkv early decode: malformed message dropped: %s", exc)
+                continue
+            params = message.kv_transfer_params
+            self._arrived[message.early_decode_id] = (
+                params if isinstance(params, dict) else None, now)
+        cutoff = now - self.timeout_s
+        for key in [k for k, (_, at) in self._arrived.items() if at < cutoff]:
+            del self._arrived[key]
+
+    def poll(self, early_decode_id: str) -> tuple[Outcome, dict[str, Any] | None, float]:
+        """(outcome, P's params when READY, seconds the request has waited)."""
+        now = self._clock()
+        self._drain(now)
+        first_asked = self._waiting.setdefault(early_decode_id, now)
+        waited_s = now - first_asked
+        arrived = self._arrived.pop(early_decode_id, None)
+        if arrived is not None:
+            del self._waiting[early_decode_id]
+            params = arrived[0]
+            if params is None:
+                return Outcome.PREFILL_FAILED, None, waited_s
+            return Outcome.READY, params, waited_s
+        if waited_s >= self.timeout_s:
+            del self._waiting[early_decode_id]
+            return Outcome.TIMED_OUT, None, waited_s
+        return Outcome.WAITING, None, waited_s
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` for a message; True when one is there to read,
+        or already read for a request still held (the next step releases it)."""
+        if any(key in self._arrived for key in self._waiting):
+            return True
+        return bool(self._socket.poll(max(0, int(timeout_s * 1000))))
+
+    def forget(self, early_decode_id: str) -> None:
+        """The request ended while waiting (aborted): drop what is kept for it."""
+        self._waiting.pop(early_decode_id, None)
+        self._arrived.pop(early_decode_id, None)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
