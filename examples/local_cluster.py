@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON for kv_connector_extra_config.sessionkv on every engine")
     p.add_argument("--nixl-extra-config", default="{}",
                    help="JSON merged into kv_connector_extra_config (stock NIXL keys)")
+    p.add_argument("--no-early-decode", action="store_true",
+                   help="send D each disaggregated request after P answers, not while P "
+                        "prefills (D engines then open no early-decode socket)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -80,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
         nixl_extra=json.loads(args.nixl_extra_config),
         gpus=args.gpus.split(",") if args.gpus else None,
+        early_decode=not args.no_early_decode,
         log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs",
         proxy_args=([] if args.decode_only_max_uncached_tokens is None else
                     ["--decode-only-max-uncached-tokens",

@@ -83,6 +83,11 @@ class EngineSpec:
         return (f"tcp://127.0.0.1:{self.kv_events_replay_port}"
                 if self.kv_events_replay_port else None)
 
+    @property
+    def early_decode_endpoint(self) -> str | None:
+        port = self.sessionkv.get("early_decode_port") if self.connector == "sessionkv" else 0
+        return f"tcp://127.0.0.1:{port}" if port else None
+
 
 def kv_transfer_config(spec: EngineSpec) -> dict | None:
     if spec.role == "colocated":
@@ -286,6 +291,9 @@ class ClusterSpec:
     gpus: list[str] | None = None
     log_dir: Path | None = None
     proxy_args: list[str] = field(default_factory=list)
+    # D engines take P's parameters on an early-decode socket, and the proxy sends
+    # them each disaggregated request while P prefills (see early_decode.py).
+    early_decode: bool = True
 
 
 class LocalCluster:
@@ -313,6 +321,9 @@ class LocalCluster:
         port = self._port()
         if spec.connector == "sessionkv":
             sessionkv.setdefault("advertise_url", f"http://127.0.0.1:{port}")
+            if role == "decode" and spec.early_decode:
+                sessionkv.setdefault("early_decode_port", self._port())
+                sessionkv.setdefault("early_decode_bind_host", "127.0.0.1")
         gpus = None
         if spec.gpus:
             gpus = spec.gpus[index % len(spec.gpus)]
@@ -358,8 +369,11 @@ class LocalCluster:
                         "--policy", spec.policy, "--block-size", str(spec.block_size)]
                 for flag, group in (("--prefill", self.prefill), ("--decode", self.decode)):
                     for e in group:
-                        argv += [flag, f"url={e.url},events={e.kv_events_endpoint},"
-                                       f"replay={e.kv_events_replay_endpoint}"]
+                        engine = (f"url={e.url},events={e.kv_events_endpoint},"
+                                  f"replay={e.kv_events_replay_endpoint}")
+                        if e.early_decode_endpoint:
+                            engine += f",early={e.early_decode_endpoint}"
+                        argv += [flag, engine]
                 if self.redis_url:
                     argv += ["--redis-url", self.redis_url]
                 if (Path(spec.model) / "tokenizer.json").is_file() and \

@@ -30,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="append", default=[], metavar="SPEC",
                    help="prefill engine: URL or url=URL,events=EP,replay=EP (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="SPEC",
-                   help="decode engine: URL or url=URL,events=EP,replay=EP (repeatable)")
+                   help="decode engine: URL or url=URL,events=EP,replay=EP[,early=EP] "
+                        "(repeatable; early: the engine's early-decode socket)")
     p.add_argument("--redis-url", help="share the index and sessions through Redis")
     p.add_argument("--policy", choices=["cost", "round_robin"])
     p.add_argument("--block-size", type=int, help="engines' --block-size (default 32)")

@@ -21,10 +21,11 @@ import aiohttp
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY
+from vllm_sessionkv.protocol import EARLY_DECODE_ID_KEY, SESSIONKV_PARAMS_KEY
 
 from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
+from sessionkv_proxy.early import EarlyDecodeSender, new_early_decode_id
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.index.base import KVIndex
@@ -63,6 +64,7 @@ class ProxyState:
     router: Router | None = None
     consumer: KVEventConsumer | None = None
     handles_redis: Any = None
+    early: EarlyDecodeSender | None = None  # P's parameters to Ds that hold requests
     model_ids: frozenset[str] = frozenset()
     models_body: bytes = b""
 
@@ -225,12 +227,12 @@ def _accounting_header(params: dict[str, Any] | None) -> str | None:
 
 async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Role,
                   path: str, body: dict[str, Any], request_id: str,
-                  extra_headers: dict[str, str]
+                  extra_headers: dict[str, str], relay_after: asyncio.Future | None = None
                   ) -> tuple[Response | None, int, dict[str, Any] | None]:
     """Send the request to the engine that answers it (D, or P for a prefill-only
-    request) and relay that answer.  Returns the whole response (None when it was
-    streamed to the client here), the engine's status and its kv params
-    (non-streaming only)."""
+    request) and relay that answer, once ``relay_after`` (if given) is done.  Returns
+    the whole response (None when it was streamed to the client here), the engine's
+    status and its kv params (non-streaming only)."""
     assert state.router is not None
     stream = bool(body.get("stream"))
     engine = plan.decode if role is Role.DECODE else plan.prefill
@@ -264,6 +266,9 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
             continue
         break
     try:
+        if relay_after is not None:
+            # vLLM sends a stream's head at once: wait for the headers still to come.
+            await relay_after
         headers = [(k, v) for k, v in upstream.headers
                    if k.lower() not in _HOP_HEADERS]
         headers += extra_headers.items()
@@ -341,23 +346,20 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         extra_headers["x-sessionkv-handle"] = plan.handle_outcome
     if "detail" in plan.terms:
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
+    decode_started = time.perf_counter()
     try:
         if plan.mode == "disaggregated":
-            prefill_started = time.perf_counter()
-            p_params = await _prefill(state, plan, path, d_body, is_chat, request_id)
-            prefill_s = time.perf_counter() - prefill_started
-            acct = _accounting_header(p_params)
-            if acct:
-                extra_headers["x-sessionkv-prefill"] = acct
-            extra_headers["x-sessionkv-prefill-engine"] = plan.prefill.url
-            d_body["kv_transfer_params"] = p_params
-        elif session_id and plan.mode == "decode_only":
-            # D keeps this turn for the next P pull only if it knows the session.
-            d_body["kv_transfer_params"] = {SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
-        decode_started = time.perf_counter()
-        role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
-        response, status, d_params = await _answer(state, request, plan, role, path,
-                                                   d_body, request_id, extra_headers)
+            response, status, d_params, prefill_s = await _disaggregated(
+                state, request, plan, path, d_body, is_chat, request_id, session_id,
+                extra_headers)
+        else:
+            if session_id and plan.mode == "decode_only":
+                # D keeps this turn for the next P pull only if it knows the session.
+                d_body["kv_transfer_params"] = {
+                    SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
+            role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
+            response, status, d_params = await _answer(state, request, plan, role, path,
+                                                       d_body, request_id, extra_headers)
     except ApiError as err:
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
@@ -373,10 +375,63 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     if logger.isEnabledFor(logging.DEBUG):
         done = time.perf_counter()
         logger.debug("done request_id=%s in %.1f ms: plan %.1f ms, prefill %.1f ms, "
-                     "decode %.1f ms", request_id, (done - started) * 1e3,
+                     "prefill and decode %.1f ms", request_id, (done - started) * 1e3,
                      (plan_done - started) * 1e3, prefill_s * 1e3,
                      (done - decode_started) * 1e3)
     return response
+
+
+async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, path: str,
+                         d_body: dict[str, Any], is_chat: bool, request_id: str,
+                         session_id: str | None, extra_headers: dict[str, str]
+                         ) -> tuple[Response | None, int, dict[str, Any] | None, float]:
+    """P, then D with P's parameters; returns ``_answer``'s triple and P's seconds.
+
+    With early decode (D has an early-decode socket) D's request goes out first,
+    naming an id instead of P's parameters: D parses and queues it while P prefills,
+    and holds it until the parameters are pushed under that id."""
+    early = state.early
+    endpoint = plan.decode.config.early_decode if early is not None else None
+    decode_task = None
+    if endpoint:
+        early_id = new_early_decode_id()
+        ours: dict[str, Any] = {EARLY_DECODE_ID_KEY: early_id}
+        if session_id:
+            ours["session_id"] = session_id
+        prefill_done = asyncio.get_running_loop().create_future()
+        decode_task = asyncio.ensure_future(_answer(
+            state, request, plan, Role.DECODE, path,
+            {**d_body, "kv_transfer_params": {SESSIONKV_PARAMS_KEY: ours}}, request_id,
+            extra_headers, relay_after=prefill_done))
+    started = time.perf_counter()
+    try:
+        p_params = await _prefill(state, plan, path, d_body, is_chat, request_id)
+    except BaseException:
+        if decode_task is not None:
+            await _cancel(decode_task)   # D's engine aborts the held request
+        raise
+    prefill_s = time.perf_counter() - started
+    # D's answer is not relayed before this, so its headers carry them.
+    acct = _accounting_header(p_params)
+    if acct:
+        extra_headers["x-sessionkv-prefill"] = acct
+    extra_headers["x-sessionkv-prefill-engine"] = plan.prefill.url
+    if decode_task is not None:
+        prefill_done.set_result(None)
+        # A retry may have moved the request to another D: push to the one holding it.
+        endpoint = plan.decode.config.early_decode
+        if decode_task.done() or (endpoint and early.send(endpoint, early_id, p_params)):
+            return (*await decode_task, prefill_s)
+        state.metrics.errors.labels("early_decode_push").inc()
+        await _cancel(decode_task)
+    d_body["kv_transfer_params"] = p_params
+    return (*await _answer(state, request, plan, Role.DECODE, path, d_body, request_id,
+                           extra_headers), prefill_s)
+
+
+async def _cancel(task: asyncio.Future) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
@@ -557,6 +612,9 @@ class ProxyApp:
             state.handles_redis = aioredis.Redis.from_url(handles_url)
         state.router = Router(config, state.pool, state.index, state.upstream,
                               state.handles_redis)
+        early_endpoints = [e.early_decode for e in config.decode if e.early_decode]
+        if early_endpoints:
+            state.early = EarlyDecodeSender(early_endpoints)
         sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
                                 replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
                                 block_size_tokens=config.block_size)
@@ -590,6 +648,8 @@ class ProxyApp:
             await state.http.close()
         if state.upstream is not None:
             state.upstream.close()
+        if state.early is not None:
+            state.early.close()
         await state.index.close()
         if state.handles_redis is not None:
             await state.handles_redis.aclose()

@@ -33,10 +33,21 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events: str | None = None
     kv_events_replay: str | None = None
     kv_events_topic: str = "kv-events"
+    # A decode engine's early-decode socket (its connector's early_decode_port, ZMQ
+    # PULL): with it, a disaggregated request goes to D at the same time as to P, and
+    # P's parameters follow here (see early.py).
+    early_decode: str | None = None
 
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://: {self.url!r}")
+        if self.early_decode is not None:
+            if self.role is not Role.DECODE:
+                raise ValueError(f"early_decode is for decode engines; {self.url} is "
+                                 f"{self.role.value}")
+            if not self.early_decode.startswith("tcp://"):
+                raise ValueError("early_decode must be a tcp://HOST:PORT endpoint, got "
+                                 f"{self.early_decode!r}")
 
 
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -122,12 +133,13 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def parse_engine_spec(spec: str, role: Role) -> dict[str, Any]:
-    """``URL`` or ``url=URL,events=tcp://...,replay=tcp://...`` from the command line."""
+    """``URL`` or ``url=URL,events=tcp://...,replay=tcp://...,early=tcp://...`` from
+    the command line."""
     if "url=" not in spec:
         return {"url": spec, "role": role.value}
     out: dict[str, Any] = {"role": role.value}
     names = {"url": "url", "events": "kv_events", "replay": "kv_events_replay",
-             "topic": "kv_events_topic"}
+             "topic": "kv_events_topic", "early": "early_decode"}
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key not in names:

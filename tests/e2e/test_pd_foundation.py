@@ -40,6 +40,9 @@ def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     d_url = pd_cluster.decode[0]
     bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
     waits_before = metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count")
+    early_before = metric_sum(d_url, "sessionkv_early_decode_requests_total")
+    early_ready_before = metric_sum(d_url, "sessionkv_early_decode_requests_total",
+                                    outcome="ready")
     body = completion_body(pd_cluster.model, PROMPT_IDS, max_tokens=24, stream=stream)
     got = post(pd_cluster.proxy, "/v1/completions", body)
     base = post(pd_cluster.colocated, "/v1/completions", dict(body, stream=False))
@@ -49,6 +52,10 @@ def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     # D had nothing else to run while its read was in flight: that step waited for it.
     assert metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count") > waits_before
     assert metric_sum(d_url, "vllm:nixl_num_failed_transfers_total") == 0
+    # D got the request while P prefilled, held it, and then P's parameters.
+    assert metric_sum(d_url, "sessionkv_early_decode_requests_total") == early_before + 1
+    assert metric_sum(d_url, "sessionkv_early_decode_requests_total",
+                      outcome="ready") == early_ready_before + 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -1,0 +1,207 @@
+"""D's early-decode inbox and the proxy's sender, over real ZMQ sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from sessionkv_proxy.early import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.config import ConfigError, parse_config
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.protocol import PrefillDone, decode_prefill_done, encode_prefill_done
+
+P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]],
+            "remote_engine_id": "p0", "remote_host": "127.0.0.1", "remote_port": 5555,
+            "sessionkv": {"hash_chain": "abc", "block_size": 32}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def pair():
+    """An inbox on a fresh port with a fake clock, and a connected sender."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    clock = _Clock()
+    inbox = EarlyDecodeInbox(endpoint, timeout_s=30.0, clock=clock)
+    sender = EarlyDecodeSender([endpoint])
+    # IMMEDIATE: a send succeeds only once the connection is up.
+    deadline = time.monotonic() + 5
+    while not sender.send(endpoint, "warm-up", None):
+        assert time.monotonic() < deadline, "sender never connected"
+        time.sleep(0.01)
+    _poll_until(inbox, "warm-up", Outcome.PREFILL_FAILED)
+    yield inbox, sender, endpoint, clock
+    sender.close()
+    inbox.close()
+
+
+def _poll_until(inbox: EarlyDecodeInbox, early_id: str, want: Outcome,
+                timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outcome, params, waited = inbox.poll(early_id)
+        if outcome is want:
+            return params, waited
+        assert outcome is Outcome.WAITING, outcome
+        assert time.monotonic() < deadline, f"{early_id} never became {want}"
+        time.sleep(0.005)
+
+
+def test_message_round_trips():
+    raw = encode_prefill_done(PrefillDone(early_decode_id="x", kv_transfer_params=P_PARAMS))
+    assert decode_prefill_done(raw) == PrefillDone(early_decode_id="x",
+                                                   kv_transfer_params=P_PARAMS)
+
+
+def test_request_waits_until_params_arrive(pair):
+    inbox, sender, endpoint, clock = pair
+    early_id = new_early_decode_id()
+    assert inbox.poll(early_id)[0] is Outcome.WAITING
+    assert inbox.waiting == 1
+    clock.now += 0.25
+    assert sender.send(endpoint, early_id, P_PARAMS)
+    params, waited = _poll_until(inbox, early_id, Outcome.READY)
+    assert params == P_PARAMS
+    assert waited == pytest.approx(0.25)
+    assert inbox.waiting == 0
+    # Claimed once: the id is gone.
+    assert inbox.poll(early_id)[0] is Outcome.WAITING
+
+
+def test_params_that_arrive_before_the_request_are_kept(pair):
+    inbox, sender, endpoint, _ = pair
+    early_id = new_early_decode_id()
+    assert sender.send(endpoint, early_id, P_PARAMS)
+    time.sleep(0.05)
+    params, waited = _poll_until(inbox, early_id, Outcome.READY)
+    assert params == P_PARAMS and waited == 0.0
+
+
+def test_prefill_failure_lets_d_compute(pair):
+    inbox, sender, endpoint, _ = pair
+    early_id = new_early_decode_id()
+    inbox.poll(early_id)
+    assert sender.send(endpoint, early_id, None)
+    params, _ = _poll_until(inbox, early_id, Outcome.PREFILL_FAILED)
+    assert params is None
+
+
+def test_request_times_out_when_nothing_comes(pair):
+    inbox, _, _, clock = pair
+    early_id = new_early_decode_id()
+    assert inbox.poll(early_id)[0] is Outcome.WAITING
+    clock.now += 29.9
+    assert inbox.poll(early_id)[0] is Outcome.WAITING
+    clock.now += 0.2
+    outcome, params, waited = inbox.poll(early_id)
+    assert outcome is Outcome.TIMED_OUT and params is None and waited >= 30.0
+    assert inbox.waiting == 0
+
+
+def test_unclaimed_params_expire_and_aborted_requests_are_forgotten(pair):
+    inbox, sender, endpoint, clock = pair
+    orphan, aborted = new_early_decode_id(), new_early_decode_id()
+    assert sender.send(endpoint, orphan, P_PARAMS)
+    deadline = time.monotonic() + 5
+    while orphan not in inbox._arrived:
+        inbox.poll(aborted)
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    inbox.forget(aborted)
+    assert inbox.waiting == 0
+    clock.now += 31
+    inbox.poll("someone-else")
+    assert orphan not in inbox._arrived
+
+
+def test_malformed_messages_are_dropped(pair):
+    inbox, _, endpoint, _ = pair
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(endpoint)
+    push.send(b"not json")
+    push.send(b'{"kv_transfer_params": {}}')   # no id
+    deadline = time.monotonic() + 5
+    while inbox.malformed < 2:
+        inbox.poll("x")
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    push.close()
+    ctx.term()
+
+
+def test_sender_reports_an_endpoint_it_cannot_reach():
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"   # nobody listens
+    sender = EarlyDecodeSender([endpoint])
+    try:
+        assert not sender.send(endpoint, "x", P_PARAMS)
+        assert not sender.send("tcp://127.0.0.1:1", "x", P_PARAMS)   # not configured
+    finally:
+        sender.close()
+
+
+def test_bind_failure_names_the_key():
+    port = _free_port()
+    first = EarlyDecodeInbox(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+    try:
+        with pytest.raises(ValueError, match="early_decode_port"):
+            EarlyDecodeInbox(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
+    finally:
+        first.close()
+
+
+@pytest.mark.parametrize("bad, key", [({"early_decode_port": 70000}, "early_decode_port"),
+                                      ({"early_decode_timeout_s": 0},
+                                       "early_decode_timeout_s")])
+def test_connector_config_refuses_bad_values(bad, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"sessionkv": bad})
+
+
+def test_proxy_engine_spec_takes_the_early_decode_endpoint():
+    from sessionkv_proxy.config import ConfigError as ProxyConfigError
+    from sessionkv_proxy.config import Role, load_config, parse_engine_spec
+
+    decode = parse_engine_spec("url=http://127.0.0.1:8200,early=tcp://127.0.0.1:5620",
+                               Role.DECODE)
+    prefill = parse_engine_spec("http://127.0.0.1:8100", Role.PREFILL)
+    config = load_config(None, {"engines": [prefill, decode]})
+    assert config.decode[0].early_decode == "tcp://127.0.0.1:5620"
+    with pytest.raises(ProxyConfigError, match="early_decode"):
+        load_config(None, {"engines": [dict(prefill, early_decode="tcp://127.0.0.1:1"),
+                                       decode]})
+    with pytest.raises(ProxyConfigError, match="early_decode"):
+        load_config(None, {"engines": [prefill, dict(decode, early_decode="127.0.0.1:1")]})
+
+
+def test_wait_returns_for_a_message_or_one_already_read(pair):
+    inbox, sender, endpoint, _ = pair
+    held, other = new_early_decode_id(), new_early_decode_id()
+    assert inbox.poll(held)[0] is Outcome.WAITING
+    assert inbox.poll(other)[0] is Outcome.WAITING
+    started = time.monotonic()
+    assert not inbox.wait(0.05)
+    assert time.monotonic() - started >= 0.04
+    assert sender.send(endpoint, held, P_PARAMS)
+    assert inbox.wait(5.0)
+    # Read while polling another request: still reported, without blocking.
+    assert inbox.poll(other)[0] is Outcome.WAITING
+    started = time.monotonic()
+    assert inbox.wait(1.0) and time.monotonic() - started < 0.5
+    assert inbox.poll(held)[0] is Outcome.READY
