@@ -227,7 +227,8 @@ def _accounting_header(params: dict[str, Any] | None) -> str | None:
 
 async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Role,
                   path: str, body: dict[str, Any], request_id: str,
-                  extra_headers: dict[str, str], relay_after: asyncio.Future | None = None
+                  extra_headers: dict[str, str], relay_after: asyncio.Future | None = None,
+                  body_unchanged: bool = False
                   ) -> tuple[Response | None, int, dict[str, Any] | None]:
     """Send the request to the engine that answers it (D, or P for a prefill-only
     request) and relay that answer, once ``relay_after`` (if given) is done.  Returns
@@ -238,7 +239,8 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
     engine = plan.decode if role is Role.DECODE else plan.prefill
     assert engine is not None
     tried: set[str] = set()
-    payload = _json.encode(body)
+    # The client's own bytes when the proxy changed nothing: no re-encoding.
+    payload = request.body if body_unchanged else _json.encode(body)
     # What this request adds to the policy's load terms while it runs: on D the KV it
     # holds, on P the prompt it prefills.
     if role is Role.DECODE:
@@ -358,8 +360,9 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
                 d_body["kv_transfer_params"] = {
                     SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
             role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
-            response, status, d_params = await _answer(state, request, plan, role, path,
-                                                       d_body, request_id, extra_headers)
+            response, status, d_params = await _answer(
+                state, request, plan, role, path, d_body, request_id, extra_headers,
+                body_unchanged=not session_id and "prompt_cache_key" not in body)
     except ApiError as err:
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
