@@ -885,13 +885,20 @@ def prompt_sources(url: str) -> dict[str, float]:
 
 
 def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> None:
-    from vllm_sessionkv.launch import ClusterSpec, LocalCluster, stop_all
+    from vllm_sessionkv.launch import (
+        ClusterSpec,
+        LocalCluster,
+        start_process,
+        stop_all,
+        wait_healthy,
+    )
 
     wait_for_no_other_vllm(args.max_wait_vllm_s)
     # UCX's TCP listeners of the two engines stay inside this bench's port range.
     os.environ.setdefault("UCX_TCP_PORT_RANGE", UCX_PORT_RANGE)
+    # 4 ports per engine, 1 more for D's early-decode socket, 1 for the proxy.
     cluster = LocalCluster(ClusterSpec(model=model, prefill=1, decode=1, proxy=True,
-                                       base_port=ports.take(9), block_size=BLOCK_SIZE,
+                                       base_port=ports.take(10), block_size=BLOCK_SIZE,
                                        log_dir=log_dir / "pd"))
     procs: list = []
     try:
@@ -904,6 +911,14 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
             "LocalCluster proxy: " + shlex.join(cluster.procs[-1].popen.args))
         targets: dict[str, str] = {"direct P": p_url, "ours": cluster.proxy_url}
         unavailable: dict[str, str] = {}
+        # The same proxy without early decode (D's request sent after P answers): what
+        # sending D the request while P prefills buys, side by side.
+        seq_port = ports.take()
+        seq_argv = _without_early_decode(cluster.procs[-1].popen.args, seq_port)
+        procs.append(start_process("ours_sequential", seq_argv, log_dir))
+        wait_healthy([(procs[-1], f"http://127.0.0.1:{seq_port}")], timeout_s=60)
+        targets["ours (early decode off)"] = f"http://127.0.0.1:{seq_port}"
+        results["commands"]["pd/ours (early decode off)"] = shlex.join(seq_argv)
         for arm, kind in (("toy (P/D)", "toy"), ("vllm-router (P/D)", "vr-pd")):
             try:
                 r = start_routers([(arm, kind, [Backend(d_url)], [Backend(p_url)])],
@@ -987,6 +1002,14 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
         cluster.stop()
 
 
+def _without_early_decode(argv: list[str], port: int) -> list[str]:
+    """Our proxy's command line on ``port``, with D's early-decode sockets left out."""
+    out = list(argv)
+    out[out.index("--port") + 1] = str(port)
+    return [re.sub(r",early=[^,]*", "", a) if i and out[i - 1] == "--decode" else a
+            for i, a in enumerate(out)]
+
+
 def summarize_pd(results: dict) -> list[dict]:
     rounds = results.get("pd_rounds")
     unavailable = results.get("pd_unavailable") or {}
@@ -1016,7 +1039,7 @@ def summarize_pd(results: dict) -> list[dict]:
             for p in per:
                 for k, v in p["routes"].items():
                     routes[k] = routes.get(k, 0) + v
-            if arm == "ours":
+            if arm.startswith("ours"):
                 notes.append("route " + ", ".join(f"{k} {v}" for k, v in sorted(routes.items())))
             errors = sum(p["errors"] for p in per)
             if errors:
