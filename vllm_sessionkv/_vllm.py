@@ -207,7 +207,7 @@ def wait_for_prefill_params(held: Callable[[], int], wait_s: Callable[[float], b
     apart: each step a round trip through the engine core and its worker, which then
     spins.  That takes the CPU the P engine computes those very parameters with.
     Here the engine core waits on ``wait_s`` (the early-decode socket) and checks its
-    input queue every millisecond, so a new request is not delayed either; it steps
+    input queue every millisecond, so a new request waits at most that; it steps
     at least every ``max_wait_s`` (held requests time out by steps).  Patches
     ``EngineCoreProc._process_input_queue`` for this process; one engine per process.
     """

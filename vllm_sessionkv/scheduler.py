@@ -255,7 +255,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             request.kv_transfer_params = {SESSIONKV_PARAMS_KEY: rest} if rest else None
         self.stats.record(f"early_decode_{outcome}")
         self.stats.record("early_decode_wait_s", waited_s)
-        log = logger.info if outcome == "ready" else logger.warning
+        log = logger.debug if outcome == "ready" else logger.warning
         log("sessionkv early decode request_id=%s outcome=%s waited_ms=%.1f",
             request.request_id, outcome, waited_s * 1e3)
         return True
