@@ -1202,13 +1202,22 @@ def plot_results(json_path: str, png_path: str) -> None:
         skipped(ax, title)
 
     ax, title = axes[1][1], "3. P/D path: 1 prefill + 1 decode engine"
-    pd = [r for r in rows if r["part"] == "3 P/D" and r.get("vs_direct")]
+    pd = [r for r in rows if r["part"] == "3 P/D" and r.get("vs_direct")
+          and r["arm"] != "direct P"]
     if pd:
-        labels = [f"{r['arm']}\n{r['load'].split(', ')[-1]}" for r in pd]
-        ax.bar(labels, [r["vs_direct"] for r in pd], color="tab:orange")
+        # One group of bars per max_tokens, one bar per router.
+        loads = list(dict.fromkeys(r["load"].split(", ")[-1] for r in pd))
+        arms = list(dict.fromkeys(r["arm"] for r in pd))
+        width = 0.8 / len(arms)
+        for j, arm in enumerate(arms):
+            vals = [next((r["vs_direct"] for r in pd if r["arm"] == arm
+                          and r["load"].endswith(load)), 0) for load in loads]
+            ax.bar([i + j * width for i in range(len(loads))], vals, width=width,
+                   label=arm)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(loads))], loads)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_ylabel("p50 latency / direct P, same round")
-        ax.tick_params(axis="x", rotation=45, labelsize=7)
+        ax.legend(fontsize=7)
         ax.set_title(title)
     else:
         skipped(ax, title)
