@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         "model": model, "pids": cluster.pids,
         "prefill": [e.url for e in cluster.prefill], "decode": [e.url for e in cluster.decode],
         "kv_events": {e.url: e.kv_events_endpoint for e in cluster.prefill + cluster.decode},
+        "early_decode": {e.url: e.early_decode_endpoint for e in cluster.decode
+                         if e.early_decode_endpoint},
     }), flush=True)
     print(f"READY proxy={cluster.proxy_url or '-'} colocated={colocated}", flush=True)
     try:

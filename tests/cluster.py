@@ -65,6 +65,7 @@ class Cluster:
     prefill: list[str]
     decode: list[str]
     kv_events: dict[str, str]
+    early_decode: dict[str, str]       # D url -> its early-decode socket
     model: str
     launcher: subprocess.Popen
     ready_s: float
@@ -111,7 +112,8 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
     descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     return Cluster(proxy=layout["proxy"], redis=layout["redis"], prefill=layout["prefill"],
-                   decode=layout["decode"], kv_events=layout["kv_events"], model=model,
+                   decode=layout["decode"], kv_events=layout["kv_events"],
+                   early_decode=layout.get("early_decode", {}), model=model,
                    launcher=proc, ready_s=ready_s, log_dir=log_dir, descendants=descendants)
 
 

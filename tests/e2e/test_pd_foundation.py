@@ -13,6 +13,8 @@ import time
 import psutil
 import pytest
 
+from sessionkv_proxy.early import EarlyDecodeSender, new_early_decode_id
+
 from helpers import (
     assert_same,
     chat_body,
@@ -162,6 +164,39 @@ def test_first_pull_from_a_new_prefill_is_prompt_while_decode_is_busy(pd_cluster
     print(f"first pulls from a new P under load took {[round(t, 2) for t in took]} s")
     assert crossed, "no NIXL transfer from the new P in 2 attempts"
     assert max(took) < 15.0, f"a first pull from a new P took {max(took):.1f} s"
+
+
+def test_early_decode_request_told_its_prefill_failed_is_computed_on_d(pd_cluster):
+    """D holds a request sent with an early-decode id and no P parameters; told that P
+    failed, it computes the prompt itself and answers as the co-located server does."""
+    d_url = pd_cluster.decode[0]
+    failed_before = metric_sum(d_url, "sessionkv_early_decode_requests_total",
+                               outcome="prefill_failed")
+    prompt = [(11 * i + 5) % 900 + 20 for i in range(140)]
+    body = completion_body(pd_cluster.model, prompt, max_tokens=16)
+    body["kv_transfer_params"] = {"sessionkv": {"early_decode_id": new_early_decode_id()}}
+    answer: dict = {}
+    thread = threading.Thread(
+        target=lambda: answer.update(got=post(d_url, "/v1/completions", body)))
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive(), "D answered a request still waiting for P's parameters"
+    sender = EarlyDecodeSender([pd_cluster.early_decode[d_url]])
+    try:
+        deadline = time.monotonic() + 10
+        early_id = body["kv_transfer_params"]["sessionkv"]["early_decode_id"]
+        while not sender.send(pd_cluster.early_decode[d_url], early_id, None):
+            assert time.monotonic() < deadline, "D's early-decode socket never connected"
+            time.sleep(0.05)
+    finally:
+        sender.close()
+    thread.join(120)
+    assert "got" in answer, "D did not answer after P's failure was pushed"
+    base = post(pd_cluster.colocated, "/v1/completions",
+                completion_body(pd_cluster.model, prompt, max_tokens=16))
+    assert_same(answer["got"], base, "early decode, prefill failed")
+    assert metric_sum(d_url, "sessionkv_early_decode_requests_total",
+                      outcome="prefill_failed") == failed_before + 1
 
 
 def test_negative_control_perturbed_prefill_is_detected(pd_cluster):
