@@ -15,6 +15,8 @@ import msgspec
 
 __all__ = [
     "EARLY_DECODE_ID_KEY",
+    "EARLY_DECODE_PUSHED_KEY",
+    "EARLY_DECODE_PUSH_KEY",
     "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
     "PrefillDone",
@@ -36,6 +38,11 @@ SESSIONKV_PARAMS_KEY = "sessionkv"
 # Under ``kv_transfer_params["sessionkv"]`` of a D request sent while P still
 # prefills: the id under which P's parameters will reach D (see ``PrefillDone``).
 EARLY_DECODE_ID_KEY = "early_decode_id"
+# Under a P request's ``kv_transfer_params["sessionkv"]``: {"endpoint", "id"} of the D
+# holding the request, for P's connector to push its parameters to directly; P's
+# answer then says ``early_decode_pushed: true`` under its own "sessionkv".
+EARLY_DECODE_PUSH_KEY = "early_decode_push"
+EARLY_DECODE_PUSHED_KEY = "early_decode_pushed"
 
 # Redis key prefix under which engines publish each session's latest handle.
 HANDLE_KEY_PREFIX = "sessionkv:handle:"

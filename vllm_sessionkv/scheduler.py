@@ -25,11 +25,13 @@ import msgspec
 from vllm_sessionkv import _vllm
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel, decide_pull
-from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.protocol import (
     EARLY_DECODE_ID_KEY,
+    EARLY_DECODE_PUSH_KEY,
+    EARLY_DECODE_PUSHED_KEY,
     PROTOCOL_VERSION,
     SESSIONKV_PARAMS_KEY,
     TokenAccounting,
@@ -106,7 +108,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # Host restores decided for a request: (start_block, num_blocks).
         self._host_plans: dict[str, tuple[int, int]] = {}
         self._host_restored: dict[str, int] = {}
-        # D requests sent while P prefills wait here for P's parameters.
+        # As P: pushes our parameters straight to the D holding the request.
+        self._early_sender: EarlyDecodeSender | None = None
+        # As D: requests sent while P prefills wait here for P's parameters.
         self.early_decode: EarlyDecodeInbox | None = None
         if config.early_decode_port:
             if vllm_config.parallel_config.data_parallel_size > 1:
@@ -263,6 +267,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         if not self._early_decode_ready(request):
             return None, False   # vLLM asks again at the next step; no blocks held
+        self._early_push_connect(request)
         params = request.kv_transfer_params
         if params and params.get("_remote_blocks_processed"):
             # Asked again after a failed or declined load (vLLM resets the request to
@@ -508,7 +513,40 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if session_id:
                 ours["session_id"] = session_id
             out[SESSIONKV_PARAMS_KEY] = ours
+            self._push_to_early_decode(params, out)
         return delay_free, out
+
+    def _early_push_target(self, params: dict[str, Any] | None) -> tuple[str, str] | None:
+        """(D's endpoint, id) a P request asks us to push our parameters to."""
+        push = self._session_params(params).get(EARLY_DECODE_PUSH_KEY)
+        if not isinstance(push, dict):
+            return None
+        endpoint, early_id = push.get("endpoint"), push.get("id")
+        if not (isinstance(endpoint, str) and endpoint.startswith("tcp://")
+                and isinstance(early_id, str) and early_id):
+            return None
+        if self._early_sender is None:
+            self._early_sender = EarlyDecodeSender()
+        return endpoint, early_id
+
+    def _early_push_connect(self, request: Request) -> None:
+        # While P prefills, so the push at the end finds the connection up.
+        target = self._early_push_target(request.kv_transfer_params)
+        if target is not None:
+            self._early_sender.connect(target[0])
+
+    def _push_to_early_decode(self, params: dict[str, Any] | None,
+                              out: dict[str, Any]) -> None:
+        """Early decode: hand our parameters to the D holding the request now, not
+        after they travel back through our API server and the proxy.  The proxy
+        pushes them itself unless our answer says this push went out."""
+        target = self._early_push_target(params)
+        if target is None:
+            return
+        endpoint, early_id = target
+        if self._early_sender.send(endpoint, early_id, out):
+            out[SESSIONKV_PARAMS_KEY][EARLY_DECODE_PUSHED_KEY] = True
+            self.stats.record("early_decode_pushed_by_prefill")
 
     def _offload_to_host(self, request: Request, block_ids, num_tokens: int) -> None:
         """Copy a finished session turn's full blocks (prompt and generated) to host
@@ -572,4 +610,6 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._publisher.close()
         if self.early_decode is not None:
             self.early_decode.close()
+        if self._early_sender is not None:
+            self._early_sender.close()
         super().shutdown()

@@ -41,6 +41,7 @@ _SESSION_KEYS = (
     "idle_step_recv_wait_s",
     *(f"early_decode_{o}" for o in EARLY_DECODE_OUTCOMES),
     "early_decode_wait_s",
+    "early_decode_pushed_by_prefill",
 )
 
 
@@ -164,6 +165,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
                                          1.0, 5.0, 30.0],
                                 labelnames=labelnames), per_engine_labelvalues)
 
+        self._early_decode_pushes = create_metric_per_engine(
+            counter("sessionkv_early_decode_pushes",
+                    "Parameters this engine, as P, pushed straight to the D holding "
+                    "the request (early decode); the rest the proxy pushes."),
+            per_engine_labelvalues)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         super().observe(transfer_stats_data, engine_idx)
         for source in PROMPT_TOKEN_SOURCES:
@@ -198,6 +205,9 @@ class SessionKVPromMetrics(NixlPromMetrics):
                 self._early_decode[outcome][engine_idx].inc(total)
         for seconds in transfer_stats_data.get("early_decode_wait_s", ()):
             self._early_decode_wait_s[engine_idx].observe(seconds)
+        total = sum(transfer_stats_data.get("early_decode_pushed_by_prefill", ()))
+        if total:
+            self._early_decode_pushes[engine_idx].inc(total)
 
 
 def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:

@@ -21,11 +21,16 @@ import aiohttp
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_sessionkv.protocol import EARLY_DECODE_ID_KEY, SESSIONKV_PARAMS_KEY
+from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.protocol import (
+    EARLY_DECODE_ID_KEY,
+    EARLY_DECODE_PUSH_KEY,
+    EARLY_DECODE_PUSHED_KEY,
+    SESSIONKV_PARAMS_KEY,
+)
 
 from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
-from sessionkv_proxy.early import EarlyDecodeSender, new_early_decode_id
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.index.base import KVIndex
@@ -176,14 +181,21 @@ def _next_after_connect_failure(state: ProxyState, role: Role, failed: Engine,
 
 
 async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str, Any],
-                   is_chat: bool, request_id: str) -> dict[str, Any]:
-    """Run P; return its kv_transfer_params for D."""
+                   is_chat: bool, request_id: str,
+                   early_push: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run P; return its kv_transfer_params for D.  ``early_push`` ({"endpoint",
+    "id"}) asks P's connector to push them to the D holding the request itself."""
     p_body = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     p_body["max_tokens"] = 1
     if is_chat and "max_completion_tokens" in p_body:
         p_body["max_completion_tokens"] = 1
     p_body["stream"] = False
-    p_body["kv_transfer_params"] = plan.prefill_params
+    params = plan.prefill_params
+    if early_push is not None:
+        params = dict(params or {})
+        params[SESSIONKV_PARAMS_KEY] = {**(params.get(SESSIONKV_PARAMS_KEY) or {}),
+                                        EARLY_DECODE_PUSH_KEY: early_push}
+    p_body["kv_transfer_params"] = params
     engine = plan.prefill
     assert engine is not None and state.router is not None
     tried: set[str] = set()
@@ -408,7 +420,9 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
             extra_headers, relay_after=prefill_done))
     started = time.perf_counter()
     try:
-        p_params = await _prefill(state, plan, path, d_body, is_chat, request_id)
+        p_params = await _prefill(
+            state, plan, path, d_body, is_chat, request_id,
+            {"endpoint": endpoint, "id": early_id} if decode_task is not None else None)
     except BaseException:
         if decode_task is not None:
             await _cancel(decode_task)   # D's engine aborts the held request
@@ -421,9 +435,13 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
     extra_headers["x-sessionkv-prefill-engine"] = plan.prefill.url
     if decode_task is not None:
         prefill_done.set_result(None)
+        # P's connector pushed them itself when it could reach D; else push them here.
         # A retry may have moved the request to another D: push to the one holding it.
+        pushed_by_p = (endpoint == plan.decode.config.early_decode and bool(
+            (p_params.get(SESSIONKV_PARAMS_KEY) or {}).get(EARLY_DECODE_PUSHED_KEY)))
         endpoint = plan.decode.config.early_decode
-        if decode_task.done() or (endpoint and early.send(endpoint, early_id, p_params)):
+        if decode_task.done() or pushed_by_p or (
+                endpoint and early.send(endpoint, early_id, p_params)):
             return (*await decode_task, prefill_s)
         state.metrics.errors.labels("early_decode_push").inc()
         await _cancel(decode_task)

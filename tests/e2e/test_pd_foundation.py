@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from sessionkv_proxy.early import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
 
 from helpers import (
     assert_same,
@@ -45,6 +45,7 @@ def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     early_before = metric_sum(d_url, "sessionkv_early_decode_requests_total")
     early_ready_before = metric_sum(d_url, "sessionkv_early_decode_requests_total",
                                     outcome="ready")
+    p_pushes_before = metric_sum(pd_cluster.prefill[0], "sessionkv_early_decode_pushes_total")
     body = completion_body(pd_cluster.model, PROMPT_IDS, max_tokens=24, stream=stream)
     got = post(pd_cluster.proxy, "/v1/completions", body)
     base = post(pd_cluster.colocated, "/v1/completions", dict(body, stream=False))
@@ -58,6 +59,9 @@ def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     assert metric_sum(d_url, "sessionkv_early_decode_requests_total") == early_before + 1
     assert metric_sum(d_url, "sessionkv_early_decode_requests_total",
                       outcome="ready") == early_ready_before + 1
+    # P's connector pushed its parameters to D itself (connected while it prefilled).
+    assert metric_sum(pd_cluster.prefill[0],
+                      "sessionkv_early_decode_pushes_total") == p_pushes_before + 1
 
 
 @pytest.mark.parametrize("stream", [False, True])

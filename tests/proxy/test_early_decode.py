@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
-from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [[1, 2]], "remote_engine_id": "p0",
@@ -27,8 +27,11 @@ P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
 class _Engines:
     """One P and one D on their own ports; D takes pushes on ``early_port``."""
 
-    def __init__(self, early_port: int | None, p_status: int = 200) -> None:
+    def __init__(self, early_port: int | None, p_status: int = 200,
+                 p_pushes: bool = False) -> None:
         self.p_status = p_status
+        self.p_pushes = p_pushes          # P pushes its parameters to D itself
+        self.p_push_requests: list[dict] = []
         self.d_bodies: list[dict] = []
         self.d_got_params: list[dict | None] = []
         self.d_cancelled = 0
@@ -37,7 +40,11 @@ class _Engines:
                       if early_port else None)
 
     async def prefill(self, request):
-        await request.read()
+        body = await request.json()
+        push = ((body.get("kv_transfer_params") or {}).get("sessionkv") or {}).get(
+            "early_decode_push")
+        if push:
+            self.p_push_requests.append(push)
         # With early decode, D has the request before P answers.
         try:
             await asyncio.wait_for(self.d_arrived.wait(), 0.5)
@@ -46,8 +53,21 @@ class _Engines:
         if self.p_status != 200:
             return web.json_response({"error": {"message": "P broke"}},
                                      status=self.p_status)
+        params = dict(P_PARAMS)
+        if self.p_pushes and push:
+            # As P's connector does at the end of the request (its first send to a
+            # new D may find the connection still coming up: then the proxy pushes).
+            sender = EarlyDecodeSender([push["endpoint"]])
+            try:
+                deadline = asyncio.get_running_loop().time() + 2
+                while not sender.send(push["endpoint"], push["id"], P_PARAMS):
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.01)
+            finally:
+                sender.close()
+            params["sessionkv"] = {"early_decode_pushed": True}
         return web.json_response({"id": "p", "choices": [{"text": "x"}],
-                                  "kv_transfer_params": P_PARAMS})
+                                  "kv_transfer_params": params})
 
     async def decode(self, request):
         body = await request.json()
@@ -132,6 +152,9 @@ async def _run(free_port, engines: _Engines, early_endpoint: str | None,
             await asyncio.sleep(0.05)   # a cancelled D handler finishes its unwinding
             async with http.get(base + "/metrics") as resp:
                 text = await resp.text()
+        if engines.inbox is not None:
+            engines.inbox.poll("-")   # drain: a second push for one id would show here
+            engines.leftover = dict(engines.inbox._arrived)
     finally:
         await proxy.stop(1.0)
         for runner in runners:
@@ -157,6 +180,19 @@ async def test_d_gets_the_request_while_p_prefills_and_p_params_after(free_port)
     assert set(sent) == {"sessionkv"} and sent["sessionkv"]["early_decode_id"]
     assert engines.d_got_params == [P_PARAMS]
     assert engines.d_cancelled == 0
+    # P was asked to push to that D under that id; it did not, so the proxy did.
+    assert engines.p_push_requests == [{"endpoint": f"tcp://127.0.0.1:{early_port}",
+                                        "id": sent["sessionkv"]["early_decode_id"]}]
+    assert engines.leftover == {}
+
+
+async def test_when_p_pushed_its_params_the_proxy_does_not(free_port):
+    early_port = free_port()
+    engines = _Engines(early_port, p_pushes=True)
+    status, body, _, _ = await _run(free_port, engines, f"tcp://127.0.0.1:{early_port}")
+    assert status == 200, body
+    assert engines.d_got_params == [P_PARAMS]
+    assert engines.leftover == {}, "the proxy pushed a second copy"
 
 
 async def test_a_stream_starts_after_p_with_p_headers(free_port):

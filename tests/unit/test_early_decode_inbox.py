@@ -8,9 +8,13 @@ import time
 import pytest
 import zmq
 
-from sessionkv_proxy.early import EarlyDecodeSender, new_early_decode_id
 from vllm_sessionkv.config import ConfigError, parse_config
-from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.early_decode import (
+    EarlyDecodeInbox,
+    EarlyDecodeSender,
+    Outcome,
+    new_early_decode_id,
+)
 from vllm_sessionkv.protocol import PrefillDone, decode_prefill_done, encode_prefill_done
 
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]],
@@ -205,3 +209,20 @@ def test_wait_returns_for_a_message_or_one_already_read(pair):
     started = time.monotonic()
     assert inbox.wait(1.0) and time.monotonic() - started < 0.5
     assert inbox.poll(held)[0] is Outcome.READY
+
+
+def test_sender_connects_ahead_so_a_later_send_goes_out():
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    inbox = EarlyDecodeInbox(endpoint, timeout_s=5.0)
+    sender = EarlyDecodeSender()   # P: learns D's endpoint from a request
+    try:
+        sender.connect(endpoint)
+        time.sleep(0.2)            # P prefills meanwhile
+        early_id = new_early_decode_id()
+        assert sender.send(endpoint, early_id, P_PARAMS)
+        params, _ = _poll_until(inbox, early_id, Outcome.READY)
+        assert params == P_PARAMS
+        assert not sender.send(endpoint, "x", {"not": object()})   # unencodable: refused
+    finally:
+        sender.close()
+        inbox.close()
