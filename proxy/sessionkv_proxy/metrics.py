@@ -14,7 +14,7 @@ The rarer series (errors, retries, gauges) stay prometheus_client objects.
 from __future__ import annotations
 
 from bisect import bisect_left
-from typing import Any, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -38,17 +38,12 @@ _PROMPT_BLOCKS = ("sessionkv_proxy_prompt_blocks", "Full prompt blocks per route
 
 class ProxyMetrics:
     def __init__(self) -> None:
-        # Labelled children resolved once: ``labels()`` costs more than the increment.
-        self._children: dict[tuple, Any] = {}
         # Per-request counts (see the module docstring), keyed by label values.
         self._requests: dict[tuple[str, int], int] = {}
         self._decisions: dict[tuple[str, str], int] = {}
         self._handles: dict[str, int] = {}
-        # Histograms: a count per bucket (not cumulative; the last is +Inf) and a sum.
-        self._decision_s_buckets = [0] * len(_DECISION_S_BOUNDS)
-        self._decision_s_sum = 0.0
-        self._prompt_blocks_buckets = [0] * len(_PROMPT_BLOCKS_BOUNDS)
-        self._prompt_blocks_sum = 0
+        self._decision_s = _Histogram(_DECISION_S, _DECISION_S_BOUNDS)
+        self._prompt_blocks = _Histogram(_PROMPT_BLOCKS, _PROMPT_BLOCKS_BOUNDS)
         self.registry = CollectorRegistry()
         r = self.registry
         r.register(_RequestCollector(self))
@@ -77,13 +72,6 @@ class ProxyMetrics:
         self.in_flight = Gauge("sessionkv_proxy_in_flight_requests",
                                "Requests in flight per engine.", ["engine"], registry=r)
 
-    def child(self, metric, *labels: str):
-        key = (id(metric), *labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
-
     def count_request(self, endpoint: str, status: int) -> None:
         """One answered request (``sessionkv_proxy_requests``)."""
         key = (endpoint, status)
@@ -99,11 +87,8 @@ class ProxyMetrics:
         counts[key] = counts.get(key, 0) + 1
         handles = self._handles
         handles[handle_outcome] = handles.get(handle_outcome, 0) + 1
-        # bisect_left: the first bound >= the value, Prometheus' ``le``.
-        self._decision_s_buckets[bisect_left(_DECISION_S_BOUNDS, decision_s)] += 1
-        self._decision_s_sum += decision_s
-        self._prompt_blocks_buckets[bisect_left(_PROMPT_BLOCKS_BOUNDS, prompt_blocks)] += 1
-        self._prompt_blocks_sum += prompt_blocks
+        self._decision_s.observe(decision_s)
+        self._prompt_blocks.observe(prompt_blocks)
 
 
 def _counter(spec: tuple, counts: dict | None) -> CounterMetricFamily:
@@ -121,16 +106,28 @@ def _counter(spec: tuple, counts: dict | None) -> CounterMetricFamily:
     return family
 
 
-def _histogram(spec: tuple, bounds: tuple, buckets: list[int] | None,
-               total: float) -> HistogramMetricFamily:
-    name, documentation = spec
-    cumulative = []
-    running = 0
-    for bound, n in zip(bounds, buckets or [0] * len(bounds)):
-        running += n
-        cumulative.append((floatToGoString(bound), float(running)))
-    return HistogramMetricFamily(name, documentation, buckets=cumulative,
-                                 sum_value=float(total))
+class _Histogram:
+    """A count per bucket (not cumulative; the last bound is +Inf) and a sum."""
+
+    def __init__(self, spec: tuple, bounds: tuple) -> None:
+        self.spec, self.bounds = spec, bounds
+        self.buckets = [0] * len(bounds)
+        self.total: float = 0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= the value, Prometheus' ``le``.
+        self.buckets[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def family(self, empty: bool = False) -> HistogramMetricFamily:
+        name, documentation = self.spec
+        cumulative = []
+        running = 0
+        for bound, n in zip(self.bounds, [0] * len(self.bounds) if empty else self.buckets):
+            running += n
+            cumulative.append((floatToGoString(bound), float(running)))
+        return HistogramMetricFamily(name, documentation, buckets=cumulative,
+                                     sum_value=0.0 if empty else float(self.total))
 
 
 class _RequestCollector:
@@ -143,16 +140,14 @@ class _RequestCollector:
         # Names only, so the registry refuses a clash with another metric.
         yield _counter(_REQUESTS, None)
         yield _counter(_DECISIONS, None)
-        yield _histogram(_PROMPT_BLOCKS, _PROMPT_BLOCKS_BOUNDS, None, 0.0)
+        yield self._m._prompt_blocks.family(empty=True)
         yield _counter(_HANDLES, None)
-        yield _histogram(_DECISION_S, _DECISION_S_BOUNDS, None, 0.0)
+        yield self._m._decision_s.family(empty=True)
 
     def collect(self) -> Iterator[Metric]:
         m = self._m
         yield _counter(_REQUESTS, m._requests)
         yield _counter(_DECISIONS, m._decisions)
-        yield _histogram(_PROMPT_BLOCKS, _PROMPT_BLOCKS_BOUNDS,
-                         list(m._prompt_blocks_buckets), m._prompt_blocks_sum)
+        yield m._prompt_blocks.family()
         yield _counter(_HANDLES, m._handles)
-        yield _histogram(_DECISION_S, _DECISION_S_BOUNDS,
-                         list(m._decision_s_buckets), m._decision_s_sum)
+        yield m._decision_s.family()
