@@ -53,6 +53,7 @@ __all__ = [
     "create_metric_per_engine",
     "disable_stock_recompute_threshold",
     "is_cpu_platform",
+    "has_queued_read",
     "host_tier_events",
     "kv_bytes_per_block",
     "kv_bytes_per_token",
@@ -65,7 +66,12 @@ __all__ = [
     "request_session_id",
     "scheduled_requests",
     "set_pending_send_deadline",
+    "recv_local_block_ids",
+    "report_invalid_blocks",
+    "set_sync_recv_blocks",
     "shorten_pending_send",
+    "start_ready_reads",
+    "stop_heartbeat",
     "wait_for_prefill_params",
     "worker_set_stats",
 ]
@@ -290,6 +296,53 @@ def set_pending_send_deadline(scheduler: NixlPullConnectorScheduler, request_id:
 def mark_in_batch(scheduler: NixlPullConnectorScheduler, request_id: str) -> None:
     """Make the worker track the request, so it honours an end-of-turn hold on it."""
     scheduler._reqs_in_batch.add(request_id)
+
+
+def stop_heartbeat(scheduler: NixlPullConnectorScheduler, request_id: str) -> None:
+    """Stop D's keep-alive to P for a request whose read is done (stock stops it when
+    the worker reports the request received, which a synchronous read never is)."""
+    scheduler._stop_heartbeat(request_id)
+
+
+def has_queued_read(scheduler: NixlPullConnectorScheduler, request_id: str) -> bool:
+    """Whether stock code queued a read for the request in this step's metadata."""
+    return request_id in scheduler._reqs_need_recv
+
+
+def set_sync_recv_blocks(scheduler: NixlPullConnectorScheduler, request_id: str,
+                         block_ids: tuple[list[int], ...], local_hit_blocks: int,
+                         load_blocks: int) -> list[int]:
+    """Point a queued read at the right local blocks for a synchronous load.
+
+    Stock code reads into the request's *unhashed* blocks: right for an asynchronous
+    load, whose blocks vLLM caches only once the read is done.  A synchronous load's
+    blocks are cached at allocation, so stock code would find none but the last
+    partial one.  The read's destinations are the blocks after the local prefix hit,
+    up to the last one the load covers; returns them (first KV cache group)."""
+    request, _, _, awaiting_kvs = scheduler._reqs_need_recv[request_id]
+    local = scheduler.get_exchange_clipped_blocks(tuple(
+        list(group[local_hit_blocks:local_hit_blocks + load_blocks]) for group in block_ids))
+    scheduler._reqs_need_recv[request_id] = (
+        request, local, tuple(local_hit_blocks for _ in block_ids), awaiting_kvs)
+    return list(local[0]) if local else []
+
+
+def start_ready_reads(worker: NixlPullConnectorWorker) -> None:
+    """Post the reads whose peer handshake finished since the step began (stock posts
+    them at the next step's start)."""
+    while not worker._ready_requests.empty():
+        worker._read_blocks_for_req(*worker._ready_requests.get_nowait())
+
+
+def recv_local_block_ids(worker: NixlPullConnectorWorker, request_id: str) -> set[int]:
+    """The local blocks a posted read writes into (first KV cache group)."""
+    meta = worker._recving_metadata.get(request_id)
+    return set(meta.local_block_ids[0]) if meta is not None and meta.local_block_ids else set()
+
+
+def report_invalid_blocks(worker: NixlPullConnectorWorker, block_ids: set[int]) -> None:
+    """Have vLLM recompute these blocks (get_block_ids_with_load_errors)."""
+    worker._invalid_block_ids.put(set(block_ids))
 
 
 def shorten_pending_send(scheduler: NixlPullConnectorScheduler, request_id: str,

@@ -50,6 +50,17 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bandwidth_min_sample_bytes: int = 256 * 1024
     # Never pull fewer tokens than this, whatever the model says.
     min_pull_tokens: int = 1
+    # A pull from a peer this engine has read from before runs inside the step that
+    # computes the request when its priced read time, alone and times the engine's
+    # load, is at most this (``cost.decide_sync_load``): the request skips the step
+    # an asynchronous read costs it, the others in the step wait for the read.
+    # 0 = always asynchronous (vLLM's way).
+    sync_load_max_stall_s: float = 0.005
+
+    def __post_init__(self):
+        if not 0 <= self.sync_load_max_stall_s <= 1.0:
+            raise ValueError("cost.sync_load_max_stall_s must be within [0, 1], got "
+                             f"{self.sync_load_max_stall_s}")
 
 
 class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -94,6 +105,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # engine core and its worker) until one step sees the read.  A step with a model
     # to run never waits.  0 = vLLM's loop.
     idle_step_recv_wait_s: float = 0.005
+    # A synchronous pull (see cost.sync_load_max_stall_s) that has not landed after
+    # this long is given up: vLLM recomputes the request's blocks.
+    sync_load_timeout_s: float = 1.0
     # Early decode: a ZMQ PULL port on which this engine, as D, takes P's parameters
     # for requests the proxy sent it while P was still prefilling (early_decode.py).
     # 0 = off.  Give the proxy the same endpoint: --decode url=...,early=tcp://HOST:PORT.
@@ -130,6 +144,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 <= self.idle_step_recv_wait_s <= 1.0:
             raise ValueError("idle_step_recv_wait_s must be within [0, 1], got "
                              f"{self.idle_step_recv_wait_s}")
+        if not 0 < self.sync_load_timeout_s <= 60.0:
+            raise ValueError("sync_load_timeout_s must be within (0, 60], got "
+                             f"{self.sync_load_timeout_s}")
         if not 0 <= self.early_decode_port < 65536:
             raise ValueError(f"early_decode_port must be within [0, 65535], got "
                              f"{self.early_decode_port}")

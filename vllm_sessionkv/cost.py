@@ -64,6 +64,7 @@ __all__ = [
     "attention_prefill_flops",
     "choose_source",
     "decide_pull",
+    "decide_sync_load",
     "decode_bandwidth_pool",
     "decode_residency_pool",
     "handoff_share_ratio",
@@ -533,6 +534,21 @@ def decide_pull(
     if pull_s < recompute_s:
         return PullDecision(True, pull_s, recompute_s, "pull faster")
     return PullDecision(False, pull_s, recompute_s, "recompute faster")
+
+
+def decide_sync_load(read_s: float, engine_load: float, max_stall_s: float) -> bool:
+    """Read a pull inside the step that computes the request, or in steps of its own.
+
+    An asynchronous read costs the request a step: the step that posts the read runs
+    without it, and only a later step, after the read is seen done, computes it.  A
+    synchronous read saves that step, but the forward waits for it, so everyone else
+    in the step waits ``read_s`` too.  Read synchronously iff the read is short
+    (``read_s <= max_stall_s``) and so is the stall summed over the others
+    (``read_s * engine_load <= max_stall_s``).  ``max_stall_s == 0`` turns it off.
+    """
+    if max_stall_s <= 0 or read_s < 0 or engine_load < 0:
+        return False
+    return read_s <= max_stall_s and read_s * engine_load <= max_stall_s
 
 
 RECOMPUTE = "recompute"

@@ -12,6 +12,9 @@ Three additions to vLLM 0.32's NIXL pull scheduler:
   block pairing lands on the right blocks.
 * **Pull or recompute** for D->P pulls, by the cost model in ``cost.decide_pull``
   with the live link bandwidth and engine load.
+* **Synchronous reads**: a short pull from a peer already read from runs inside the
+  step that computes the request (``cost.decide_sync_load``), which saves the request
+  the step an asynchronous read spends waiting.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ import msgspec
 
 from vllm_sessionkv import _vllm
 from vllm_sessionkv.config import SessionKVConfig
-from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel, decide_pull
+from vllm_sessionkv.cost import (
+    LinkModel,
+    PullQuote,
+    RecomputeModel,
+    decide_pull,
+    decide_sync_load,
+    transfer_time_s,
+)
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.host_tier import HostTierManager
@@ -68,6 +78,9 @@ class _Plan(msgspec.Struct):
     failed: bool = False           # the load failed or expired; vLLM recomputed
     pull_started_s: float = 0.0    # perf_counter when the read was queued
     pull_ms: float = 0.0           # queued to received, as the scheduler sees it
+    remote_engine_id: str = ""
+    sync: bool = False             # read inside the step that computes the request
+    sync_block_ids: frozenset[int] = frozenset()   # its destinations (group 0)
 
 
 class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
@@ -110,6 +123,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._host_restored: dict[str, int] = {}
         # As P: pushes our parameters straight to the D holding the request.
         self._early_sender: EarlyDecodeSender | None = None
+        # Synchronous reads: peers we have read from (no handshake left to wait for),
+        # the reads queued for the next step's metadata and those in that step.
+        # vLLM can map a failed synchronous read back to its blocks only with one KV
+        # cache group.
+        self._sync_reads_possible = (config.cost.sync_load_max_stall_s > 0 and
+                                     len(kv_cache_config.kv_cache_groups) == 1)
+        self._warm_engines: set[str] = set()
+        self._sync_reads_next: set[str] = set()
+        self._sync_reads_in_step: set[str] = set()
         # As D: requests sent while P prefills wait here for P's parameters.
         self.early_decode: EarlyDecodeInbox | None = None
         if config.early_decode_port:
@@ -212,18 +234,46 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 decision, load_tokens = "recompute", 0
         plan = _Plan(direction="p_to_d" if is_p_to_d else "d_to_p", verdict=verdict,
                      local_hit_tokens=num_computed_tokens, load_tokens=load_tokens,
-                     decision=decision, pull_s=pull_s, recompute_s=recompute_s)
+                     decision=decision, pull_s=pull_s, recompute_s=recompute_s,
+                     remote_engine_id=str(params.get("remote_engine_id") or ""))
+        self._choose_sync_read(request, plan)
         self._plans[request.request_id] = plan
         logger.info(
             "sessionkv plan request_id=%s session_id=%s direction=%s decision=%s "
             "verify=%s verified_tokens=%d refused_tokens=%d local_hit_tokens=%d "
-            "load_tokens=%d prompt_tokens=%d pull_s=%.6f recompute_s=%.6f load=%.2f "
-            "link_bytes_per_s=%.3g",
+            "load_tokens=%d read=%s prompt_tokens=%d pull_s=%.6f recompute_s=%.6f "
+            "load=%.2f link_bytes_per_s=%.3g",
             request.request_id, _vllm.request_session_id(request), plan.direction,
             decision, verdict.reason, verdict.verified_tokens, verdict.refused_tokens,
-            num_computed_tokens, load_tokens, request.num_prompt_tokens, pull_s,
-            recompute_s, self.engine_load, self.link_bytes_per_s)
+            num_computed_tokens, plan.load_tokens, "sync" if plan.sync else "async",
+            request.num_prompt_tokens, pull_s, recompute_s, self.engine_load,
+            self.link_bytes_per_s)
         return plan
+
+    def _choose_sync_read(self, request: Request, plan: _Plan) -> None:
+        """Make the plan's read synchronous where ``cost.decide_sync_load`` says so.
+
+        Only from a peer this engine has read from: a first read waits for a NIXL
+        handshake, which no forward should wait for.  vLLM computes at least the last
+        prompt token itself, so a synchronous read stops one token short of it."""
+        params = request.kv_transfer_params or {}
+        if not (self._sync_reads_possible and plan.load_tokens > 0
+                and plan.remote_engine_id in self._warm_engines
+                and params.get("remote_block_ids")
+                and all(k in params for k in _REMOTE_FIELDS)):
+            # (Without a complete handle stock code queues no read, and a synchronous
+            # load would run the forward on blocks nothing wrote.)
+            return
+        sync_tokens = min(plan.load_tokens,
+                          request.num_prompt_tokens - 1 - plan.local_hit_tokens)
+        if sync_tokens <= 0:
+            return
+        cost = self.config.cost
+        read_s = transfer_time_s(sync_tokens * self.kv_bytes_per_token,
+                                 self.link_bytes_per_s, cost.per_transfer_s)
+        if decide_sync_load(read_s, self.engine_load, cost.sync_load_max_stall_s):
+            plan.sync = True
+            plan.load_tokens = sync_tokens
 
     # ------------------------------------------------------- scheduler hooks
     def _is_direct_session_turn(self, params: dict[str, Any]) -> bool:
@@ -287,7 +337,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return 0, False
         if plan.load_tokens <= 0:
             return 0, False
-        return plan.load_tokens, True
+        return plan.load_tokens, not plan.sync
 
     def _host_restore_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens to restore from the host tier, if that beats recomputing them.
@@ -352,11 +402,34 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             self._account(request, plan)
             if num_external_tokens:
                 plan.pull_started_s = time.perf_counter()
-        elif params and self._is_direct_session_turn(params):
+                self.stats.record("load_sync" if plan.sync else "load_async")
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            if plan.sync and num_external_tokens:
+                self._queue_sync_read(request, plan, blocks)
+            return
+        if params and self._is_direct_session_turn(params):
             # Served on D without P: D still holds the turn for the next P pull, and
             # the worker only honours a hold for requests it saw in a batch.
             _vllm.mark_in_batch(self, request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def _queue_sync_read(self, request: Request, plan: _Plan, blocks) -> None:
+        if not _vllm.has_queued_read(self, request.request_id):
+            # _choose_sync_read checks the handle stock code needs to queue the read.
+            raise RuntimeError(f"sessionkv: no read queued for the synchronous load of "
+                               f"request {request.request_id}")
+        # Destinations for every remote block left after the cut to the verified
+        # prefix: vLLM pairs the lists from the end, so one block fewer here (the
+        # load stops a token short, which can leave a block with only the last
+        # prompt token) would shift every pairing.  The forward rewrites what the
+        # read put past the loaded tokens.
+        hit_blocks = plan.local_hit_tokens // self.block_size
+        load_blocks = -(-plan.verdict.verified_tokens // self.block_size) - hit_blocks
+        plan.sync_block_ids = frozenset(_vllm.set_sync_recv_blocks(
+            self, request.request_id, blocks.get_block_ids(), hit_blocks, load_blocks))
+        # The read is done within the step: nothing left to keep alive on the peer.
+        _vllm.stop_heartbeat(self, request.request_id)
+        self._sync_reads_next.add(request.request_id)
 
     def _account(self, request: Request, plan: _Plan) -> None:
         if plan.accounted:
@@ -435,6 +508,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
         meta = super().build_connector_meta(scheduler_output)
         self._attach_host_ops(meta)
+        meta.sessionkv_sync_loads = self._sync_reads_next
+        self._sync_reads_in_step |= self._sync_reads_next
+        self._sync_reads_next = set()
         # The worker may wait for its reads only when it has no model to run.
         meta.sessionkv_idle_step = running == 0
         return meta
@@ -451,21 +527,42 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if num_bytes >= min_bytes and duration_s > 0:
                 self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
                                          + alpha * num_bytes / duration_s)
+        failed = getattr(connector_output, "failed_recving", None) or set()
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             plan = self._plans.get(req_id)
             if plan is not None and plan.pull_started_s:
                 plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
+                if req_id not in failed and plan.remote_engine_id:
+                    self._warm_engines.add(plan.remote_engine_id)
+        # A synchronous read is done by the end of its step and never reported
+        # received; a failed one comes back as invalid blocks (vLLM recomputes them).
+        for req_id in self._sync_reads_in_step:
+            plan = self._plans.get(req_id)
+            if plan is not None and plan.pull_started_s:
+                plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
+        self._sync_reads_in_step.clear()
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            for req_id, plan in self._plans.items():
+                if plan.sync and not plan.failed and not plan.sync_block_ids.isdisjoint(
+                        invalid):
+                    self._pull_failed(req_id, plan)
         for req_id in getattr(connector_output, "finished_sending", None) or ():
             session_id = self._hold_sessions.pop(req_id, None)
             if session_id is not None and self._session_holds.get(session_id) == req_id:
                 del self._session_holds[session_id]
-        for req_id in getattr(connector_output, "failed_recving", None) or ():
-            self.stats.record("pull_failed")
-            plan = self._plans.get(req_id)
-            if plan is not None:
-                plan.failed = True
-            logger.warning("sessionkv pull failed request_id=%s; recomputing", req_id)
+        for req_id in failed:
+            self._pull_failed(req_id, self._plans.get(req_id))
         super().update_connector_output(connector_output)
+
+    def _pull_failed(self, req_id: str, plan: _Plan | None) -> None:
+        self.stats.record("pull_failed")
+        if plan is not None:
+            plan.failed = True
+            # Read asynchronously from it again until a read succeeds.
+            self._warm_engines.discard(plan.remote_engine_id)
+        logger.warning("sessionkv pull failed request_id=%s read=%s; recomputing", req_id,
+                       "sync" if plan is not None and plan.sync else "async")
 
     def request_finished(self, request: Request, block_ids):
         early_id = self._session_params(request.kv_transfer_params).get(EARLY_DECODE_ID_KEY)

@@ -13,7 +13,7 @@ from typing import Any
 
 from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_metric_per_engine
 
-__all__ = ["EARLY_DECODE_OUTCOMES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
+__all__ = ["EARLY_DECODE_OUTCOMES", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
 
 # How a request's prompt tokens were obtained.  Keys of TokenAccounting, per source.
@@ -23,6 +23,9 @@ PROMPT_TOKEN_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "re
 # How a request sent to D while P prefilled got its KV (early_decode.Outcome, and
 # "refused" when this engine has no early-decode socket).
 EARLY_DECODE_OUTCOMES = ("ready", "prefill_failed", "timed_out", "refused")
+
+# How a peer read runs: in the step that computes the request, or in steps of its own.
+LOAD_MODES = ("sync", "async")
 
 _SESSION_KEYS = (
     *(f"prompt_tokens_{s}" for s in PROMPT_TOKEN_SOURCES),
@@ -39,6 +42,9 @@ _SESSION_KEYS = (
     "host_store_s",
     "host_restore_s",
     "idle_step_recv_wait_s",
+    *(f"load_{m}" for m in LOAD_MODES),
+    "sync_load_wait_s",
+    "sync_load_timeouts",
     *(f"early_decode_{o}" for o in EARLY_DECODE_OUTCOMES),
     "early_decode_wait_s",
     "early_decode_pushed_by_prefill",
@@ -147,6 +153,25 @@ class SessionKVPromMetrics(NixlPromMetrics):
                                 buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1],
                                 labelnames=labelnames), per_engine_labelvalues)
 
+        loads = counter("sessionkv_peer_loads",
+                        "Peer KV reads by mode: sync (read inside the step that computes "
+                        "the request, which then skips a step) or async (vLLM's way: "
+                        "the request waits for the read in steps of its own).",
+                        ("mode",))
+        self._loads = {m: _per_engine_with_label(loads, per_engine_labelvalues, m)
+                       for m in LOAD_MODES}
+        self._sync_load_wait_s = create_metric_per_engine(
+            self._histogram_cls(name="sessionkv_sync_load_wait_seconds",
+                                documentation="Time a step's forward waited for its "
+                                              "synchronous peer reads.",
+                                buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1,
+                                         1.0],
+                                labelnames=labelnames), per_engine_labelvalues)
+        self._sync_load_timeouts = create_metric_per_engine(
+            counter("sessionkv_sync_load_timeouts",
+                    "Synchronous peer reads not done within sync_load_timeout_s; the "
+                    "request's blocks were recomputed."), per_engine_labelvalues)
+
         early = counter("sessionkv_early_decode_requests",
                         "Requests sent to D while P prefilled, by how they got their KV: "
                         "ready (P's parameters came), prefill_failed, timed_out, refused "
@@ -170,44 +195,43 @@ class SessionKVPromMetrics(NixlPromMetrics):
                     "Parameters this engine, as P, pushed straight to the D holding "
                     "the request (early decode); the rest the proxy pushes."),
             per_engine_labelvalues)
+        self._counters, self._histograms = self._by_stats_key()
+
+    def _by_stats_key(self) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]]]:
+        """(counters, histograms) per engine, by the stats key that feeds them."""
+        counters = {
+            **{f"prompt_tokens_{s}": m for s, m in self._prompt_tokens.items()},
+            **{f"decision_{d}": m for d, m in self._decisions.items()},
+            "handle_refused": self._handle_refused,
+            "pull_failed": self._pull_failed,
+            "session_handles_published": self._published,
+            "session_handles_publish_failed": self._publish_failed,
+            **self._host_counters,
+            **{f"load_{mode}": m for mode, m in self._loads.items()},
+            "sync_load_timeouts": self._sync_load_timeouts,
+            **{f"early_decode_{o}": m for o, m in self._early_decode.items()},
+            "early_decode_pushed_by_prefill": self._early_decode_pushes,
+        }
+        histograms = {
+            "host_restore_s": self._host_restore_s,
+            "idle_step_recv_wait_s": self._idle_recv_wait_s,
+            "sync_load_wait_s": self._sync_load_wait_s,
+            "early_decode_wait_s": self._early_decode_wait_s,
+        }
+        return counters, histograms
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         super().observe(transfer_stats_data, engine_idx)
-        for source in PROMPT_TOKEN_SOURCES:
-            total = sum(transfer_stats_data.get(f"prompt_tokens_{source}", ()))
-            if total:
-                self._prompt_tokens[source][engine_idx].inc(total)
-        for decision in ("pull", "recompute"):
-            total = sum(transfer_stats_data.get(f"decision_{decision}", ()))
-            if total:
-                self._decisions[decision][engine_idx].inc(total)
-        for key, metric in (("handle_refused", self._handle_refused),
-                            ("pull_failed", self._pull_failed),
-                            ("session_handles_published", self._published),
-                            ("session_handles_publish_failed", self._publish_failed)):
+        for key, metric in self._counters.items():
             total = sum(transfer_stats_data.get(key, ()))
             if total:
                 metric[engine_idx].inc(total)
-        for key, metric in self._host_counters.items():
-            total = sum(transfer_stats_data.get(key, ()))
-            if total:
-                metric[engine_idx].inc(total)
+        for key, metric in self._histograms.items():
+            for seconds in transfer_stats_data.get(key, ()):
+                metric[engine_idx].observe(seconds)
         resident = transfer_stats_data.get("host_resident_bytes") or ()
         if resident:
             self._host_resident[engine_idx].set(resident[-1])
-        for seconds in transfer_stats_data.get("host_restore_s", ()):
-            self._host_restore_s[engine_idx].observe(seconds)
-        for seconds in transfer_stats_data.get("idle_step_recv_wait_s", ()):
-            self._idle_recv_wait_s[engine_idx].observe(seconds)
-        for outcome in EARLY_DECODE_OUTCOMES:
-            total = sum(transfer_stats_data.get(f"early_decode_{outcome}", ()))
-            if total:
-                self._early_decode[outcome][engine_idx].inc(total)
-        for seconds in transfer_stats_data.get("early_decode_wait_s", ()):
-            self._early_decode_wait_s[engine_idx].observe(seconds)
-        total = sum(transfer_stats_data.get("early_decode_pushed_by_prefill", ()))
-        if total:
-            self._early_decode_pushes[engine_idx].inc(total)
 
 
 def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:

@@ -16,9 +16,9 @@ from vllm_sessionkv.stats import SessionKVStats
 
 __all__ = ["SessionKVWorker"]
 
-# Poll interval of an idle step's wait for its reads: short against a read (~1 ms),
-# long enough to leave the core to the peer engine.
-_IDLE_POLL_S = 100e-6
+# Poll interval of a wait for reads (an idle step's, or a synchronous load's): short
+# against a read (~1 ms), long enough to leave the core to the peer engine.
+_READ_POLL_S = 100e-6
 
 
 class SessionKVWorker(_vllm.NixlPullConnectorWorker):
@@ -30,6 +30,10 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         self._kv_cache_config = kv_cache_config
         self.host_pool: HostBlockPool | None = None
         self._idle_step = False
+        # Results seen while a synchronous load waited, reported with this step's.
+        self._early_results = None
+        # Synchronous loads given up on: their reads may still land; never report them.
+        self._abandoned_sync: set[str] = set()
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
@@ -55,8 +59,60 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
         self._idle_step = bool(getattr(metadata, "sessionkv_idle_step", False))
         super().start_load_kv(metadata)
+        sync_loads = getattr(metadata, "sessionkv_sync_loads", None)
+        if sync_loads:
+            self._finish_sync_loads(set(sync_loads))
+
+    def _finish_sync_loads(self, pending: set[str]) -> None:
+        """Wait for this step's synchronous reads before the forward that uses them.
+
+        vLLM already counts their tokens as computed, so they are reported neither
+        received nor failed (both are for requests parked waiting; vLLM's aggregator
+        would hold a failure it never sees received).  A failed or overdue read is
+        reported as invalid blocks, and vLLM recomputes from the first of them."""
+        started = time.perf_counter()
+        deadline = started + self.sessionkv_config.sync_load_timeout_s
+        blocks = {req_id: _vllm.recv_local_block_ids(self, req_id) for req_id in pending}
+        while True:
+            # A read whose handshake finished while we wait is posted now, not next step.
+            _vllm.start_ready_reads(self)
+            results = self._merge_early(super().get_transfer_results())
+            pending -= results.finished_recving
+            if not pending or time.perf_counter() >= deadline:
+                break
+            time.sleep(_READ_POLL_S)
+        for req_id in pending:   # overdue: the read is still posted
+            self._abandoned_sync.add(req_id)
+            _vllm.report_invalid_blocks(self, blocks[req_id])
+            self.xfer_stats.record("sync_load_timeouts", 1)
+        # (Stock code has queued the invalid blocks of reads that failed.)
+        results.finished_recving -= blocks.keys()
+        results.failed_recving -= blocks.keys()
+        self.xfer_stats.record("sync_load_wait_s", time.perf_counter() - started)
+
+    def _merge_early(self, results):
+        if self._early_results is None:
+            self._early_results = results
+            return results
+        early = self._early_results
+        early.finished_sending |= results.finished_sending
+        early.finished_recving |= results.finished_recving
+        early.failed_recving |= results.failed_recving
+        return early
 
     def get_transfer_results(self):
+        results = self._idle_wait_results()
+        if self._early_results is not None:
+            results = self._merge_early(results)
+            self._early_results = None
+        if self._abandoned_sync:
+            late = (results.finished_recving | results.failed_recving) & self._abandoned_sync
+            results.finished_recving -= late
+            results.failed_recving -= late
+            self._abandoned_sync -= late
+        return results
+
+    def _idle_wait_results(self):
         wait_s = self.sessionkv_config.idle_step_recv_wait_s
         waits = bool(self._idle_step and wait_s and _vllm.reads_in_flight(self))
         started = time.perf_counter()
@@ -67,7 +123,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         # scheduler see a read that lands now in this step's output, not a later one.
         deadline = started + wait_s
         while _vllm.reads_in_flight(self) and time.perf_counter() < deadline:
-            time.sleep(_IDLE_POLL_S)
+            time.sleep(_READ_POLL_S)
             more = super().get_transfer_results()
             results.finished_sending |= more.finished_sending
             results.finished_recving |= more.finished_recving

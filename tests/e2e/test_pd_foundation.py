@@ -42,6 +42,7 @@ def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     d_url = pd_cluster.decode[0]
     bytes_before = metric_sum(d_url, "vllm:nixl_bytes_transferred_sum")
     waits_before = metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count")
+    sync_before = metric_sum(d_url, "sessionkv_peer_loads_total", mode="sync")
     early_before = metric_sum(d_url, "sessionkv_early_decode_requests_total")
     early_ready_before = metric_sum(d_url, "sessionkv_early_decode_requests_total",
                                     outcome="ready")
@@ -52,8 +53,12 @@ def test_completion_through_proxy_equals_baseline(pd_cluster, stream):
     assert_same(got, base, f"completions stream={stream}")
     assert got.headers.get("x-sessionkv-route") == "disaggregated"
     assert metric_sum(d_url, "vllm:nixl_bytes_transferred_sum") > bytes_before
-    # D had nothing else to run while its read was in flight: that step waited for it.
-    assert metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count") > waits_before
+    # D had nothing else to run: its read from P (which it has read from before in all
+    # but the module's first test) ran inside the step that computed the request, or
+    # the step that posted it waited for it.
+    assert (metric_sum(d_url, "sessionkv_peer_loads_total", mode="sync") == sync_before + 1
+            or metric_sum(d_url, "sessionkv_idle_step_recv_wait_seconds_count")
+            > waits_before)
     assert metric_sum(d_url, "vllm:nixl_num_failed_transfers_total") == 0
     # D got the request while P prefilled, held it, and then P's parameters.
     assert metric_sum(d_url, "sessionkv_early_decode_requests_total") == early_before + 1
@@ -225,6 +230,41 @@ def test_negative_control_perturbed_prefill_is_detected(pd_cluster):
     assert not result.equal, "D's output ignored the perturbed KV it was handed"
     acct = got.raw["kv_transfer_params"]["sessionkv"]["accounting"]
     assert acct["pulled_from_peer_tokens"] > 0
+
+
+def test_read_from_a_known_peer_runs_inside_the_computing_step(pd_cluster):
+    """Once D has read from a P, its next read from it (short, D idle) is synchronous:
+    posted and waited for by the step that computes the request, not by a step of its
+    own.  The output still equals the co-located server's, so the read landed before
+    the forward used it; and with the perturbed P it differs, so the forward used
+    what the read brought, not blocks computed on D."""
+    d_url = pd_cluster.decode[0]
+    # 129 tokens: the synchronous load stops a token short, at a block boundary (block
+    # size 32), so the read must still fill the block holding only the last token.
+    cases = ((pd_cluster.prefill[0], True, 140), (pd_cluster.prefill[0], True, 129),
+             (pd_cluster.extras["perturbed_prefill"], False, 140))
+    for case, (p_url, same, length) in enumerate(cases):
+        for attempt in range(3):   # the first reads may be asynchronous (and may fail)
+            # Distinct prompts: none is in D's prefix cache.
+            prompt = [(19 * i + 3 + attempt + 100 * case) % 900 + 20 for i in range(length)]
+            sync_before = metric_sum(d_url, "sessionkv_peer_loads_total", mode="sync")
+            got, crossed, _ = _pull_through(p_url, d_url, pd_cluster.model, prompt,
+                                            max_tokens=12)
+            if crossed and metric_sum(d_url, "sessionkv_peer_loads_total",
+                                      mode="sync") == sync_before + 1:
+                break
+        else:
+            pytest.fail(f"no synchronous read from {p_url} in 3 attempts")
+        base = post(pd_cluster.colocated, "/v1/completions",
+                    completion_body(pd_cluster.model, prompt, max_tokens=12))
+        if same:
+            assert_same(got, base, "synchronous read")
+        else:
+            assert not compare(got, base).equal, "D ignored the perturbed KV it read"
+        acct = got.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+        assert acct["pulled_from_peer_tokens"] == len(prompt) - 1, acct
+    assert metric_sum(d_url, "sessionkv_sync_load_timeouts_total") == 0
+    assert metric_sum(d_url, "vllm:nixl_num_failed_transfers_total") == 0
 
 
 def _cluster_cpu_share(pd_cluster, window_s: float = 10.0) -> float:

@@ -282,7 +282,8 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
 
 
 # --------------------------------------------------------------------------- failures
-@pytest.mark.parametrize("fault", ["expired_lease", "unreachable_peer"])
+@pytest.mark.parametrize("fault", ["expired_lease", "unreachable_peer",
+                                   "declined_synchronous_read"])
 def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
     """A pull that cannot complete is recomputed on P: no error, no wrong output, and
     it is counted."""
@@ -290,6 +291,16 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
 
     p_url, d_url, model = pd_cluster.prefill[0], pd_cluster.decode[0], pd_cluster.model
     session = f"fail-{fault}"
+    sync_before = metric_sum(p_url, "sessionkv_peer_loads_total", mode="sync")
+    if fault == "declined_synchronous_read":
+        # P reads from D once, so its next read from D is synchronous.
+        warm = _ids(77, 300)
+        turn = post(d_url, "/v1/completions", completion_body(
+            model, warm, max_tokens=4, session_id="warm-up",
+            kv_transfer_params={"sessionkv": {"session_id": "warm-up"}}))
+        session_turn(p_url, d_url, model, warm + turn.token_ids + _ids(5, 20),
+                     dict(turn.raw["kv_transfer_params"]), session_id="warm-up")
+        sync_before = metric_sum(p_url, "sessionkv_peer_loads_total", mode="sync")
     prompt = _ids(sum(map(ord, fault)), 600)
     # Turn 1 served on D alone, so P has none of it and would pull everything.
     first = post(d_url, "/v1/completions", completion_body(
@@ -301,6 +312,11 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
         handle["remote_blocks_expiry_time"] = handle["remote_blocks_expiry_time"] - 10_000
         handle["sessionkv"] = dict(handle["sessionkv"], expires_at_unix_s=time.time() - 1)
         expected = "expired_handle"
+    elif fault == "declined_synchronous_read":
+        # D's lease over on D's clock only: P's scheduler plans the read, P's worker
+        # declines it inside the step meant to compute on it.
+        handle["remote_blocks_expiry_time"] = handle["remote_blocks_expiry_time"] - 10_000
+        expected = "pull_failed"
     else:
         # An engine nobody answers for: the NIXL handshake fails.
         handle["remote_engine_id"] = f"gone-{fault}"
@@ -314,3 +330,6 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
     assert acct.get("pulled_from_peer_tokens", 0) == 0, acct
     assert expected in acct["decision"], acct
     assert metric_sum(p_url, "sessionkv_pull_failures_total") > failures_before
+    if fault == "declined_synchronous_read":
+        assert metric_sum(p_url, "sessionkv_peer_loads_total", mode="sync") == \
+            sync_before + 1

@@ -37,3 +37,13 @@ def test_engine_pacing_defaults_depend_on_platform():
 def test_bad_pacing_values_are_named(key, value):
     with pytest.raises(ConfigError, match=key):
         parse_config({"sessionkv": {key: value}})
+
+
+@pytest.mark.parametrize("raw,key", [({"sync_load_timeout_s": 0}, "sync_load_timeout_s"),
+                                     ({"cost": {"sync_load_max_stall_s": -0.001}},
+                                      "cost.sync_load_max_stall_s"),
+                                     ({"cost": {"sync_load_max_stall_s": 2}},
+                                      "cost.sync_load_max_stall_s")])
+def test_bad_sync_load_values_are_named(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"sessionkv": raw})

@@ -431,3 +431,22 @@ def test_workload_and_hardware_validate():
         msgspec.structs.replace(REF_HW, flops_utilisation=1.5)
     with pytest.raises(msgspec.ValidationError, match="gpus"):
         msgspec.convert({**msgspec.to_builtins(WORKLOAD), "gpus": 1}, Workload)
+
+
+# --------------------------------------------------------------------------- sync reads
+@pytest.mark.parametrize("read_s,engine_load,max_stall_s,sync", [
+    (0.003, 0.0, 0.005, True),     # idle engine: the read stalls nobody
+    (0.003, 1.0, 0.005, True),     # one other request waits 3 ms
+    (0.003, 2.0, 0.005, False),    # two others: 6 ms of stall in all, over budget
+    (0.006, 0.0, 0.005, False),    # the read alone is over budget, even when idle
+    (0.005, 1.0, 0.005, True),     # at the budget: allowed
+    (0.001, 4.0, 0.0, False),      # 0 turns it off
+])
+def test_sync_read_only_when_the_stall_it_puts_on_others_is_small(
+        read_s, engine_load, max_stall_s, sync):
+    assert cost.decide_sync_load(read_s, engine_load, max_stall_s) is sync
+
+
+def test_sync_read_rejects_nonsense_inputs():
+    assert cost.decide_sync_load(-1.0, 0.0, 0.005) is False
+    assert cost.decide_sync_load(0.001, -1.0, 0.005) is False

@@ -1,0 +1,63 @@
+"""Each stats key the connector records lands in its Prometheus series."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+prometheus_client = pytest.importorskip("prometheus_client")
+stats_mod = pytest.importorskip("vllm_sessionkv.stats")
+
+
+def _registry_metrics():
+    registry = prometheus_client.CollectorRegistry()
+
+    def bind(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("registry", registry)
+                kwargs.pop("multiprocess_mode", None)
+                super().__init__(*args, **kwargs)
+        return Bound
+
+    metric_types = {cls: bind(cls) for cls in (prometheus_client.Gauge,
+                                               prometheus_client.Counter,
+                                               prometheus_client.Histogram)}
+    config = types.SimpleNamespace(kv_transfer_config=None)
+    metrics = stats_mod.SessionKVPromMetrics(config, metric_types, ["engine"], {0: ["0"]})
+    return registry, metrics
+
+
+def test_recorded_keys_reach_their_series():
+    registry, metrics = _registry_metrics()
+    stats = stats_mod.SessionKVStats()
+    stats.record("load_sync")
+    stats.record("load_sync")
+    stats.record("load_async")
+    stats.record("sync_load_wait_s", 0.0012)
+    stats.record("sync_load_timeouts")
+    stats.record("pull_failed")
+    stats.record("prompt_tokens_pulled_from_peer", 139)
+    stats.record("early_decode_ready")
+    stats.record("host_resident_bytes", 4096)
+    metrics.observe(stats.data, 0)
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"engine": "0", **labels})
+
+    assert value("sessionkv_peer_loads_total", mode="sync") == 2
+    assert value("sessionkv_peer_loads_total", mode="async") == 1
+    assert value("sessionkv_sync_load_wait_seconds_count") == 1
+    assert value("sessionkv_sync_load_timeouts_total") == 1
+    assert value("sessionkv_pull_failures_total") == 1
+    assert value("sessionkv_prompt_tokens_total", source="pulled_from_peer") == 139
+    assert value("sessionkv_early_decode_requests_total", outcome="ready") == 1
+    assert value("sessionkv_host_resident_bytes") == 4096
+
+
+def test_every_counted_key_is_a_stats_key():
+    _, metrics = _registry_metrics()
+    recorded = set(stats_mod.SessionKVStats().data)
+    assert set(metrics._counters) <= recorded
+    assert set(metrics._histograms) <= recorded
