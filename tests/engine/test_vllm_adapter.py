@@ -159,3 +159,27 @@ def test_entry_point_is_declared():
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert names.get("sessionkv") == "vllm_sessionkv.plugin:register"
+
+
+def test_synchronous_read_surface_exists():
+    """_vllm.set_sync_recv_blocks / start_ready_reads / recv_local_block_ids /
+    report_invalid_blocks / stop_heartbeat, and the vLLM behaviour they rely on."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, base_worker
+    from vllm.v1.core.sched import scheduler
+    from vllm.v1.worker import kv_connector_model_runner_mixin
+
+    worker_init = inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    for attr in ("_ready_requests", "_recving_metadata", "_invalid_block_ids"):
+        assert f"self.{attr}" in worker_init, attr
+    assert hasattr(_vllm.NixlPullConnectorWorker, "_read_blocks_for_req")
+    assert hasattr(base_scheduler.NixlBaseConnectorScheduler, "_stop_heartbeat")
+    assert hasattr(base_scheduler.NixlBaseConnectorScheduler, "get_exchange_clipped_blocks")
+    # _reqs_need_recv holds (request, block_ids, local_num_computed_blocks, awaiting_kvs).
+    meta_src = inspect.getsource(base_scheduler.NixlBaseConnectorScheduler.build_connector_meta)
+    assert "awaiting_kvs," in meta_src and "cached," in meta_src
+    # A step with a synchronous load starts loads before the forward.
+    assert "has_sync_kv_loads" in inspect.getsource(kv_connector_model_runner_mixin)
+    assert "has_sync_kv_loads = True" in inspect.getsource(scheduler.Scheduler.schedule)
+    # A synchronous read's failure reaches the scheduler only as invalid blocks.
+    assert "self.running, invalid_block_ids" in inspect.getsource(
+        scheduler.Scheduler._handle_invalid_blocks)
