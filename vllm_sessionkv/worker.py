@@ -21,6 +21,14 @@ __all__ = ["SessionKVWorker"]
 _READ_POLL_S = 100e-6
 
 
+def _merge(results, more):
+    """Fold one poll's transfer results into another's; returns ``results``."""
+    results.finished_sending |= more.finished_sending
+    results.finished_recving |= more.finished_recving
+    results.failed_recving |= more.failed_recving
+    return results
+
+
 class SessionKVWorker(_vllm.NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
         with _vllm.nixl_agent_options(*config.nixl_agent_options(_vllm.is_cpu_platform())):
@@ -94,11 +102,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         if self._early_results is None:
             self._early_results = results
             return results
-        early = self._early_results
-        early.finished_sending |= results.finished_sending
-        early.finished_recving |= results.finished_recving
-        early.failed_recving |= results.failed_recving
-        return early
+        return _merge(self._early_results, results)
 
     def get_transfer_results(self):
         results = self._idle_wait_results()
@@ -124,9 +128,6 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         deadline = started + wait_s
         while _vllm.reads_in_flight(self) and time.perf_counter() < deadline:
             time.sleep(_READ_POLL_S)
-            more = super().get_transfer_results()
-            results.finished_sending |= more.finished_sending
-            results.finished_recving |= more.finished_recving
-            results.failed_recving |= more.failed_recving
+            _merge(results, super().get_transfer_results())
         self.xfer_stats.record("idle_step_recv_wait_s", time.perf_counter() - started)
         return results
