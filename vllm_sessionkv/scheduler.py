@@ -64,6 +64,11 @@ _HELD_STEP_INTERVAL_S = 0.02
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
+def _names_remote_blocks(params: dict[str, Any]) -> bool:
+    """The handle stock code needs to queue a read: blocks and where they live."""
+    return bool(params.get("remote_block_ids")) and all(k in params for k in _REMOTE_FIELDS)
+
+
 class _Plan(msgspec.Struct):
     """What we decided for one request, kept until it finishes."""
 
@@ -177,8 +182,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if not params:
             return None
         is_p_to_d = bool(params.get("do_remote_prefill"))
-        is_d_to_p = (bool(params.get("do_remote_decode")) and bool(params.get("remote_block_ids"))
-                     and all(k in params for k in _REMOTE_FIELDS))
+        is_d_to_p = bool(params.get("do_remote_decode")) and _names_remote_blocks(params)
         if not (is_p_to_d or is_d_to_p) or params.get("_remote_blocks_processed"):
             return None
         cached = self._plans.get(request.request_id)
@@ -256,11 +260,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         Only from a peer this engine has read from: a first read waits for a NIXL
         handshake, which no forward should wait for.  vLLM computes at least the last
         prompt token itself, so a synchronous read stops one token short of it."""
-        params = request.kv_transfer_params or {}
         if not (self._sync_reads_possible and plan.load_tokens > 0
                 and plan.remote_engine_id in self._warm_engines
-                and params.get("remote_block_ids")
-                and all(k in params for k in _REMOTE_FIELDS)):
+                and _names_remote_blocks(request.kv_transfer_params or {})):
             # (Without a complete handle stock code queues no read, and a synchronous
             # load would run the forward on blocks nothing wrote.)
             return
@@ -528,18 +530,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
                                          + alpha * num_bytes / duration_s)
         failed = getattr(connector_output, "failed_recving", None) or set()
-        for req_id in getattr(connector_output, "finished_recving", None) or ():
-            plan = self._plans.get(req_id)
-            if plan is not None and plan.pull_started_s:
-                plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
-                if req_id not in failed and plan.remote_engine_id:
-                    self._warm_engines.add(plan.remote_engine_id)
         # A synchronous read is done by the end of its step and never reported
         # received; a failed one comes back as invalid blocks (vLLM recomputes them).
-        for req_id in self._sync_reads_in_step:
+        received = getattr(connector_output, "finished_recving", None) or set()
+        for req_id in received | self._sync_reads_in_step:
             plan = self._plans.get(req_id)
             if plan is not None and plan.pull_started_s:
                 plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
+                if req_id in received and req_id not in failed and plan.remote_engine_id:
+                    self._warm_engines.add(plan.remote_engine_id)
         self._sync_reads_in_step.clear()
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:

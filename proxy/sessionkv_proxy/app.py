@@ -437,11 +437,11 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
         prefill_done.set_result(None)
         # P's connector pushed them itself when it could reach D; else push them here.
         # A retry may have moved the request to another D: push to the one holding it.
-        pushed_by_p = (endpoint == plan.decode.config.early_decode and bool(
-            (p_params.get(SESSIONKV_PARAMS_KEY) or {}).get(EARLY_DECODE_PUSHED_KEY)))
-        endpoint = plan.decode.config.early_decode
+        holder = plan.decode.config.early_decode
+        pushed_by_p = holder == endpoint and bool(
+            (p_params.get(SESSIONKV_PARAMS_KEY) or {}).get(EARLY_DECODE_PUSHED_KEY))
         if decode_task.done() or pushed_by_p or (
-                endpoint and early.send(endpoint, early_id, p_params)):
+                holder and early.send(holder, early_id, p_params)):
             return (*await decode_task, prefill_s)
         state.metrics.errors.labels("early_decode_push").inc()
         await _cancel(decode_task)
