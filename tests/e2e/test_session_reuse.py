@@ -300,6 +300,14 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
             kv_transfer_params={"sessionkv": {"session_id": "warm-up"}}))
         session_turn(p_url, d_url, model, warm + turn.token_ids + _ids(5, 20),
                      dict(turn.raw["kv_transfer_params"]), session_id="warm-up")
+        # P prices a synchronous read against its engine-load estimate: wait out
+        # requests an earlier test left running on P, then give the estimate (which
+        # only moves when P steps) some single-request steps to come down.
+        deadline = time.monotonic() + 180
+        while metric_sum(p_url, "vllm:num_requests_running") > 0:
+            assert time.monotonic() < deadline, "P never went idle"
+            time.sleep(0.5)
+        post(p_url, "/v1/completions", completion_body(model, _ids(78, 40), max_tokens=48))
         sync_before = metric_sum(p_url, "sessionkv_peer_loads_total", mode="sync")
     prompt = _ids(sum(map(ord, fault)), 600)
     # Turn 1 served on D alone, so P has none of it and would pull everything.
