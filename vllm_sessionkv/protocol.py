@@ -94,6 +94,8 @@ class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The cost model's prices for this request's pull-or-recompute decision.
     priced_pull_ms: float = 0.0
     priced_recompute_ms: float = 0.0
+    # The engine-load estimate those prices (and the synchronous-read choice) used.
+    priced_engine_load: float = 0.0
     decision: str = ""
 
 

@@ -79,6 +79,7 @@ class _Plan(msgspec.Struct):
     decision: str                  # "pull", "recompute", "refused", "none"
     pull_s: float = 0.0
     recompute_s: float = 0.0
+    engine_load: float = 0.0       # the estimate the decision was priced at
     accounted: bool = False
     failed: bool = False           # the load failed or expired; vLLM recomputed
     pull_started_s: float = 0.0    # perf_counter when the read was queued
@@ -102,6 +103,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             load_slowdown_per_unit=cost.load_slowdown_per_unit)
         self.link_bytes_per_s = cost.link_bytes_per_s
         self.engine_load = 0.0
+        # Requests vLLM has asked about and not yet finished: when a request finds
+        # none, the engine was idle, whatever its last busy steps left in the estimate.
+        self._live_requests: set[str] = set()
         self.stats = SessionKVStats()
         self._plans: dict[str, _Plan] = {}
         # Local prefix hits of requests that involve no remote KV, for accounting.
@@ -239,6 +243,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         plan = _Plan(direction="p_to_d" if is_p_to_d else "d_to_p", verdict=verdict,
                      local_hit_tokens=num_computed_tokens, load_tokens=load_tokens,
                      decision=decision, pull_s=pull_s, recompute_s=recompute_s,
+                     engine_load=self.engine_load,
                      remote_engine_id=str(params.get("remote_engine_id") or ""))
         self._choose_sync_read(request, plan)
         self._plans[request.request_id] = plan
@@ -317,6 +322,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        self._note_live(request.request_id)
         if not self._early_decode_ready(request):
             return None, False   # vLLM asks again at the next step; no blocks held
         self._early_push_connect(request)
@@ -340,6 +346,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if plan.load_tokens <= 0:
             return 0, False
         return plan.load_tokens, not plan.sync
+
+    def _note_live(self, request_id: str) -> None:
+        # The load estimate only moves when the engine steps, and an idle engine does
+        # not step: without this reset the first request after a busy spell would be
+        # priced as if that spell were still on (recompute overpriced, every read
+        # made asynchronous).
+        if not self._live_requests:
+            self.engine_load = 0.0
+        self._live_requests.add(request_id)
 
     def _host_restore_tokens(self, request: Request, num_computed_tokens: int) -> int:
         """Tokens to restore from the host tier, if that beats recomputing them.
@@ -486,6 +501,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             pull_ms=round(plan.pull_ms, 3) if pulled else 0.0,
             priced_pull_ms=round(plan.pull_s * 1e3, 4),
             priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
+            priced_engine_load=round(plan.engine_load, 3),
             decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
                      f":{plan.verdict.reason}")
 
@@ -564,6 +580,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                        "sync" if plan is not None and plan.sync else "async")
 
     def request_finished(self, request: Request, block_ids):
+        self._live_requests.discard(request.request_id)
         early_id = self._session_params(request.kv_transfer_params).get(EARLY_DECODE_ID_KEY)
         if early_id and self.early_decode is not None:
             self.early_decode.forget(str(early_id))   # aborted while waiting for P

@@ -279,6 +279,17 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
         stop.set()
     print(f"busy P, short context: {busy}")
     assert busy["delta"] == {"pull": 1, "recompute": 0}, busy
+    assert busy["accounting"]["priced_engine_load"] >= 1, busy
+    # Once P is idle again, its estimate (which only moves when P steps) must not
+    # price the next turn as if the load were still on.
+    deadline = time.monotonic() + 180
+    while metric_sum(p_url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "P never went idle"
+        time.sleep(0.5)
+    after = _tail_turn(pd_cluster, 200, "ctx-after-busy")
+    print(f"idle again, short context: {after}")
+    assert after["accounting"].get("priced_engine_load", 0) == 0, after
+    assert after["delta"] == {"pull": 0, "recompute": 1}, after
 
 
 # --------------------------------------------------------------------------- failures
@@ -301,13 +312,11 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
         session_turn(p_url, d_url, model, warm + turn.token_ids + _ids(5, 20),
                      dict(turn.raw["kv_transfer_params"]), session_id="warm-up")
         # P prices a synchronous read against its engine-load estimate: wait out
-        # requests an earlier test left running on P, then give the estimate (which
-        # only moves when P steps) some single-request steps to come down.
+        # requests an earlier test left running on P.
         deadline = time.monotonic() + 180
         while metric_sum(p_url, "vllm:num_requests_running") > 0:
             assert time.monotonic() < deadline, "P never went idle"
             time.sleep(0.5)
-        post(p_url, "/v1/completions", completion_body(model, _ids(78, 40), max_tokens=48))
         sync_before = metric_sum(p_url, "sessionkv_peer_loads_total", mode="sync")
     prompt = _ids(sum(map(ord, fault)), 600)
     # Turn 1 served on D alone, so P has none of it and would pull everything.
