@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import math
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -130,6 +131,15 @@ def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) ->
 
 # Process-wide settings of the two pacing patches below (None: not patched).
 _busy_poll_cap_s: float | None = None
+# A reader past its spin sleeps on a ZMQ notification, and a notification can be
+# lost (vLLM's PUB has a high-water mark of 1 and its SUB conflates): at vLLM's 1 s
+# spin that is rare and costs little, at a cap of milliseconds it happens every few
+# dozen requests and leaves a step waiting until the caller's timeout (seconds).  So
+# a capped reader also looks at the queue again after at most as long as it has been
+# idle, within these bounds: a lost wake-up costs about a step, an idle engine
+# wakes at most 1 / _POLL_MAX_S times a second.
+_POLL_MIN_S = 0.001
+_POLL_MAX_S = 0.05
 _holding_interval_s: float | None = None
 
 
@@ -154,6 +164,10 @@ def limit_engine_busy_poll(seconds: float) -> None:
         def wait_with_cap(self, timeout_ms=None):
             if self.busy_loop_s > _busy_poll_cap_s:
                 self.busy_loop_s = _busy_poll_cap_s
+            idle_s = time.monotonic() - self.last_read
+            if idle_s > self.busy_loop_s:
+                bound_ms = math.ceil(min(_POLL_MAX_S, max(_POLL_MIN_S, idle_s)) * 1e3)
+                timeout_ms = bound_ms if timeout_ms is None else min(timeout_ms, bound_ms)
             return original_wait(self, timeout_ms)
 
         _shm_broadcast.SpinCondition.wait = wait_with_cap
