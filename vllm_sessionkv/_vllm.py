@@ -131,6 +131,8 @@ def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) ->
 
 # Process-wide settings of the two pacing patches below (None: not patched).
 _busy_poll_cap_s: float | None = None
+_holding_interval_s: float | None = None
+
 # A reader past its spin sleeps on a ZMQ notification, and a notification can be
 # lost (vLLM's PUB has a high-water mark of 1 and its SUB conflates): at vLLM's 1 s
 # spin that is rare and costs little, at a cap of milliseconds it happens every few
@@ -140,7 +142,6 @@ _busy_poll_cap_s: float | None = None
 # wakes at most 1 / _POLL_MAX_S times a second.
 _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.05
-_holding_interval_s: float | None = None
 
 
 def limit_engine_busy_poll(seconds: float) -> None:

@@ -252,6 +252,14 @@ def test_decision_moves_with_context_length(pd_cluster):
     assert long["accounting"].get("pulled_from_peer_tokens", 0) > 0
 
 
+def _wait_until_idle(url: str, timeout_s: float = 180) -> None:
+    """Until the engine runs no request (background load from a test may linger)."""
+    deadline = time.monotonic() + timeout_s
+    while metric_sum(url, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, f"{url} never went idle"
+        time.sleep(0.5)
+
+
 def test_busy_prefill_engine_prefers_pulling(pd_cluster):
     """The same short-context tail that an idle P recomputes is pulled while P is
     busy generating for other requests."""
@@ -282,10 +290,7 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
     assert busy["accounting"]["priced_engine_load"] >= 1, busy
     # Once P is idle again, its estimate (which only moves when P steps) must not
     # price the next turn as if the load were still on.
-    deadline = time.monotonic() + 180
-    while metric_sum(p_url, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "P never went idle"
-        time.sleep(0.5)
+    _wait_until_idle(p_url)
     after = _tail_turn(pd_cluster, 200, "ctx-after-busy")
     print(f"idle again, short context: {after}")
     assert after["accounting"].get("priced_engine_load", 0) == 0, after
@@ -313,10 +318,7 @@ def test_failed_pull_falls_back_to_recompute(pd_cluster, fault):
                      dict(turn.raw["kv_transfer_params"]), session_id="warm-up")
         # P prices a synchronous read against its engine-load estimate: wait out
         # requests an earlier test left running on P.
-        deadline = time.monotonic() + 180
-        while metric_sum(p_url, "vllm:num_requests_running") > 0:
-            assert time.monotonic() < deadline, "P never went idle"
-            time.sleep(0.5)
+        _wait_until_idle(p_url)
         sync_before = metric_sum(p_url, "sessionkv_peer_loads_total", mode="sync")
     prompt = _ids(sum(map(ord, fault)), 600)
     # Turn 1 served on D alone, so P has none of it and would pull everything.
