@@ -143,6 +143,57 @@ def test_busy_poll_cap_makes_an_idle_reader_sleep_until_notified_or_a_bounded_po
         ctx.destroy(linger=0)
 
 
+def test_a_worker_spins_for_the_call_that_follows_execute_model():
+    """Past the cap a reader sleeps; right after an ``execute_model`` RPC the worker
+    spins instead, since vLLM's step sends ``sample_tokens`` next.  Fails without
+    ``_expect_sample_tokens_after_execute``: the second wait would sleep ~10 ms."""
+    import time
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    # The private surface the patch wraps: (self, (method, args, kwargs, rank)).
+    stock = inspect.unwrap(WorkerProc._execute_worker_rpc)
+    assert list(inspect.signature(stock).parameters) == ["self", "rpc_request"]
+    assert "method, args, kwargs, output_rank = rpc_request" in inspect.getsource(stock)
+
+    ctx = zmq.Context()
+    reader = SpinCondition(is_reader=True, context=ctx,
+                           notify_address=get_open_zmq_ipc_path())
+    calls = []
+
+    class FakeWorker:   # each call outlasts the 2 ms cap, as a forward does
+        def execute_model(self, *args):
+            calls.append("execute_model")
+            time.sleep(0.01)
+
+        def sample_tokens(self, *args):
+            calls.append("sample_tokens")
+            time.sleep(0.01)
+
+    proc = WorkerProc.__new__(WorkerProc)   # only .worker, .rank and handle_output run
+    proc.worker, proc.rank = FakeWorker(), 0
+    proc.handle_output = lambda output: None
+    try:
+        _vllm.limit_engine_busy_poll(0.002)
+        reader.record_read()   # the execute_model message
+        proc._execute_worker_rpc(("execute_model", (), {}, None))
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)   # past the cap, yet it spins for the next call
+        assert time.monotonic() - started < 0.002
+
+        reader.record_read()   # the sample_tokens message
+        proc._execute_worker_rpc(("sample_tokens", (), {}, None))
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)   # after any other call: sleeps, as before
+        assert time.monotonic() - started > 0.005
+        assert calls == ["execute_model", "sample_tokens"]
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_cpu_defaults_for_nixl_agent():
     from vllm_sessionkv.config import ConfigError, SessionKVConfig, parse_config
 
