@@ -166,11 +166,7 @@ def limit_engine_busy_poll(seconds: float) -> None:
         def wait_with_cap(self, timeout_ms=None):
             if self.busy_loop_s > _busy_poll_cap_s:
                 self.busy_loop_s = _busy_poll_cap_s
-            now = time.monotonic()
-            followup_since = _followup_since
-            if followup_since is not None and now - followup_since <= self.busy_loop_s:
-                return _shm_broadcast.sched_yield()
-            idle_s = now - self.last_read
+            idle_s = time.monotonic() - self.last_read
             if idle_s > self.busy_loop_s:
                 bound_ms = math.ceil(min(_POLL_MAX_S, max(_POLL_MIN_S, idle_s)) * 1e3)
                 timeout_ms = bound_ms if timeout_ms is None else min(timeout_ms, bound_ms)
@@ -183,37 +179,30 @@ def limit_engine_busy_poll(seconds: float) -> None:
         _busy_poll_cap_s = min(_busy_poll_cap_s, seconds)
 
 
-# When this worker last finished an ``execute_model`` call (None: it has not, or a
-# later call has started): vLLM's step follows one that deferred sampling with
-# ``sample_tokens`` at once.
-_followup_since: float | None = None
-
-
 def _expect_sample_tokens_after_execute() -> None:
     """Let a worker spin for the ``sample_tokens`` call that follows ``execute_model``.
 
     The spin window runs from the reader's last *read*, so a forward longer than the
     cap (2 ms on CPU) leaves the worker asleep on the ZMQ notification when the
     engine core, a fraction of a millisecond later, sends ``sample_tokens``: a
-    traced P/D request's worker picked that call up 2.6 ms after it was sent.  After
-    an ``execute_model`` the next message is nearly always a fraction of a
-    millisecond away, so the worker spins for it as it would after a read, for at
-    most the cap (the spin's cost stays bounded as before, when no call follows, as
-    after a step with nothing to sample): in an A/B on one 1P+1D cluster
-    (interleaved blocks) P/D at max_tokens=2 went from 2.17x to 1.98x direct P.
-    Patches ``WorkerProc._execute_worker_rpc`` for this process (engine-core
-    processes have none to call).
+    traced P/D request's worker picked that call up 2.6 ms after it was sent.  So an
+    ``execute_model`` call ends by restarting the window of the queue it came on,
+    as a read does: the worker spins for the next call, for at most the cap (the
+    spin's cost stays bounded as before when none follows, as after a step with
+    nothing to sample).  In an A/B on one 1P+1D cluster (interleaved blocks) P/D at
+    max_tokens=2 went from 2.17x to 1.98x direct P.  Patches
+    ``WorkerProc._execute_worker_rpc`` for this process (engine-core processes have
+    none to call).
     """
     cls = _multiproc_executor.WorkerProc
     original = cls._execute_worker_rpc
 
     @functools.wraps(original)
     def execute_worker_rpc(self, rpc_request) -> None:
-        global _followup_since
-        _followup_since = None
         original(self, rpc_request)
-        if rpc_request[0] == "execute_model":
-            _followup_since = time.monotonic()
+        spin = getattr(self.rpc_broadcast_mq, "_spin_condition", None)
+        if rpc_request[0] == "execute_model" and spin is not None:
+            spin.record_read()
 
     cls._execute_worker_rpc = execute_worker_rpc
 

@@ -148,9 +148,13 @@ def test_a_worker_spins_for_the_call_that_follows_execute_model():
     spins instead, since vLLM's step sends ``sample_tokens`` next.  Fails without
     ``_expect_sample_tokens_after_execute``: the second wait would sleep ~10 ms."""
     import time
+    import types
 
     import zmq
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.distributed.device_communicators.shm_broadcast import (
+        MessageQueue,
+        SpinCondition,
+    )
     from vllm.utils.network_utils import get_open_zmq_ipc_path
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
@@ -158,6 +162,7 @@ def test_a_worker_spins_for_the_call_that_follows_execute_model():
     stock = inspect.unwrap(WorkerProc._execute_worker_rpc)
     assert list(inspect.signature(stock).parameters) == ["self", "rpc_request"]
     assert "method, args, kwargs, output_rank = rpc_request" in inspect.getsource(stock)
+    assert "self._spin_condition.record_read()" in inspect.getsource(MessageQueue)
 
     ctx = zmq.Context()
     reader = SpinCondition(is_reader=True, context=ctx,
@@ -173,9 +178,10 @@ def test_a_worker_spins_for_the_call_that_follows_execute_model():
             calls.append("sample_tokens")
             time.sleep(0.01)
 
-    proc = WorkerProc.__new__(WorkerProc)   # only .worker, .rank and handle_output run
+    proc = WorkerProc.__new__(WorkerProc)   # only these attributes are used
     proc.worker, proc.rank = FakeWorker(), 0
     proc.handle_output = lambda output: None
+    proc.rpc_broadcast_mq = types.SimpleNamespace(_spin_condition=reader)
     try:
         _vllm.limit_engine_busy_poll(0.002)
         reader.record_read()   # the execute_model message
