@@ -37,17 +37,22 @@ P cost, in blocks of prefill work (Dynamo's linear cost)::
   waiting for D to pull).  It is memory, not compute, so it has its own scale.
 
 D cost, in blocks: ``decode_load_scale * (active_decode_blocks + new_blocks * (1 +
-decode_recent_weight * excess_recent_requests))``, where ``new_blocks = prompt_blocks
-- device_blocks`` is what D must receive or compute; the prefix it holds on device
-(index overlap, or the session's verified blocks on the session's D) it reuses, and
-``excess_recent_requests`` counts the requests the proxy sent the worker in a recent
-window beyond the least sent-to worker's count (cache hits are short, so in-flight
-KV alone would hand a cache-rich worker every new prefix and session).  The
-surcharge multiplies the new blocks, not the prompt: it spreads new prefixes and
-sessions by count, while a worker that already holds the request's prefix adds
-little work however many requests it was sent lately.  Charged on the whole prompt,
-one request sent more outweighed a prefix of 80% of the prompt, and requests left the
-worker holding it whenever the load bound below released them.
+decode_recent_weight * excess_recent_placements))``, where ``new_blocks =
+prompt_blocks - device_blocks`` is what D must receive or compute; the prefix it holds
+on device (index overlap, or the session's verified blocks on the session's D) it
+reuses, and ``excess_recent_placements`` counts the placements the worker took in a
+recent window beyond the least placed-on worker's count.  A placement is a request
+the policy sent by cost, not by session or prefix affinity: a new session, a new
+prefix, a request a load bound released.  Cache hits are short, so in-flight KV alone
+would hand a cache-rich worker every new prefix and session; counting placements
+spreads them by count.  Requests that follow their session or prefix are not
+counted: they go where they must, and when they were, a burst of traffic from
+conversations that had since ended steered every new one to the other worker for the
+rest of the window (66 requests split 11 / 55 on two workers).  The surcharge
+multiplies the new blocks, not the prompt, so a worker that already holds the
+request's prefix adds little work however many placements it took lately.  Charged
+on the whole prompt, one request more outweighed a prefix of 80% of the prompt, and
+requests left the worker holding it whenever the load bound below released them.
 
 *Session affinity* sends the request to the D that holds the session while its lease
 runs, because that is where the longest prefix is and where the next turn's KV will
@@ -155,7 +160,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     active_prefill_blocks: float = 0.0  # prompt blocks routed here and not yet prefilled
     active_decode_blocks: float = 0.0  # KV blocks of requests routed here and still running
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc as a fraction in [0, 1]
-    recent_requests: int = 0  # requests this proxy routed here in the last window
+    recent_placements: int = 0  # requests placed here by cost in the last window
 
 
 class TierOverlap(msgspec.Struct, frozen=True):
@@ -234,12 +239,14 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # next best worker: a short prefix every prompt shares (a tag, a common system
     # prompt held by one worker so far) must not pull new groups onto one worker.
     decode_affinity_min_gain: float = 0.25
-    # Each request a decode worker was sent in the recent window, beyond the least
-    # sent-to worker's count, adds this share of the request's new blocks on that
+    # Each placement a decode worker took in the recent window, beyond the least
+    # placed-on worker's count, adds this share of the request's new blocks on that
     # worker (those it does not hold) to its cost.  In-flight KV alone lets a worker
     # whose requests are cache hits (short) look idle and collect every new prefix
-    # and session; this spreads placements by count as well.  0 turns it off.
-    decode_recent_weight: float = 2.0
+    # and session; this spreads placements by count as well.  A placement brings a
+    # conversation's later requests with it, so one placement more weighs as much as
+    # that many in-flight requests' worth of new blocks.  0 turns it off.
+    decode_recent_weight: float = 4.0
     # With no healthy P, let D prefill (Dynamo does) rather than refuse the request.
     decode_only_without_prefill: bool = True
     # A request capped at one new token has nothing to decode: P computes that token
@@ -291,7 +298,7 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     active_requests: int
     affinity: bool  # holds the request's live session
     over_pressure: bool
-    recent_requests: int = 0
+    recent_placements: int = 0
     prefix_affinity: bool = False  # chosen for its prefix, within the load bound
     cost: float
 
@@ -302,6 +309,9 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     decode_url: str  # with PREFILL_ONLY: the D that would have decoded, not called
     reason: str
     uncached_tokens: int  # prompt tokens the chosen D does not hold on device
+    # D was chosen by cost, not by session or prefix affinity (and is sent the
+    # request): the caller counts it as a placement for ``recent_placements``.
+    decode_placed: bool = False
     prefill_candidates: tuple[PrefillTerms, ...] = ()
     decode_candidates: tuple[DecodeTerms, ...] = ()
 
@@ -394,7 +404,7 @@ def score_decode(
     decode = sorted(healthy_workers(workers, Role.DECODE), key=lambda w: w.url)
     holder = _live_session_holder(inp, {w.url for w in decode})
     prompt_blocks = inp.prompt_blocks
-    fewest_recent = min(w.recent_requests for w in decode)
+    fewest_placed = min(w.recent_placements for w in decode)
     out = []
     for w in decode:
         device = inp.overlaps.get(w.url, TierOverlap()).device_blocks
@@ -408,14 +418,14 @@ def score_decode(
             new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
             affinity=w.url == holder,
             over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
-            recent_requests=w.recent_requests,
-            # The recent-requests surcharge prices the work this request adds here
-            # (its new blocks), not its whole prompt: a worker that already holds the
-            # prefix adds little work whatever it was sent lately.
+            recent_placements=w.recent_placements,
+            # The placements surcharge prices the work this request adds here (its
+            # new blocks), not its whole prompt: a worker that already holds the
+            # prefix adds little work however many placements it took lately.
             cost=params.decode_load_scale * (
                 w.active_decode_blocks
                 + new * (1.0 + params.decode_recent_weight
-                         * (w.recent_requests - fewest_recent))),
+                         * (w.recent_placements - fewest_placed))),
         ))
     return tuple(out)
 
@@ -506,6 +516,7 @@ def route(
         decode_terms = tuple(msgspec.structs.replace(t, prefix_affinity=True)
                              if t.url == decode_url else t for t in decode_terms)
     chosen = next(t for t in decode_terms if t.url == decode_url)
+    placed = not (by_prefix or chosen.affinity)
     uncached = max(0, inp.prompt_tokens - chosen.device_blocks * inp.block_size)
     small = uncached <= params.decode_only_max_uncached_tokens
     room = (chosen.kv_usage < params.decode_only_max_kv_usage
@@ -514,7 +525,7 @@ def route(
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
             reason=f"{decode_reason}; decode only: {uncached} uncached tokens",
-            uncached_tokens=uncached, decode_candidates=decode_terms,
+            uncached_tokens=uncached, decode_candidates=decode_terms, decode_placed=placed,
         )
     no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
                  and inp.max_output_tokens <= 1)
@@ -529,7 +540,7 @@ def route(
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
             reason=f"{decode_reason}; decode only: no healthy prefill worker",
-            uncached_tokens=uncached, decode_candidates=decode_terms,
+            uncached_tokens=uncached, decode_candidates=decode_terms, decode_placed=placed,
         )
     prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
     if no_decode:
@@ -545,7 +556,7 @@ def route(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
         reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)",
         uncached_tokens=uncached, prefill_candidates=prefill_terms,
-        decode_candidates=decode_terms,
+        decode_candidates=decode_terms, decode_placed=placed,
     )
 
 

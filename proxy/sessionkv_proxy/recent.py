@@ -10,8 +10,13 @@ router records each decision's request keys for a short time and the policy cred
 them like device blocks; after ``ttl_s`` only the index (the engines' own word)
 counts, so a prefix an engine has since evicted stops attracting requests.
 
-It also counts the requests each worker was sent in the same window, so placement
-can spread new prefixes and sessions by count as well as by in-flight work.
+It also counts the placements each decode worker took in the same window: the
+requests the policy sent there by cost, not by session or prefix affinity (new
+sessions, new prefixes, requests a load bound released), so placement can spread new
+prefixes and sessions by count as well as by in-flight work.  Requests that follow
+their session or prefix are not counted: they go where they must, and counting them
+let a worker's past traffic from finished conversations steer every new one away
+from it for the rest of the window.
 
 In-process only: another replica learns the same prefix from the index a moment
 later.  A wrong guess costs speed, never correctness (the engines verify).
@@ -32,7 +37,7 @@ class RecentRoutes:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._keys: OrderedDict[int, dict[str, float]] = OrderedDict()
-        self._sent: dict[str, deque[float]] = {}  # engine -> times it was sent a request
+        self._placed: dict[str, deque[float]] = {}  # engine -> times it took a placement
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -42,8 +47,6 @@ class RecentRoutes:
         if self.ttl_s == 0:
             return
         engines = tuple(engines)
-        for engine in engines:
-            self._sent.setdefault(engine, deque()).append(now_s)
         table = self._keys
         for key in keys:
             seen = table.get(key)
@@ -56,11 +59,16 @@ class RecentRoutes:
         while len(table) > self.max_keys:
             table.popitem(last=False)
 
-    def sent_counts(self, now_s: float) -> dict[str, int]:
-        """Engine -> requests it was sent within ``ttl_s``."""
+    def record_placement(self, engine: str, now_s: float) -> None:
+        """``engine`` was chosen by cost for a request no affinity tied to a worker."""
+        if self.ttl_s:
+            self._placed.setdefault(engine, deque()).append(now_s)
+
+    def placement_counts(self, now_s: float) -> dict[str, int]:
+        """Engine -> placements it took within ``ttl_s``."""
         oldest = now_s - self.ttl_s
         out = {}
-        for engine, times in self._sent.items():
+        for engine, times in self._placed.items():
             while times and times[0] < oldest:
                 times.popleft()
             out[engine] = len(times)

@@ -273,14 +273,14 @@ class Router:
                                               last_decode=record.last_decode,
                                               expires_at_s=expires_at)
         block_size = self.config.block_size
-        sent = self.recent.sent_counts(now_s)
+        placed = self.recent.placement_counts(now_s)
         workers = [policy.WorkerLoad(
             url=e.url, role=policy.Role(e.role.value), healthy=e.healthy,
             active_requests=max(e.active_requests,
                                 int(e.running_requests + e.waiting_requests)),
             active_prefill_blocks=e.active_prefill_tokens / block_size,
             active_decode_blocks=e.active_decode_tokens / block_size,
-            kv_usage=e.kv_usage, recent_requests=sent.get(e.url, 0))
+            kv_usage=e.kv_usage, recent_placements=placed.get(e.url, 0))
             for e in self.pool.engines]
         # Without token ids, estimate the size from the text (about 3 characters a
         # token) so a long prompt is not mistaken for a small increment.
@@ -298,8 +298,13 @@ class Router:
             raise ApiError(503, str(exc), type_="server_error") from None
         decode = self.pool.get(decision.decode_url)
         prefill = self.pool.get(decision.prefill_url) if decision.prefill_url else None
-        self.recent.record(keys, [u for u in (decision.decode_url, decision.prefill_url) if u],
-                           now_s)
+        # Only the engines the request is sent to: a prefill-only request never
+        # reaches the D the policy scored, which will not hold its prefix.
+        sent_to = ([decision.prefill_url] if decision.mode is policy.Mode.PREFILL_ONLY
+                   else [u for u in (decision.decode_url, decision.prefill_url) if u])
+        self.recent.record(keys, sent_to, now_s)
+        if decision.decode_placed:
+            self.recent.record_placement(decision.decode_url, now_s)
         mode = decision.mode.value
         prefill_params = None
         if mode == "disaggregated":

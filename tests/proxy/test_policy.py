@@ -314,34 +314,59 @@ def test_prefix_affinity_needs_a_real_gain_over_the_next_worker():
                  random.Random(0)).decode_url == "d1"
 
 
-def test_recent_requests_spread_new_placements_by_count():
-    # d1 looks idle (its requests were short cache hits) but was sent 8 more requests
+def test_recent_placements_spread_new_placements_by_count():
+    # d1 looks idle (its requests were short cache hits) but took 8 more placements
     # lately than d2: a new prefix goes to d2 despite d2's in-flight KV.
     i = inp(3200)
-    workers = [P("p1"), D("d1", recent_requests=10),
-               D("d2", active_decode_blocks=300.0, recent_requests=2)]
+    workers = [P("p1"), D("d1", recent_placements=10),
+               D("d2", active_decode_blocks=300.0, recent_placements=2)]
     t = by_url(score_decode(i, workers, params()))
-    assert t["d1"].cost == 200 + 2.0 * 200 * 8 and t["d2"].cost == 300 + 200
+    assert t["d1"].cost == 200 + 4.0 * 200 * 8 and t["d2"].cost == 300 + 200
     assert route(i, workers, params(), random.Random(0)).decode_url == "d2"
     assert route(i, workers, params(decode_recent_weight=0), random.Random(0)).decode_url == "d1"
+    # One placement more outweighs up to four prompts' worth of in-flight KV.
+    close = [P("p1"), D("d1", recent_placements=3),
+             D("d2", active_decode_blocks=790.0, recent_placements=2)]
+    assert route(i, close, params(), random.Random(0)).decode_url == "d2"
     # A session keeps its D whatever the counts.
     s = inp(3200, session=session("d1"), peer_pullable_blocks=50)
     assert route(s, workers, params(), random.Random(0)).decode_url == "d1"
 
 
-def test_recent_requests_surcharge_only_the_blocks_a_worker_must_compute():
-    # d2 holds 150 of the 200 blocks and was sent one request more than d1 lately, at
-    # equal in-flight load.  The surcharge applies to d2's 50 new blocks, not to the
+def test_only_requests_placed_by_cost_count_as_placements():
+    workers = [P("p1"), D("d1"), D("d2", active_decode_blocks=50.0)]
+    # A new prompt: placed by cost, on either path.
+    assert route(inp(3200), workers, params(), random.Random(0)).decode_placed
+    assert route(inp(64), workers, params(), random.Random(0)).decode_placed   # decode only
+    # Following its session or its prefix: not a placement.
+    s = inp(3200, session=session("d2"), peer_pullable_blocks=50)
+    assert not route(s, workers, params(), random.Random(0)).decode_placed
+    held = inp(3200, overlaps={"d2": TierOverlap(device_blocks=150)})
+    d = route(held, workers, params(), random.Random(0))
+    assert d.decode_url == "d2" and d.reason.startswith("prefix affinity")
+    assert not d.decode_placed
+    # A session dropped for KV pressure is placed anew elsewhere.
+    pressed = [P("p1"), D("d1"), D("d2", kv_usage=0.95)]
+    d = route(s, pressed, params(), random.Random(0))
+    assert d.decode_url == "d1" and d.decode_placed
+    # Nothing goes to D for a prefill-only request.
+    assert not route(inp(3200, max_output_tokens=1), workers, params(),
+                     random.Random(0)).decode_placed
+
+
+def test_recent_placements_surcharge_only_the_blocks_a_worker_must_compute():
+    # d2 holds 170 of the 200 blocks and took one placement more than d1 lately, at
+    # equal in-flight load.  The surcharge applies to d2's 30 new blocks, not to the
     # 200-block prompt, so the prefix keeps the request even where the cost decides
     # (prefix affinity off, as after the load bound released it).
-    i = inp(3200, overlaps={"d2": TierOverlap(device_blocks=150)})
-    workers = [P("p1"), D("d1", recent_requests=2), D("d2", recent_requests=3)]
+    i = inp(3200, overlaps={"d2": TierOverlap(device_blocks=170)})
+    workers = [P("p1"), D("d1", recent_placements=2), D("d2", recent_placements=3)]
     no_affinity = params(decode_affinity_load_bound=0)
     t = by_url(score_decode(i, workers, no_affinity))
-    assert t["d1"].cost == 200 and t["d2"].cost == 50 * (1 + 2.0 * 1)
+    assert t["d1"].cost == 200 and t["d2"].cost == 30 * (1 + 4.0 * 1)
     assert route(i, workers, no_affinity, random.Random(0)).decode_url == "d2"
-    # A larger excess still moves it: 50 * (1 + 2 * 3) > 200.
-    skewed = [P("p1"), D("d1", recent_requests=2), D("d2", recent_requests=5)]
+    # A larger excess still moves it: 30 * (1 + 4 * 2) > 200.
+    skewed = [P("p1"), D("d1", recent_placements=2), D("d2", recent_placements=4)]
     assert route(i, skewed, no_affinity, random.Random(0)).decode_url == "d1"
 
 

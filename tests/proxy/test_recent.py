@@ -48,11 +48,16 @@ def test_zero_ttl_turns_it_off_and_bad_values_are_refused():
         RecentRoutes(max_keys=0)
 
 
-def test_requests_sent_per_engine_within_the_window():
+def test_placements_per_engine_within_the_window():
     recent = RecentRoutes(ttl_s=10.0)
-    recent.record([1], ["d1"], now_s=100.0)
-    recent.record([], ["d1", "p1"], now_s=105.0)  # no keys (no token ids): still counted
-    recent.record([2], ["d2"], now_s=108.0)
-    assert recent.sent_counts(now_s=109.0) == {"d1": 2, "p1": 1, "d2": 1}
-    assert recent.sent_counts(now_s=112.0) == {"d1": 1, "p1": 1, "d2": 1}
-    assert recent.sent_counts(now_s=120.0) == {"d1": 0, "p1": 0, "d2": 0}
+    recent.record_placement("d1", now_s=100.0)
+    recent.record_placement("d1", now_s=105.0)
+    recent.record_placement("d2", now_s=108.0)
+    # Routed prefixes alone are not placements.
+    recent.record([1, 2], ["d2", "p1"], now_s=108.0)
+    assert recent.placement_counts(now_s=109.0) == {"d1": 2, "d2": 1}
+    assert recent.placement_counts(now_s=112.0) == {"d1": 1, "d2": 1}
+    assert recent.placement_counts(now_s=120.0) == {"d1": 0, "d2": 0}
+    off = RecentRoutes(ttl_s=0.0)
+    off.record_placement("d1", now_s=1.0)
+    assert off.placement_counts(now_s=1.0) == {}

@@ -1,0 +1,56 @@
+"""Router.plan around the pure policy: what it records of each decision."""
+
+from __future__ import annotations
+
+import time
+
+from vllm_sessionkv.hashing import request_keys
+
+from sessionkv_proxy.config import load_config
+from sessionkv_proxy.engines import EnginePool
+from sessionkv_proxy.index.memory import MemoryIndex
+from sessionkv_proxy.router import Router
+from sessionkv_proxy.upstream import UpstreamPool
+
+P_URL, D1, D2 = "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11"
+BS = 16
+
+
+def _body(tokens: list[int], max_tokens: int = 8) -> dict:
+    return {"model": "m", "prompt": tokens, "max_tokens": max_tokens}
+
+
+async def test_only_placements_by_cost_are_counted_and_prefill_only_skips_d() -> None:
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"},
+                                            {"url": D2, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none"})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    router = Router(config, EnginePool.from_configs(config.engines), MemoryIndex(),
+                    upstream)
+
+    def placements() -> dict[str, int]:
+        return {u: n for u, n in router.recent.placement_counts(time.time()).items() if n}
+
+    try:
+        group = list(range(1000, 1640))          # 40 blocks, held by nobody yet
+        first = await router.plan(_body(group + [1, 2, 3]), False, None)
+        assert first.mode == "disaggregated" and placements() == {first.decode.url: 1}
+        # The group's next request follows its prefix (credited from the decision
+        # just recorded, before any KV event): not a placement.
+        second = await router.plan(_body(group + [4, 5, 6]), False, None)
+        assert second.decode is first.decode
+        assert second.terms["detail"].startswith("prefix affinity")
+        assert placements() == {first.decode.url: 1}
+        # A new prompt is placed by cost, on the D that took no placement.
+        other = await router.plan(_body(list(range(5000, 5640))), False, None)
+        assert other.decode is not first.decode
+        assert placements() == {first.decode.url: 1, other.decode.url: 1}
+        # Prefill only: P serves it, so no D is credited its prefix or a placement.
+        alone = list(range(9000, 9640))
+        only = await router.plan(_body(alone, max_tokens=1), False, None)
+        assert only.mode == "prefill_only"
+        assert router.recent.overlaps(request_keys(alone, BS), time.time()) == {P_URL: 40}
+        assert placements() == {first.decode.url: 1, other.decode.url: 1}
+    finally:
+        upstream.close()
