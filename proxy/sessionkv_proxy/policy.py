@@ -309,11 +309,17 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     decode_url: str  # with PREFILL_ONLY: the D that would have decoded, not called
     reason: str
     uncached_tokens: int  # prompt tokens the chosen D does not hold on device
-    # D was chosen by cost, not by session or prefix affinity (and is sent the
-    # request): the caller counts it as a placement for ``recent_placements``.
-    decode_placed: bool = False
     prefill_candidates: tuple[PrefillTerms, ...] = ()
     decode_candidates: tuple[DecodeTerms, ...] = ()
+
+    @property
+    def decode_placed(self) -> bool:
+        """D was chosen by cost, not by session or prefix affinity, and is sent the
+        request: the caller counts it as a placement for ``recent_placements``."""
+        if self.mode is Mode.PREFILL_ONLY:
+            return False
+        chosen = next(t for t in self.decode_candidates if t.url == self.decode_url)
+        return not (chosen.affinity or chosen.prefix_affinity)
 
 
 # --------------------------------------------------------------------------- filter
@@ -516,7 +522,6 @@ def route(
         decode_terms = tuple(msgspec.structs.replace(t, prefix_affinity=True)
                              if t.url == decode_url else t for t in decode_terms)
     chosen = next(t for t in decode_terms if t.url == decode_url)
-    placed = not (by_prefix or chosen.affinity)
     uncached = max(0, inp.prompt_tokens - chosen.device_blocks * inp.block_size)
     small = uncached <= params.decode_only_max_uncached_tokens
     room = (chosen.kv_usage < params.decode_only_max_kv_usage
@@ -525,7 +530,7 @@ def route(
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
             reason=f"{decode_reason}; decode only: {uncached} uncached tokens",
-            uncached_tokens=uncached, decode_candidates=decode_terms, decode_placed=placed,
+            uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
                  and inp.max_output_tokens <= 1)
@@ -540,7 +545,7 @@ def route(
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
             reason=f"{decode_reason}; decode only: no healthy prefill worker",
-            uncached_tokens=uncached, decode_candidates=decode_terms, decode_placed=placed,
+            uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
     if no_decode:
@@ -556,7 +561,7 @@ def route(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
         reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)",
         uncached_tokens=uncached, prefill_candidates=prefill_terms,
-        decode_candidates=decode_terms, decode_placed=placed,
+        decode_candidates=decode_terms,
     )
 
 
