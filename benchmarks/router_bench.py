@@ -895,10 +895,15 @@ def phase_note(label: str, sums: dict[str, float]) -> str | None:
 
 
 def prompt_sources(url: str) -> dict[str, float]:
+    """D's prompt tokens by source, and (key "first_token") the requests that
+    continued from P's token."""
     import requests
 
-    out = dict.fromkeys(PD_SOURCES, 0.0)
+    out = dict.fromkeys((*PD_SOURCES, "first_token"), 0.0)
     for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("sessionkv_first_token_handoffs_total{") and \
+                'outcome="continued"' in line:
+            out["first_token"] += float(line.rsplit(" ", 1)[1])
         if not line.startswith("sessionkv_prompt_tokens_total{"):
             continue
         for s in PD_SOURCES:
@@ -934,14 +939,19 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
             "LocalCluster proxy: " + shlex.join(cluster.procs[-1].popen.args))
         targets: dict[str, str] = {"direct P": p_url, "ours": cluster.proxy_url}
         unavailable: dict[str, str] = {}
-        # The same proxy without early decode (D's request sent after P answers): what
-        # sending D the request while P prefills buys, side by side.
-        seq_port = ports.take()
-        seq_argv = _without_early_decode(cluster.procs[-1].popen.args, seq_port)
-        procs.append(start_process("ours_sequential", seq_argv, log_dir))
-        wait_healthy([(procs[-1], f"http://127.0.0.1:{seq_port}")], timeout_s=60)
-        targets["ours (early decode off)"] = f"http://127.0.0.1:{seq_port}"
-        results["commands"]["pd/ours (early decode off)"] = shlex.join(seq_argv)
+        # The same proxy without early decode (D's request sent after P answers), and
+        # without the first-token handoff (D recomputes the last prompt token): what
+        # each buys, side by side.
+        for arm, name, variant in (
+                ("ours (early decode off)", "ours_sequential", _without_early_decode),
+                ("ours (first-token handoff off)", "ours_no_handoff",
+                 _without_first_token_handoff)):
+            port = ports.take()
+            argv = variant(cluster.procs[-1].popen.args, port)
+            procs.append(start_process(name, argv, log_dir))
+            wait_healthy([(procs[-1], f"http://127.0.0.1:{port}")], timeout_s=60)
+            targets[arm] = f"http://127.0.0.1:{port}"
+            results["commands"][f"pd/{arm}"] = shlex.join(argv)
         for arm, kind in (("toy (P/D)", "toy"), ("vllm-router (P/D)", "vr-pd")):
             try:
                 r = start_routers([(arm, kind, [Backend(d_url)], [Backend(p_url)])],
@@ -977,7 +987,8 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
                 # during the round (direct P moved 15-20 ms between rounds) reaches
                 # every arm alike instead of whichever arm ran then.
                 load = {arm: LoadResult([], 0) for arm in order}
-                d_src = {arm: dict.fromkeys(PD_SOURCES, 0.0) for arm in order}
+                d_src = {arm: dict.fromkeys((*PD_SOURCES, "first_token"), 0.0)
+                         for arm in order}
                 p_requests = dict.fromkeys(order, 0.0)
                 phases = {arm: {"P": dict.fromkeys(_PHASE_METRICS, 0.0),
                                 "D": dict.fromkeys(_PHASE_METRICS, 0.0)} for arm in order}
@@ -1000,7 +1011,7 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
                             for k in _PHASE_METRICS:
                                 phases[arm][side][k] += after[k] - ph0[side][k]
                         load[arm].extend(res)
-                        for k in PD_SOURCES:
+                        for k in src1:
                             d_src[arm][k] += src1[k] - src0[k]
                         p_requests[arm] += (p1["vllm:request_success_total"]
                                             - p0["vllm:request_success_total"])
@@ -1035,12 +1046,22 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
         cluster.stop()
 
 
-def _without_early_decode(argv: list[str], port: int) -> list[str]:
-    """Our proxy's command line on ``port``, with D's early-decode sockets left out."""
+def _on_port(argv: list[str], port: int) -> list[str]:
     out = list(argv)
     out[out.index("--port") + 1] = str(port)
+    return out
+
+
+def _without_early_decode(argv: list[str], port: int) -> list[str]:
+    """Our proxy's command line on ``port``, with D's early-decode sockets left out."""
+    out = _on_port(argv, port)
     return [re.sub(r",early=[^,]*", "", a) if i and out[i - 1] == "--decode" else a
             for i, a in enumerate(out)]
+
+
+def _without_first_token_handoff(argv: list[str], port: int) -> list[str]:
+    """Our proxy's command line on ``port``, asking P not to hand D its token."""
+    return [*_on_port(argv, port), "--no-first-token-handoff"]
 
 
 def summarize_pd(results: dict) -> list[dict]:
@@ -1056,15 +1077,18 @@ def summarize_pd(results: dict) -> list[dict]:
             per = [r["arms"][key] for r in rounds]
             ratio = [r["arms"][key]["p50_ms"] / r["arms"][base]["p50_ms"] for r in rounds
                      if r["arms"][key]["p50_ms"] and r["arms"][base]["p50_ms"]]
-            src = {k: sum(p["d_prompt_sources"][k] for p in per) for k in PD_SOURCES}
-            total = sum(src.values())
+            src = {k: sum(p["d_prompt_sources"].get(k, 0.0) for p in per)
+                   for k in (*PD_SOURCES, "first_token")}
+            total = sum(src[k] for k in PD_SOURCES)
             notes = []
             if arm != "direct P":
                 if total:
-                    notes.append(f"D pulled {src['pulled_from_peer'] / total:.0%} of prompt "
-                                 f"tokens, recomputed {src['recomputed'] / total:.0%}")
+                    notes.append(f"D pulled {src['pulled_from_peer'] / total:.1%} of prompt "
+                                 f"tokens, recomputed {src['recomputed'] / total:.1%}")
                 else:
                     notes.append("D reported no prompt tokens")
+                if src["first_token"]:
+                    notes.append(f"D continued from P's token {src['first_token']:.0f}x")
             for side in ("P", "D"):
                 sums = {k: sum(p.get("engine_phases", {}).get(side, {}).get(k, 0.0)
                                for p in per) for k in _PHASE_METRICS}

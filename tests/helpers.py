@@ -47,12 +47,12 @@ def _sorted_values(entry) -> list[float]:
 
 def parse_generation(out: dict[str, Any], headers: dict[str, str] | None = None) -> Generation:
     choice = out["choices"][0]
+    logprobs = choice.get("logprobs") or {}   # none when the request asked for none
     if "message" in choice:  # chat
-        content = choice["logprobs"]["content"]
-        tops = [_sorted_values(c["top_logprobs"]) for c in content]
+        tops = [_sorted_values(c["top_logprobs"]) for c in logprobs.get("content") or ()]
         text = choice["message"]["content"] or ""
     else:
-        tops = [_sorted_values(t) for t in choice["logprobs"]["top_logprobs"]]
+        tops = [_sorted_values(t) for t in logprobs.get("top_logprobs") or ()]
         text = choice["text"]
     return Generation(token_ids=list(choice.get("token_ids") or []), top_logprobs=tops,
                       text=text, raw=out, headers=dict(headers or {}))
@@ -70,8 +70,8 @@ def parse_stream(raw: str, headers: dict[str, str] | None = None) -> Generation:
         for choice in chunk.get("choices", []):
             token_ids.extend(choice.get("token_ids") or [])
             lp = choice.get("logprobs") or {}
-            if "content" in lp and lp["content"] is not None:
-                tops.extend(_sorted_values(c["top_logprobs"]) for c in lp["content"])
+            if "delta" in choice:  # chat
+                tops.extend(_sorted_values(c["top_logprobs"]) for c in lp.get("content") or [])
                 text.append((choice.get("delta") or {}).get("content") or "")
             else:
                 tops.extend(_sorted_values(t) for t in lp.get("top_logprobs") or [])

@@ -116,6 +116,10 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A held request whose parameters never come computes its prompt itself after
     # this long (the proxy died, or the message was lost).
     early_decode_timeout_s: float = 60.0
+    # First-token handoff (first_token.py): as P, export the token P sampled; as D,
+    # continue from it when the request allows, instead of recomputing the last
+    # prompt token to sample it again (one engine step less per request).
+    first_token_handoff: bool = True
     # Publish each session handle to Redis (key prefix below) for streaming clients.
     redis_url: str | None = None
     redis_key_prefix: str = HANDLE_KEY_PREFIX

@@ -17,6 +17,7 @@ __all__ = [
     "EARLY_DECODE_ID_KEY",
     "EARLY_DECODE_PUSHED_KEY",
     "EARLY_DECODE_PUSH_KEY",
+    "FIRST_TOKEN_KEY",
     "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
     "PrefillDone",
@@ -43,6 +44,12 @@ EARLY_DECODE_ID_KEY = "early_decode_id"
 # answer then says ``early_decode_pushed: true`` under its own "sessionkv".
 EARLY_DECODE_PUSH_KEY = "early_decode_push"
 EARLY_DECODE_PUSHED_KEY = "early_decode_pushed"
+# Under P's ``kv_transfer_params["sessionkv"]``: the token P sampled after the prompt
+# (first_token.py), for D to continue from.
+FIRST_TOKEN_KEY = "first_token_id"
+# Under a P request's ``kv_transfer_params["sessionkv"]``: false asks P not to
+# export its token (a router's switch; P's own first_token_handoff still applies).
+FIRST_TOKEN_WANTED_KEY = "first_token"
 
 # Redis key prefix under which engines publish each session's latest handle.
 HANDLE_KEY_PREFIX = "sessionkv:handle:"
@@ -97,6 +104,9 @@ class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):
     # The engine-load estimate those prices (and the synchronous-read choice) used.
     priced_engine_load: float = 0.0
     decision: str = ""
+    # D continued from the token P sampled: it computed no prompt token, and its
+    # first step computed the KV of that token (first_token.py).
+    first_token_from_prefill: bool = False
 
 
 class PrefillDone(msgspec.Struct, omit_defaults=True, kw_only=True):

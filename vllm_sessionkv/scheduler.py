@@ -15,6 +15,9 @@ Three additions to vLLM 0.32's NIXL pull scheduler:
 * **Synchronous reads**: a short pull from a peer already read from runs inside the
   step that computes the request (``cost.decide_sync_load``), which saves the request
   the step an asynchronous read spends waiting.
+* **First-token handoff** (``first_token.py``): P exports the token it sampled; D,
+  having verified P's KV for the whole prompt, continues from it instead of
+  recomputing the last prompt token to sample it again.
 """
 
 from __future__ import annotations
@@ -36,12 +39,15 @@ from vllm_sessionkv.cost import (
     transfer_time_s,
 )
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
+from vllm_sessionkv.first_token import handoff_refusal
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.protocol import (
     EARLY_DECODE_ID_KEY,
     EARLY_DECODE_PUSH_KEY,
     EARLY_DECODE_PUSHED_KEY,
+    FIRST_TOKEN_KEY,
+    FIRST_TOKEN_WANTED_KEY,
     PROTOCOL_VERSION,
     SESSIONKV_PARAMS_KEY,
     TokenAccounting,
@@ -60,6 +66,10 @@ logger = logging.getLogger("vllm.sessionkv.scheduler")
 # An engine whose only requests wait for P's parameters steps this often (it waits
 # on the early-decode socket in between): held requests time out by steps.
 _HELD_STEP_INTERVAL_S = 0.02
+
+# P requests whose token a D request continued from, remembered so that a second D
+# request on the same handle (``n`` > 1) samples its own.
+_USED_FIRST_TOKENS_KEPT = 4096
 
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -87,6 +97,7 @@ class _Plan(msgspec.Struct):
     remote_engine_id: str = ""
     sync: bool = False             # read inside the step that computes the request
     sync_block_ids: frozenset[int] = frozenset()   # its destinations (group 0)
+    first_token: bool = False      # continues from P's token (all prompt KV loaded)
 
 
 class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
@@ -141,6 +152,17 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._warm_engines: set[str] = set()
         self._sync_reads_next: set[str] = set()
         self._sync_reads_in_step: set[str] = set()
+        # First-token handoff, as D: the token each request continues from, and the
+        # P requests whose token was used (insertion-ordered, bounded).
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self._first_token_unsupported = (
+            _vllm.first_token_unsupported(vllm_config) if config.first_token_handoff
+            else "turned off (first_token_handoff)")
+        if config.first_token_handoff and self._first_token_unsupported:
+            logger.info("sessionkv first-token handoff off on this engine: %s",
+                        self._first_token_unsupported)
+        self._first_tokens: dict[str, int] = {}
+        self._used_first_tokens: dict[str, None] = {}
         # As D: requests sent while P prefills wait here for P's parameters.
         self.early_decode: EarlyDecodeInbox | None = None
         if config.early_decode_port:
@@ -224,6 +246,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             verdict = Verdict(verified_tokens=0,
                               refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
                               reason="expired_handle")
+        first_token = is_p_to_d and self._continue_from_first_token(request, params, verdict)
         load_tokens = max(0, verdict.verified_tokens - num_computed_tokens)
         decision, pull_s, recompute_s = ("pull" if load_tokens else "none"), 0.0, 0.0
         if verdict.refused_whole_handle:
@@ -243,28 +266,60 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         plan = _Plan(direction="p_to_d" if is_p_to_d else "d_to_p", verdict=verdict,
                      local_hit_tokens=num_computed_tokens, load_tokens=load_tokens,
                      decision=decision, pull_s=pull_s, recompute_s=recompute_s,
-                     engine_load=self.engine_load,
+                     engine_load=self.engine_load, first_token=first_token,
                      remote_engine_id=str(params.get("remote_engine_id") or ""))
         self._choose_sync_read(request, plan)
         self._plans[request.request_id] = plan
         logger.info(
             "sessionkv plan request_id=%s session_id=%s direction=%s decision=%s "
             "verify=%s verified_tokens=%d refused_tokens=%d local_hit_tokens=%d "
-            "load_tokens=%d read=%s prompt_tokens=%d pull_s=%.6f recompute_s=%.6f "
-            "load=%.2f link_bytes_per_s=%.3g",
+            "load_tokens=%d read=%s first_token=%s prompt_tokens=%d pull_s=%.6f "
+            "recompute_s=%.6f load=%.2f link_bytes_per_s=%.3g",
             request.request_id, _vllm.request_session_id(request), plan.direction,
             decision, verdict.reason, verdict.verified_tokens, verdict.refused_tokens,
             num_computed_tokens, plan.load_tokens, "sync" if plan.sync else "async",
-            request.num_prompt_tokens, pull_s, recompute_s, self.engine_load,
+            first_token, request.num_prompt_tokens, pull_s, recompute_s, self.engine_load,
             self.link_bytes_per_s)
         return plan
+
+    def _continue_from_first_token(self, request: Request, params: dict[str, Any],
+                                   verdict: Verdict) -> bool:
+        """Continue from the token P sampled, if P sent one and the request allows
+        (``first_token.handoff_refusal``); then every verified prompt token is
+        loaded and D's first step starts at the token after P's.  Decided once per
+        request: the token becomes the request's first output."""
+        if request.request_id in self._first_tokens:
+            return True
+        token_id = self._session_params(params).get(FIRST_TOKEN_KEY)
+        if not isinstance(token_id, int) or isinstance(token_id, bool):
+            return False
+        refusal = "engine_unsupported" if self._first_token_unsupported else None
+        if refusal is None:
+            view = _vllm.first_token_request(request, self.max_model_len)
+            refusal = ("engine_unsupported" if view is None
+                       else handoff_refusal(view, token_id, verdict.verified_tokens))
+        source = str(params.get("remote_request_id") or "")
+        if refusal is None and source in self._used_first_tokens:
+            refusal = "already_used"
+        self.stats.record(f"first_token_{refusal or 'continued'}")
+        if refusal is not None:
+            logger.debug("sessionkv first token request_id=%s not used: %s",
+                         request.request_id, refusal)
+            return False
+        self._used_first_tokens[source] = None
+        if len(self._used_first_tokens) > _USED_FIRST_TOKENS_KEPT:
+            del self._used_first_tokens[next(iter(self._used_first_tokens))]
+        _vllm.continue_from_token(request, token_id)
+        self._first_tokens[request.request_id] = token_id
+        return True
 
     def _choose_sync_read(self, request: Request, plan: _Plan) -> None:
         """Make the plan's read synchronous where ``cost.decide_sync_load`` says so.
 
         Only from a peer this engine has read from: a first read waits for a NIXL
         handshake, which no forward should wait for.  vLLM computes at least the last
-        prompt token itself, so a synchronous read stops one token short of it."""
+        token itself (the last prompt token, or P's token after a handoff), so a
+        synchronous read stops short of it."""
         if not (self._sync_reads_possible and plan.load_tokens > 0
                 and plan.remote_engine_id in self._warm_engines
                 and _names_remote_blocks(request.kv_transfer_params or {})):
@@ -272,7 +327,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             # load would run the forward on blocks nothing wrote.)
             return
         sync_tokens = min(plan.load_tokens,
-                          request.num_prompt_tokens - 1 - plan.local_hit_tokens)
+                          request.num_tokens - 1 - plan.local_hit_tokens)
         if sync_tokens <= 0:
             return
         cost = self.config.cost
@@ -485,9 +540,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 decision="host:restore" if host else "none")
         pulled = 0 if plan.failed else plan.load_tokens
         # When the whole prompt is loaded, vLLM recomputes the last token anyway to
-        # get the first logits (scheduler._update_waiting_for_remote_kv).
+        # get the first logits (scheduler._update_waiting_for_remote_kv), unless
+        # the request continues from P's token, whose KV comes after the prompt.
         computed = max(0, request.num_prompt_tokens - plan.local_hit_tokens - pulled)
-        if pulled and computed == 0:
+        if pulled and computed == 0 and not plan.first_token:
             pulled, computed = pulled - 1, 1
         return TokenAccounting(
             prompt_tokens=request.num_prompt_tokens,
@@ -502,6 +558,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             priced_pull_ms=round(plan.pull_s * 1e3, 4),
             priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
             priced_engine_load=round(plan.engine_load, 3),
+            first_token_from_prefill=plan.first_token,
             decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
                      f":{plan.verdict.reason}")
 
@@ -524,6 +581,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         running = float(_vllm.scheduled_requests(scheduler_output))
         alpha = self.config.cost.load_ewma_alpha
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
+        _vllm.show_first_tokens_to_worker(scheduler_output, self._first_tokens)
         meta = super().build_connector_meta(scheduler_output)
         self._attach_host_ops(meta)
         meta.sessionkv_sync_loads = self._sync_reads_next
@@ -581,6 +639,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
 
     def request_finished(self, request: Request, block_ids):
         self._live_requests.discard(request.request_id)
+        if self._first_tokens.pop(request.request_id, None) is not None:
+            _vllm.forget_first_token(request.request_id)
         early_id = self._session_params(request.kv_transfer_params).get(EARLY_DECODE_ID_KEY)
         if early_id and self.early_decode is not None:
             self.early_decode.forget(str(early_id))   # aborted while waiting for P
@@ -621,8 +681,12 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if self._publisher.publish(session_id, out, self.config.session_lease_s):
                 self.stats.record("session_handles_published")
         else:
-            # P end of turn: export the chain so D verifies what it pulls from us too.
+            # P end of turn: export the chain so D verifies what it pulls from us too,
+            # and the token we sampled, for D to continue from.
             ours.update(self._chain_export(request, out.get("remote_num_tokens") or 0))
+            if (self.config.first_token_handoff and request.output_token_ids
+                    and self._session_params(params).get(FIRST_TOKEN_WANTED_KEY, True)):
+                ours[FIRST_TOKEN_KEY] = request.output_token_ids[0]
             if session_id:
                 ours["session_id"] = session_id
             out[SESSIONKV_PARAMS_KEY] = ours

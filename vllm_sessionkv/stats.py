@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_metric_per_engine
+from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
 
 __all__ = ["EARLY_DECODE_OUTCOMES", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
@@ -48,6 +49,7 @@ _SESSION_KEYS = (
     *(f"early_decode_{o}" for o in EARLY_DECODE_OUTCOMES),
     "early_decode_wait_s",
     "early_decode_pushed_by_prefill",
+    *(f"first_token_{o}" for o in FIRST_TOKEN_OUTCOMES),
 )
 
 
@@ -91,21 +93,20 @@ class SessionKVPromMetrics(NixlPromMetrics):
             return self._counter_cls(name=name, documentation=doc,
                                      labelnames=[*labelnames, *extra_labels])
 
-        prompt_tokens = counter(
+        def by_label(name: str, doc: str, label: str, values: tuple[str, ...]):
+            """One counter with an extra label: its per-engine children by value."""
+            metric = counter(name, doc, (label,))
+            return {v: _per_engine_with_label(metric, per_engine_labelvalues, v)
+                    for v in values}
+
+        self._prompt_tokens = by_label(
             "sessionkv_prompt_tokens",
             "Prompt tokens by how they were obtained: local_hit, pulled_from_peer, "
-            "pulled_from_host, recomputed, refused_by_verification.", ("source",))
-        self._prompt_tokens = {
-            source: _per_engine_with_label(prompt_tokens, per_engine_labelvalues, source)
-            for source in PROMPT_TOKEN_SOURCES
-        }
-        decisions = counter("sessionkv_pull_decisions",
-                            "Pull-or-recompute decisions on remote session KV.",
-                            ("decision",))
-        self._decisions = {
-            d: _per_engine_with_label(decisions, per_engine_labelvalues, d)
-            for d in ("pull", "recompute")
-        }
+            "pulled_from_host, recomputed, refused_by_verification.", "source",
+            PROMPT_TOKEN_SOURCES)
+        self._decisions = by_label("sessionkv_pull_decisions",
+                                   "Pull-or-recompute decisions on remote session KV.",
+                                   "decision", ("pull", "recompute"))
         self._handle_refused = create_metric_per_engine(
             counter("sessionkv_handles_refused",
                     "Session handles not used at all: other tenant, hash settings "
@@ -153,13 +154,11 @@ class SessionKVPromMetrics(NixlPromMetrics):
                                 buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1],
                                 labelnames=labelnames), per_engine_labelvalues)
 
-        loads = counter("sessionkv_peer_loads",
-                        "Peer KV reads by mode: sync (read inside the step that computes "
-                        "the request, which then skips a step) or async (vLLM's way: "
-                        "the request waits for the read in steps of its own).",
-                        ("mode",))
-        self._loads = {m: _per_engine_with_label(loads, per_engine_labelvalues, m)
-                       for m in LOAD_MODES}
+        self._loads = by_label(
+            "sessionkv_peer_loads",
+            "Peer KV reads by mode: sync (read inside the step that computes the request, "
+            "which then skips a step) or async (vLLM's way: the request waits for the "
+            "read in steps of its own).", "mode", LOAD_MODES)
         self._sync_load_wait_s = create_metric_per_engine(
             self._histogram_cls(name="sessionkv_sync_load_wait_seconds",
                                 documentation="Time a step's forward waited for its "
@@ -172,15 +171,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
                     "Synchronous peer reads not done within sync_load_timeout_s; the "
                     "request's blocks were recomputed."), per_engine_labelvalues)
 
-        early = counter("sessionkv_early_decode_requests",
-                        "Requests sent to D while P prefilled, by how they got their KV: "
-                        "ready (P's parameters came), prefill_failed, timed_out, refused "
-                        "(no early-decode socket here); all but ready compute the prompt "
-                        "on D.", ("outcome",))
-        self._early_decode = {
-            o: _per_engine_with_label(early, per_engine_labelvalues, o)
-            for o in EARLY_DECODE_OUTCOMES
-        }
+        self._early_decode = by_label(
+            "sessionkv_early_decode_requests",
+            "Requests sent to D while P prefilled, by how they got their KV: ready (P's "
+            "parameters came), prefill_failed, timed_out, refused (no early-decode socket "
+            "here); all but ready compute the prompt on D.", "outcome",
+            EARLY_DECODE_OUTCOMES)
         self._early_decode_wait_s = create_metric_per_engine(
             self._histogram_cls(name="sessionkv_early_decode_wait_seconds",
                                 documentation="Time a request sent to D while P "
@@ -195,6 +191,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
                     "Parameters this engine, as P, pushed straight to the D holding "
                     "the request (early decode); the rest the proxy pushes."),
             per_engine_labelvalues)
+        self._first_token = by_label(
+            "sessionkv_first_token_handoffs",
+            "D requests that came with the token P sampled, by what D did with it: "
+            "continued (D appended it and started at the next token, saving a step) or "
+            "why not (logprobs, seeded_sampling, stop_token, ...).", "outcome",
+            FIRST_TOKEN_OUTCOMES)
         self._counters, self._histograms = self._by_stats_key()
 
     def _by_stats_key(self) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]]]:
@@ -211,6 +213,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "sync_load_timeouts": self._sync_load_timeouts,
             **{f"early_decode_{o}": m for o, m in self._early_decode.items()},
             "early_decode_pushed_by_prefill": self._early_decode_pushes,
+            **{f"first_token_{o}": m for o, m in self._first_token.items()},
         }
         histograms = {
             "host_restore_s": self._host_restore_s,

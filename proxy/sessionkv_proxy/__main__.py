@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-only-max-uncached-tokens", type=int,
                    help="serve on D directly when at most this many prompt tokens are "
                         "uncached there (-1: never)")
+    p.add_argument("--no-first-token-handoff", dest="first_token_handoff",
+                   action="store_false", default=None,
+                   help="ask P engines not to hand D the token they sampled (D then "
+                        "recomputes the last prompt token, as stock P/D does)")
     p.add_argument("--log-level")
     return p
 
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                    + [parse_engine_spec(s, Role.DECODE) for s in args.decode])
         overrides = {"engines": engines, "host": args.host, "port": args.port,
                      "block_size": args.block_size, "tokenizer": args.tokenizer,
-                     "log_level": args.log_level}
+                     "log_level": args.log_level,
+                     "first_token_handoff": args.first_token_handoff}
         if args.redis_url:
             overrides["index"] = {"backend": "redis", "redis_url": args.redis_url}
         routing: dict = {}

@@ -26,6 +26,7 @@ from vllm_sessionkv.protocol import (
     EARLY_DECODE_ID_KEY,
     EARLY_DECODE_PUSH_KEY,
     EARLY_DECODE_PUSHED_KEY,
+    FIRST_TOKEN_WANTED_KEY,
     SESSIONKV_PARAMS_KEY,
 )
 
@@ -191,10 +192,14 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
         p_body["max_completion_tokens"] = 1
     p_body["stream"] = False
     params = plan.prefill_params
+    ours: dict[str, Any] = {}
     if early_push is not None:
+        ours[EARLY_DECODE_PUSH_KEY] = early_push
+    if not state.config.first_token_handoff:
+        ours[FIRST_TOKEN_WANTED_KEY] = False
+    if ours:
         params = dict(params or {})
-        params[SESSIONKV_PARAMS_KEY] = {**(params.get(SESSIONKV_PARAMS_KEY) or {}),
-                                        EARLY_DECODE_PUSH_KEY: early_push}
+        params[SESSIONKV_PARAMS_KEY] = {**(params.get(SESSIONKV_PARAMS_KEY) or {}), **ours}
     p_body["kv_transfer_params"] = params
     engine = plan.prefill
     assert engine is not None and state.router is not None

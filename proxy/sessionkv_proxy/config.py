@@ -109,6 +109,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     metrics_scrape_timeout_s: float = 5.0
     session_ttl_s: float = 3600.0
     log_level: str = "INFO"
+    # Let D continue from the token P sampled (the engines' first_token_handoff);
+    # False asks each P not to export it, so D recomputes the last prompt token.
+    first_token_handoff: bool = True
 
     def __post_init__(self):
         roles = {e.role for e in self.engines}

@@ -32,6 +32,7 @@ class _Engines:
         self.p_status = p_status
         self.p_pushes = p_pushes          # P pushes its parameters to D itself
         self.p_push_requests: list[dict] = []
+        self.p_sessionkv: list[dict] = []    # what each P request carried for us
         self.d_bodies: list[dict] = []
         self.d_got_params: list[dict | None] = []
         self.d_cancelled = 0
@@ -41,8 +42,9 @@ class _Engines:
 
     async def prefill(self, request):
         body = await request.json()
-        push = ((body.get("kv_transfer_params") or {}).get("sessionkv") or {}).get(
-            "early_decode_push")
+        ours = (body.get("kv_transfer_params") or {}).get("sessionkv") or {}
+        self.p_sessionkv.append(ours)
+        push = ours.get("early_decode_push")
         if push:
             self.p_push_requests.append(push)
         # With early decode, D has the request before P answers.
@@ -117,7 +119,7 @@ class _Engines:
 
 
 async def _run(free_port, engines: _Engines, early_endpoint: str | None,
-               stream: bool = False):
+               stream: bool = False, **config_overrides):
     """Start P, D and the proxy; send one completion; return (status, body or stream
     text, headers, metrics)."""
     runners = []
@@ -138,7 +140,8 @@ async def _run(free_port, engines: _Engines, early_endpoint: str | None,
         "engines": [{"url": f"http://127.0.0.1:{ports['prefill']}", "role": "prefill"},
                     decode],
         "host": "127.0.0.1", "port": proxy_port, "tokenizer": "none",
-        "routing": {"params": {"decode_only_max_uncached_tokens": -1}}})
+        "routing": {"params": {"decode_only_max_uncached_tokens": -1}},
+        **config_overrides})
     proxy = create_app(config)
     await proxy.start()
     try:
@@ -233,3 +236,14 @@ async def test_without_early_decode_d_is_sent_the_request_after_p(free_port):
     assert status == 200, body
     assert len(engines.d_bodies) == 1
     assert engines.d_bodies[0]["kv_transfer_params"] == P_PARAMS
+
+
+async def test_p_is_asked_to_keep_its_token_only_when_the_handoff_is_off(free_port):
+    early_port = free_port()
+    on, off = _Engines(early_port), _Engines(None)
+    status, body, _, _ = await _run(free_port, on, f"tcp://127.0.0.1:{early_port}")
+    assert status == 200, body
+    assert "first_token" not in on.p_sessionkv[0]
+    status, body, _, _ = await _run(free_port, off, None, first_token_handoff=False)
+    assert status == 200, body
+    assert off.p_sessionkv == [{"first_token": False}]
