@@ -299,16 +299,17 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             refusal = ("engine_unsupported" if view is None
                        else handoff_refusal(view, token_id, verdict.verified_tokens))
         source = str(params.get("remote_request_id") or "")
-        if refusal is None and source in self._used_first_tokens:
+        if refusal is None and source and source in self._used_first_tokens:
             refusal = "already_used"
         self.stats.record(f"first_token_{refusal or 'continued'}")
         if refusal is not None:
             logger.debug("sessionkv first token request_id=%s not used: %s",
                          request.request_id, refusal)
             return False
-        self._used_first_tokens[source] = None
-        if len(self._used_first_tokens) > _USED_FIRST_TOKENS_KEPT:
-            del self._used_first_tokens[next(iter(self._used_first_tokens))]
+        if source:
+            self._used_first_tokens[source] = None
+            if len(self._used_first_tokens) > _USED_FIRST_TOKENS_KEPT:
+                del self._used_first_tokens[next(iter(self._used_first_tokens))]
         _vllm.continue_from_token(request, token_id)
         self._first_tokens[request.request_id] = token_id
         return True

@@ -9,6 +9,8 @@ is the negative control: continuing from its token and KV must differ.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from helpers import assert_same, chat_body, completion_body, compare, metric_sum, post
@@ -146,3 +148,30 @@ def test_negative_control_continuing_from_a_perturbed_prefill_differs(pd_cluster
         pytest.fail("no handoff with a completed read from the perturbed P in 3 attempts")
     base = post(pd_cluster.colocated, "/v1/completions", body)
     assert got.token_ids != base.token_ids
+
+
+def test_session_turns_continue_from_the_prefill_token(pd_cluster):
+    """A conversation through the proxy whose turns D serves from P's token: the
+    next turn's P pulls the previous turn's blocks from D, including the block D
+    computed for P's token (its hash covers the token as an output), and every
+    turn equals the co-located server."""
+    d_url = pd_cluster.decode[0]
+    session = "handoff-session"
+    prompt = prompt_of(600, seed=77)
+    continued = metric_sum(d_url, HANDOFF, outcome="continued")
+    pulled = 0
+    for turn in range(1, 5):
+        body = plain_completion(pd_cluster.model, prompt, 24, session_id=session)
+        got = post(pd_cluster.proxy, "/v1/completions", body)
+        base = post(pd_cluster.colocated, "/v1/completions", body)
+        assert got.token_ids == base.token_ids, (turn, compare(got, base))
+        decode_acct = json.loads(got.headers["x-sessionkv-decode"])
+        assert decode_acct.get("first_token_from_prefill") is True, (turn, decode_acct)
+        if turn > 1:
+            assert got.headers["x-sessionkv-handle"] == "attached", turn
+            pulled += json.loads(got.headers["x-sessionkv-prefill"]).get(
+                "pulled_from_peer_tokens", 0)
+        turn_prompt, prompt = prompt, prompt + got.token_ids + prompt_of(40, seed=1000 + turn)
+    assert pulled > 0, "no turn pulled KV from D"
+    assert metric_sum(d_url, HANDOFF, outcome="continued") == continued + 4
+    continuation_matches_baseline(pd_cluster, turn_prompt, got.token_ids)
