@@ -5,7 +5,8 @@
 
 Per turn it prints the route (P then D, or D only), and from the connector's
 accounting: prompt tokens, tokens computed, tokens reused from the local prefix
-cache, and tokens pulled from the other pool over NIXL.
+cache, and tokens pulled from the other pool over NIXL; and whether D continued from
+the token P sampled (first-token handoff).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def _post(url: str, body: dict, headers: dict[str, str]) -> tuple[dict, dict[str
     return json.loads(raw), hdrs
 
 
+def _yes_no(flag) -> str:
+    # D's accounting omits false fields (a streamed answer carries none: "-").
+    return "yes" if flag else "no"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         model = json.loads(resp.read())["data"][0]["id"]
     messages = [{"role": "system", "content": " ".join(rng.choices(_WORDS, k=120))}]
     print(f"{'turn':>4} {'route':<14} {'prompt':>6} {'computed':>8} {'local':>6} "
-          f"{'pulled':>6} {'D pulled':>8}  (tokens)")
+          f"{'pulled':>6} {'D pulled':>8} {'D from P token':>14}  (tokens)")
     for turn in range(1, args.turns + 1):
         messages.append({"role": "user", "content": " ".join(rng.choices(_WORDS, k=40))})
         body = {"model": model, "messages": messages, "max_tokens": args.max_tokens,
@@ -66,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{turn:>4} {route:<14} {first.get('prompt_tokens', 0):>6} "
               f"{first.get('recomputed_tokens', 0):>8} {first.get('local_hit_tokens', 0):>6} "
               f"{first.get('pulled_from_peer_tokens', 0):>6} "
-              f"{decode.get('pulled_from_peer_tokens', '-') if prefill else '-':>8}")
+              f"{decode.get('pulled_from_peer_tokens', '-') if prefill else '-':>8} "
+              f"{_yes_no(decode.get('first_token_from_prefill')) if decode else '-':>14}")
         messages.append({"role": "assistant",
                          "content": out["choices"][0]["message"]["content"]})
     return 0
