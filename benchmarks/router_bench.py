@@ -869,6 +869,9 @@ def summarize_affinity(results: dict) -> list[dict]:
 # =========================================================================== part 3
 PD_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
               "refused_by_verification")
+# What the bench counts on D per arm: prompt tokens by source, and "first_token", the
+# requests that continued from P's token.
+PD_COUNTS = (*PD_SOURCES, "first_token")
 # vLLM's own per-request phase histograms (queued -> scheduled -> first token -> last
 # token), read from each engine's /metrics around every chunk: where a P/D request's
 # time goes in each engine, beside the latency the client saw.
@@ -899,7 +902,7 @@ def prompt_sources(url: str) -> dict[str, float]:
     continued from P's token."""
     import requests
 
-    out = dict.fromkeys((*PD_SOURCES, "first_token"), 0.0)
+    out = dict.fromkeys(PD_COUNTS, 0.0)
     for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
         if line.startswith("sessionkv_first_token_handoffs_total{") and \
                 'outcome="continued"' in line:
@@ -987,8 +990,7 @@ def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> 
                 # during the round (direct P moved 15-20 ms between rounds) reaches
                 # every arm alike instead of whichever arm ran then.
                 load = {arm: LoadResult([], 0) for arm in order}
-                d_src = {arm: dict.fromkeys((*PD_SOURCES, "first_token"), 0.0)
-                         for arm in order}
+                d_src = {arm: dict.fromkeys(PD_COUNTS, 0.0) for arm in order}
                 p_requests = dict.fromkeys(order, 0.0)
                 phases = {arm: {"P": dict.fromkeys(_PHASE_METRICS, 0.0),
                                 "D": dict.fromkeys(_PHASE_METRICS, 0.0)} for arm in order}
@@ -1078,7 +1080,7 @@ def summarize_pd(results: dict) -> list[dict]:
             ratio = [r["arms"][key]["p50_ms"] / r["arms"][base]["p50_ms"] for r in rounds
                      if r["arms"][key]["p50_ms"] and r["arms"][base]["p50_ms"]]
             src = {k: sum(p["d_prompt_sources"].get(k, 0.0) for p in per)
-                   for k in (*PD_SOURCES, "first_token")}
+                   for k in PD_COUNTS}
             total = sum(src[k] for k in PD_SOURCES)
             notes = []
             if arm != "direct P":

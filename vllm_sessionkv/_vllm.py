@@ -34,8 +34,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlPromMetrics,
 )
 from vllm.platforms import current_platform
-from vllm.v1.engine import core as _engine_core
 from vllm.v1.core.sched import scheduler as _scheduler
+from vllm.v1.engine import core as _engine_core
 from vllm.v1.executor import multiproc_executor as _multiproc_executor
 from vllm.v1.metrics.utils import create_metric_per_engine
 

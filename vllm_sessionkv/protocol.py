@@ -18,6 +18,7 @@ __all__ = [
     "EARLY_DECODE_PUSHED_KEY",
     "EARLY_DECODE_PUSH_KEY",
     "FIRST_TOKEN_KEY",
+    "FIRST_TOKEN_WANTED_KEY",
     "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
     "PrefillDone",

@@ -246,7 +246,11 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             verdict = Verdict(verified_tokens=0,
                               refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
                               reason="expired_handle")
-        first_token = is_p_to_d and self._continue_from_first_token(request, params, verdict)
+        # Decided once per request (the token becomes its first output); a re-plan
+        # for a new local hit keeps the decision, since the verdict does not change.
+        first_token = (cached.first_token if cached is not None
+                       else is_p_to_d and self._continue_from_first_token(request, params,
+                                                                        verdict))
         load_tokens = max(0, verdict.verified_tokens - num_computed_tokens)
         decision, pull_s, recompute_s = ("pull" if load_tokens else "none"), 0.0, 0.0
         if verdict.refused_whole_handle:
@@ -286,10 +290,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                    verdict: Verdict) -> bool:
         """Continue from the token P sampled, if P sent one and the request allows
         (``first_token.handoff_refusal``); then every verified prompt token is
-        loaded and D's first step starts at the token after P's.  Decided once per
-        request: the token becomes the request's first output."""
-        if request.request_id in self._first_tokens:
-            return True
+        loaded and D's first step starts at the token after P's."""
         token_id = self._session_params(params).get(FIRST_TOKEN_KEY)
         if not isinstance(token_id, int) or isinstance(token_id, bool):
             return False

@@ -175,3 +175,22 @@ def test_session_turns_continue_from_the_prefill_token(pd_cluster):
     assert pulled > 0, "no turn pulled KV from D"
     assert metric_sum(d_url, HANDOFF, outcome="continued") == continued + 4
     continuation_matches_baseline(pd_cluster, turn_prompt, got.token_ids)
+
+
+def test_prefill_asked_to_keep_its_token_exports_none(pd_cluster):
+    """What the proxy's --no-first-token-handoff sends P: P exports no token, and D
+    recomputes the last prompt token as stock P/D does."""
+    p_url, d_url = pd_cluster.prefill[0], pd_cluster.decode[0]
+    body = plain_completion(pd_cluster.model, prompt_of(140, seed=321), 12)
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None,
+              "sessionkv": {"first_token": False}}
+    p_out = post(p_url, "/v1/completions", dict(body, max_tokens=1, kv_transfer_params=params))
+    p_params = p_out.raw["kv_transfer_params"]
+    assert "first_token_id" not in p_params["sessionkv"], p_params
+    continued = metric_sum(d_url, HANDOFF, outcome="continued")
+    got = post(d_url, "/v1/completions", dict(body, kv_transfer_params=p_params))
+    assert metric_sum(d_url, HANDOFF, outcome="continued") == continued
+    assert got.token_ids == post(pd_cluster.colocated, "/v1/completions", body).token_ids
+    acct = got.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+    assert not acct.get("first_token_from_prefill") and acct["recomputed_tokens"] == 1, acct
