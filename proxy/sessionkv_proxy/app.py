@@ -55,6 +55,7 @@ _REQUEST_ID_PREFIX = f"skv-{os.urandom(6).hex()}-"
 _request_counter = itertools.count()
 # Fields a P request must not carry: it generates one token, never streams.
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+_ENGINE_HEADER = {role: f"x-sessionkv-{role.value}-engine" for role in Role}
 _HOP_HEADERS = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
                 b"date", b"server", b"content-encoding"}
 
@@ -118,6 +119,9 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
 
 
 def _session_id(request: Request, body: dict[str, Any], state: ProxyState) -> str | None:
+    if "prompt_cache_key" not in body and "session_id" not in body and \
+            "x-session-id" not in request.headers:
+        return None
     for source, value in (("prompt_cache_key", body.get("prompt_cache_key")),
                           ("X-Session-ID", request.headers.get("x-session-id")),
                           ("session_id", body.get("session_id"))):
@@ -161,7 +165,8 @@ async def _send(state: ProxyState, engine: Engine, path: str, payload: bytes,
         state.metrics.errors.labels("upstream_timeout").inc()
         raise ApiError(504, f"engine {engine.url} did not answer within "
                        f"{state.config.request_timeout_s:g}s", type_="server_error") from None
-    state.pool.mark_success(engine)
+    if engine.consecutive_failures or not engine.healthy:
+        state.pool.mark_success(engine)
     return resp
 
 
@@ -261,19 +266,16 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
     # What this request adds to the policy's load terms while it runs: on D the KV it
     # holds, on P the prompt it prefills.
     if role is Role.DECODE:
-        load_attr = "active_decode_tokens"
-        load = plan.prompt_tokens + (plan.max_output_tokens or 16)
+        decode_load, prefill_load = plan.prompt_tokens + (plan.max_output_tokens or 16), 0
     else:
-        load_attr, load = "active_prefill_tokens", plan.prompt_tokens
+        decode_load, prefill_load = 0, plan.prompt_tokens
     for attempt in range(state.config.connect_retries + 1):
         tried.add(engine.url)
-        engine.active_requests += 1
-        setattr(engine, load_attr, getattr(engine, load_attr) + load)
+        _add_load(engine, 1, decode_load, prefill_load)
         try:
             upstream = await _send(state, engine, path, payload, request_id)
         except BaseException as exc:
-            engine.active_requests -= 1
-            setattr(engine, load_attr, getattr(engine, load_attr) - load)
+            _add_load(engine, -1, -decode_load, -prefill_load)
             if not isinstance(exc, _Upstream):
                 raise
             engine = _next_after_connect_failure(state, role, engine, tried,
@@ -291,7 +293,7 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
         headers = [(k, v) for k, v in upstream.headers
                    if k.lower() not in _HOP_HEADERS]
         headers += extra_headers.items()
-        headers.append((f"x-sessionkv-{role.value}-engine", engine.url))
+        headers.append((_ENGINE_HEADER[role], engine.url))
         if not stream or upstream.status != 200:
             data = await upstream.read()
             params = None
@@ -322,16 +324,24 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
         request.end_stream()   # before the session is stored: the client is done
         return None, 200, None
     finally:
-        engine.active_requests -= 1
-        setattr(engine, load_attr, getattr(engine, load_attr) - load)
+        _add_load(engine, -1, -decode_load, -prefill_load)
         upstream.release()
+
+
+def _add_load(engine: Engine, requests: int, decode_tokens: int, prefill_tokens: int
+              ) -> None:
+    engine.active_requests += requests
+    engine.active_decode_tokens += decode_tokens
+    engine.active_prefill_tokens += prefill_tokens
 
 
 # --------------------------------------------------------------------------- handlers
 async def _generate(state: ProxyState, request: Request, path: str, is_chat: bool
                     ) -> Response | None:
     endpoint = "chat" if is_chat else "completions"
-    started = time.perf_counter()
+    # The phase timings only feed the debug log.
+    debug = logger.isEnabledFor(logging.DEBUG)
+    started = time.perf_counter() if debug else 0.0
     request_id = request.headers.get("x-request-id") or \
         f"{_REQUEST_ID_PREFIX}{next(_request_counter)}"
     try:
@@ -344,28 +354,35 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
 
-    plan_done = time.perf_counter()
+    plan_done = time.perf_counter() if debug else 0.0
     prefill_s = 0.0
     state.metrics.count_route(plan.mode, plan.reason, plan.handle_outcome,
                               plan.terms.get("decision_s", 0.0), len(plan.prompt_keys))
-    if logger.isEnabledFor(logging.DEBUG):
+    if debug:
         logger.debug(
             "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "
             "handle=%s terms=%s", request_id, session_id, plan.mode, plan.reason,
             plan.prefill.url if plan.prefill else "-", plan.decode.url, plan.handle_outcome,
             json.dumps(plan.terms, default=str, separators=(",", ":")))
 
-    d_body = dict(body)
-    d_body.pop("prompt_cache_key", None)
-    if session_id:
-        d_body["session_id"] = session_id
+    # The body sent on: the client's, less prompt_cache_key, with the session id.
+    # Untouched (and not copied) when neither is there and the request goes to one
+    # engine; P then D, or a session, get their own copy to add parameters to.
+    body_unchanged = not session_id and "prompt_cache_key" not in body
+    if body_unchanged and plan.mode != "disaggregated":
+        d_body = body
+    else:
+        d_body = dict(body)
+        d_body.pop("prompt_cache_key", None)
+        if session_id:
+            d_body["session_id"] = session_id
     extra_headers = {"x-sessionkv-route": plan.mode,
                      "x-sessionkv-request-id": request_id}
     if session_id:
         extra_headers["x-sessionkv-handle"] = plan.handle_outcome
     if "detail" in plan.terms:
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
-    decode_started = time.perf_counter()
+    decode_started = time.perf_counter() if debug else 0.0
     try:
         if plan.mode == "disaggregated":
             response, status, d_params, prefill_s = await _disaggregated(
@@ -379,7 +396,7 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
             role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
             response, status, d_params = await _answer(
                 state, request, plan, role, path, d_body, request_id, extra_headers,
-                body_unchanged=not session_id and "prompt_cache_key" not in body)
+                body_unchanged=body_unchanged)
     except ApiError as err:
         state.metrics.count_request(endpoint, err.status)
         return error_response(err)
@@ -392,7 +409,7 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     if session_id and plan.mode != "prefill_only":
         await _remember_session(state, plan, session_id, body, d_params)
     state.metrics.count_request(endpoint, status)
-    if logger.isEnabledFor(logging.DEBUG):
+    if debug:
         done = time.perf_counter()
         logger.debug("done request_id=%s in %.1f ms: plan %.1f ms, prefill %.1f ms, "
                      "prefill and decode %.1f ms", request_id, (done - started) * 1e3,

@@ -70,6 +70,9 @@ class EnginePool:
 
     def __post_init__(self):
         self._by_url = {e.url: e for e in self.engines}
+        # The pools are fixed at start-up; routing asks for them on every request.
+        self._by_role = {role: tuple(e for e in self.engines if e.role is role)
+                         for role in Role}
 
     @classmethod
     def from_configs(cls, configs: list[EngineConfig]) -> EnginePool:
@@ -78,8 +81,8 @@ class EnginePool:
     def get(self, url: str) -> Engine | None:
         return self._by_url.get(url)
 
-    def by_role(self, role: Role) -> list[Engine]:
-        return [e for e in self.engines if e.role is role]
+    def by_role(self, role: Role) -> tuple[Engine, ...]:
+        return self._by_role[role]
 
     def mark_failure(self, engine: Engine) -> None:
         engine.consecutive_failures += 1

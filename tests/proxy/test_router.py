@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from vllm_sessionkv.hashing import request_keys
 
 from sessionkv_proxy.config import load_config
 from sessionkv_proxy.engines import EnginePool
+from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.router import Router
 from sessionkv_proxy.upstream import UpstreamPool
@@ -54,3 +57,37 @@ async def test_only_placements_by_cost_are_counted_and_prefill_only_skips_d() ->
         assert placements() == {first.decode.url: 1, other.decode.url: 1}
     finally:
         upstream.close()
+
+
+async def test_a_lone_healthy_decode_worker_is_chosen_without_reading_the_prompt() -> None:
+    """No prefill pool and one healthy D: no choice to make, so no token ids, index
+    lookup or policy (the upstream here is closed: a /tokenize call would fail)."""
+    upstream = UpstreamPool(connect_timeout_s=0.2, request_timeout_s=0.2)
+    upstream.close()
+    text = {"model": "m", "prompt": "x" * 300, "max_tokens": 4}
+
+    def router_for(*decode_urls: str) -> Router:
+        config = load_config(None, {"engines": [{"url": u, "role": "decode"}
+                                                for u in decode_urls],
+                                    "block_size": BS})
+        return Router(config, EnginePool.from_configs(config.engines), MemoryIndex(),
+                      upstream)
+
+    lone = router_for(D1)
+    plan = await lone.plan(text, False, None)
+    assert (plan.mode, plan.reason, plan.decode.url) == ("decode_only",
+                                                         "single_decode_worker", D1)
+    assert plan.prompt_tokens == 100 and plan.max_output_tokens == 4
+
+    # Two D, one of them down: the other is the lone healthy worker.
+    pair = router_for(D1, D2)
+    pair.pool.get(D1).healthy = False
+    plan = await pair.plan(text, False, None)
+    assert (plan.reason, plan.decode.url) == ("single_decode_worker", D2)
+
+    # The only D is down: no shortcut; the policy answers that none is healthy
+    # (until the next /metrics scrape finds it up again).
+    lone.pool.get(D1).healthy = False
+    with pytest.raises(ApiError) as err:
+        await lone.plan({**text, "prompt": list(range(40))}, False, None)
+    assert err.value.status == 503 and "no healthy decode" in str(err.value)
