@@ -124,6 +124,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # The request whose blocks this engine holds for each session, and back.
         self._session_holds: dict[str, str] = {}
         self._hold_sessions: dict[str, str] = {}
+        self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
         self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
         # Host-DRAM tier: this side decides and tracks; the worker copies.
         self.host: HostTierManager | None = None
@@ -778,6 +779,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if counted != self._host_counted:
                 self.stats.record("host_resident_bytes", self.host.resident_bytes)
             self._host_counted = counted
+        if len(self._session_holds) != self._session_holds_reported:
+            self._session_holds_reported = len(self._session_holds)
+            self.stats.record("session_holds", self._session_holds_reported)
         publish_failures = self._publisher.take_failures()
         if publish_failures:
             self.stats.record("session_handles_publish_failed", publish_failures)

@@ -40,6 +40,7 @@ _SESSION_KEYS = (
     "host_restored_blocks",
     "host_evicted_blocks",
     "host_resident_bytes",
+    "session_holds",
     "host_store_s",
     "host_restore_s",
     "idle_step_recv_wait_s",
@@ -138,6 +139,13 @@ class SessionKVPromMetrics(NixlPromMetrics):
                             documentation="Bytes resident in the host-DRAM tier.",
                             labelnames=labelnames, multiprocess_mode="mostrecent"),
             per_engine_labelvalues)
+        self._session_holds = create_metric_per_engine(
+            self._gauge_cls(name="sessionkv_session_holds",
+                            documentation="Sessions whose last turn's KV this engine "
+                                          "holds for the next turn's pull (until it is "
+                                          "read, superseded or its lease ends).",
+                            labelnames=labelnames, multiprocess_mode="mostrecent"),
+            per_engine_labelvalues)
         self._host_restore_s = create_metric_per_engine(
             self._histogram_cls(name="sessionkv_host_restore_seconds",
                                 documentation="Time to restore one request's blocks from "
@@ -232,9 +240,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
         for key, metric in self._histograms.items():
             for seconds in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(seconds)
-        resident = transfer_stats_data.get("host_resident_bytes") or ()
-        if resident:
-            self._host_resident[engine_idx].set(resident[-1])
+        # Gauges: the last value the scheduler reported (it reports on change).
+        for key, gauge in (("host_resident_bytes", self._host_resident),
+                           ("session_holds", self._session_holds)):
+            values = transfer_stats_data.get(key) or ()
+            if values:
+                gauge[engine_idx].set(values[-1])
 
 
 def _per_engine_with_label(metric, per_engine_labelvalues, value: str) -> dict[int, Any]:

@@ -298,8 +298,21 @@ def _cluster_cpu_share(pd_cluster, window_s: float = 10.0) -> float:
     return (cpu_seconds() - before) / window_s
 
 
+def _wait_for_no_session_holds(cluster, timeout_s: float = 150.0) -> None:
+    """Until no D holds a session turn for a next one: an earlier test's session
+    keeps D stepping (paced) for its lease, 120 s by default."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sum(metric_sum(d, "sessionkv_session_holds") for d in cluster.decode)
+        if held == 0:
+            return
+        assert time.monotonic() < deadline, f"{held:g} session holds after {timeout_s} s"
+        time.sleep(1.0)
+
+
 def test_idle_cluster_uses_under_20_percent_of_a_core(pd_cluster):
     """Idle for 10 s, with no session lease held."""
+    _wait_for_no_session_holds(pd_cluster)
     time.sleep(3.0)  # let in-flight work from earlier tests drain
     used = _cluster_cpu_share(pd_cluster)
     print(f"idle 1P+1D cluster: {used * 100:.1f}% of one core over 10 s")
@@ -316,6 +329,9 @@ def test_cluster_holding_a_session_uses_under_half_a_core_and_still_serves_it(pd
                  # D's output fills blocks that only D holds: turn 2 must pull them.
                  completion_body(pd_cluster.model, history, max_tokens=200), headers=session)
     time.sleep(2.0)
+    # D holds the turn for the next one, and says so.
+    assert metric_sum(first.headers["x-sessionkv-decode-engine"],
+                      "sessionkv_session_holds") == 1
     used = _cluster_cpu_share(pd_cluster)
     print(f"1P+1D cluster with D holding a session: {used * 100:.1f}% of one core over 10 s")
     assert used < 0.50, f"a cluster holding one session uses {used * 100:.1f}% of one core"

@@ -41,6 +41,8 @@ def test_recorded_keys_reach_their_series():
     stats.record("prompt_tokens_pulled_from_peer", 139)
     stats.record("early_decode_ready")
     stats.record("host_resident_bytes", 4096)
+    stats.record("session_holds", 3)
+    stats.record("session_holds", 2)   # a gauge: the last value reported wins
     metrics.observe(stats.data, 0)
 
     def value(name, **labels):
@@ -54,6 +56,7 @@ def test_recorded_keys_reach_their_series():
     assert value("sessionkv_prompt_tokens_total", source="pulled_from_peer") == 139
     assert value("sessionkv_early_decode_requests_total", outcome="ready") == 1
     assert value("sessionkv_host_resident_bytes") == 4096
+    assert value("sessionkv_session_holds") == 2
 
 
 def test_every_counted_key_is_a_stats_key():
