@@ -13,6 +13,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -88,11 +89,50 @@ def _read_json(request: Request) -> dict[str, Any]:
     return body
 
 
+# vLLM reads a request with pydantic in lax mode: "5" and 5.0 are a max_tokens of 5,
+# "true" and 1 a stream of True, and no model is its served model.  The proxy reads
+# the fields it acts on the same way, so that a request vLLM serves is served through
+# the proxy too, and means the same to both.
+_LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+_LAX_INT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*", re.ASCII)
+
+
+def _lax_bool(value: Any) -> bool | None:
+    if value is None or value.__class__ is bool:
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.lower()
+        if lowered in _LAX_TRUE:
+            return True
+        if lowered in _LAX_FALSE:
+            return False
+    raise ValueError(value)
+
+
+def _lax_int(value: Any) -> int | None:
+    if value is None or value.__class__ is int:
+        return value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        match = _LAX_INT.fullmatch(value)
+        if match:
+            return int(match.group(1))
+    raise ValueError(value)
+
+
 def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
+    """Refuse what vLLM would refuse on the fields the proxy reads; normalize those
+    fields in ``body`` to what vLLM reads them as."""
     model = body.get("model")
-    if not isinstance(model, str):
-        raise ApiError(400, "'model' is required and must be a string", param="model")
-    if state.model_ids and model not in state.model_ids:
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if model is not None and state.model_ids and model not in state.model_ids:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                        type_="NotFoundError", code="model_not_found")
     if is_chat:
@@ -106,12 +146,19 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt)):
             raise ApiError(400, "'prompt' must be a string or a non-empty list",
                            param="prompt")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
+    if "stream" in body:
+        try:
+            body["stream"] = _lax_bool(body["stream"])
+        except ValueError:
+            raise ApiError(400, "'stream' must be a boolean", param="stream") from None
     for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 0):
+        if key not in body:
+            continue
+        try:
+            value = body[key] = _lax_int(body[key])
+        except ValueError:
+            value = -1
+        if value is not None and value < 0:
             raise ApiError(400, f"'{key}' must be a non-negative integer", param=key)
     if "kv_transfer_params" in body:
         raise ApiError(400, "'kv_transfer_params' is set by the proxy, not the client",

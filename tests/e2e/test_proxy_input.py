@@ -87,14 +87,14 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes, int | None, str | Non
         ("unknown-model-chat", CHAT, enc(dict(chat, model="no-such-model")), 404, "model"),
         ("unknown-model-completion", COMPLETIONS, enc(dict(comp, model="gpt-9")), 404,
          "model"),
-        ("model-missing", COMPLETIONS, enc({"prompt": "x"}), 400, "model"),
+        ("model-number", COMPLETIONS, enc(dict(comp, model=42)), 400, "model"),
         ("max-tokens-string", COMPLETIONS, enc(dict(comp, max_tokens="x")), 400,
          "max_tokens"),
+        ("max-tokens-fraction", COMPLETIONS, enc(dict(comp, max_tokens=2.5)), 400,
+         "max_tokens"),
         ("max-tokens-negative", CHAT, enc(dict(chat, max_tokens=-3)), 400, "max_tokens"),
-        ("max-tokens-bool", CHAT, enc(dict(chat, max_tokens=True)), 400, "max_tokens"),
-        ("stream-string", CHAT, enc(dict(chat, stream="yes")), 400, "stream"),
-        ("stream-string-completion", COMPLETIONS, enc(dict(comp, stream="yes")), 400,
-         "stream"),
+        ("stream-string", CHAT, enc(dict(chat, stream="maybe")), 400, "stream"),
+        ("stream-number", COMPLETIONS, enc(dict(comp, stream=2)), 400, "stream"),
         ("messages-not-list", CHAT, enc(dict(chat, messages="hello")), 400, "messages"),
         ("messages-dict", CHAT, enc(dict(chat, messages={"role": "user"})), 400, "messages"),
         ("messages-empty", CHAT, enc(dict(chat, messages=[])), 400, "messages"),
@@ -125,6 +125,58 @@ def test_bad_input_leaves_proxy_serving(cluster):
     for _, path, data, _, _ in _bad_bodies(cluster.model):
         _assert_openai_error(_raw_post(cluster.proxy, path, data))
     _assert_still_serving(cluster)
+
+
+# Values vLLM's pydantic models accept in lax mode, and what they mean there.
+LAX_CASES = {
+    "no-model": ({"model": None}, None),
+    "model-null": ({"model": None, "keep_null": True}, None),
+    "max-tokens-string": ({"max_tokens": "6"}, None),
+    "max-tokens-float": ({"max_tokens": 6.0}, None),
+    "max-tokens-string-1": ({"max_tokens": " 1 "}, "prefill_only"),
+    "max-tokens-true": ({"max_tokens": True}, "prefill_only"),
+    "stream-1": ({"stream": 1}, None),
+    "stream-string-true": ({"stream": "True"}, None),
+    "stream-string-no": ({"stream": "no"}, None),
+    "stream-null": ({"stream": None}, None),
+}
+
+
+def _lax_body(model: str, path: str, change: dict) -> dict:
+    base = (chat_body(model, MESSAGES, max_tokens=6) if path == CHAT else
+            completion_body(model, "the kato is of rimu and senlo. " * 20, max_tokens=6))
+    change = dict(change)
+    if change.pop("keep_null", False):
+        return {**base, **change}
+    body = {**base, **change}
+    return {k: v for k, v in body.items() if not (k == "model" and v is None)}
+
+
+def _generation(resp: requests.Response):
+    from helpers import parse_generation, parse_stream
+
+    assert resp.status_code == 200, (resp.status_code, resp.text[:500])
+    if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return parse_stream(resp.text, dict(resp.headers))
+    return parse_generation(resp.json(), dict(resp.headers))
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("case", sorted(LAX_CASES))
+def test_values_vllm_reads_leniently_are_served_alike(cluster, case, path):
+    """A request vLLM serves, with a value its pydantic models coerce ("6" tokens, a
+    stream of "True", no model), is served through the proxy too, read the same way:
+    the same stream or whole answer, token for token, and a max_tokens that reads as
+    1 goes to P alone."""
+    change, route = LAX_CASES[case]
+    data = json.dumps(_lax_body(cluster.model, path, change)).encode()
+    got = _raw_post(cluster.proxy, path, data)
+    base = _raw_post(cluster.colocated, path, data)
+    assert got.headers.get("Content-Type", "").split(";")[0] == \
+        base.headers.get("Content-Type", "").split(";")[0]
+    assert_same(_generation(got), _generation(base), case)
+    if route is not None:
+        assert got.headers.get("x-sessionkv-route") == route, dict(got.headers)
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
