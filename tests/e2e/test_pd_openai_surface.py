@@ -5,6 +5,10 @@ Requests beyond the plain prompt-and-decode case, each sent through the proxy
 finish reason and logprobs must be equal, and an error must be an error in both with
 the same status.  Batch prompts are the sharp case: P's one set of transfer
 parameters names one prompt's KV, so D must verify before it attaches anything.
+
+Named to sort after test_pd_foundation: that module starts the session's cluster
+(its start-up time is checked) and measures the idle cluster's CPU before any test
+here leaves P holding blocks no D read (a batch prompt's second prompt).
 """
 
 from __future__ import annotations
