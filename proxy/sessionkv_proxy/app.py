@@ -101,7 +101,7 @@ _LAX_INT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*", re.ASCII)
 def _lax_bool(value: Any) -> bool | None:
     if value is None or value.__class__ is bool:
         return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value in (0, 1):
+    if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     if isinstance(value, str):
         lowered = value.lower()
@@ -156,9 +156,10 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
             continue
         try:
             value = body[key] = _lax_int(body[key])
+            valid = value is None or value >= 0
         except ValueError:
-            value = -1
-        if value is not None and value < 0:
+            valid = False
+        if not valid:
             raise ApiError(400, f"'{key}' must be a non-negative integer", param=key)
     if "kv_transfer_params" in body:
         raise ApiError(400, "'kv_transfer_params' is set by the proxy, not the client",
@@ -166,9 +167,6 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
 
 
 def _session_id(request: Request, body: dict[str, Any], state: ProxyState) -> str | None:
-    if "prompt_cache_key" not in body and "session_id" not in body and \
-            "x-session-id" not in request.headers:
-        return None
     for source, value in (("prompt_cache_key", body.get("prompt_cache_key")),
                           ("X-Session-ID", request.headers.get("x-session-id")),
                           ("session_id", body.get("session_id"))):
@@ -187,17 +185,6 @@ class _Upstream(Exception):
     """A connection-level failure: safe to retry on another worker."""
 
 
-async def _post_json(state: ProxyState, engine: Engine, path: str, body: dict[str, Any],
-                     request_id: str) -> tuple[int, bytes]:
-    assert state.upstream is not None
-    engine.active_requests += 1
-    try:
-        resp = await _send(state, engine, path, _json.encode(body), request_id)
-        return resp.status, await resp.read()
-    finally:
-        engine.active_requests -= 1
-
-
 async def _send(state: ProxyState, engine: Engine, path: str, payload: bytes,
                 request_id: str) -> UpstreamResponse:
     """POST to an engine; the status and headers are in, the body is not yet read."""
@@ -212,8 +199,7 @@ async def _send(state: ProxyState, engine: Engine, path: str, payload: bytes,
         state.metrics.errors.labels("upstream_timeout").inc()
         raise ApiError(504, f"engine {engine.url} did not answer within "
                        f"{state.config.request_timeout_s:g}s", type_="server_error") from None
-    if engine.consecutive_failures or not engine.healthy:
-        state.pool.mark_success(engine)
+    state.pool.mark_success(engine)
     return resp
 
 
@@ -257,12 +243,14 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
     assert engine is not None and state.router is not None
     tried: set[str] = set()
     prompt_tokens = plan.prompt_tokens
+    payload = _json.encode(p_body)
     for attempt in range(state.config.connect_retries + 1):
         current = engine
         tried.add(current.url)
-        current.active_prefill_tokens += prompt_tokens
+        _add_load(current, 1, 0, prompt_tokens)
         try:
-            status, data = await _post_json(state, current, path, p_body, request_id)
+            resp = await _send(state, current, path, payload, request_id)
+            status, data = resp.status, await resp.read()
             break
         except _Upstream as exc:
             # The handle names D's blocks, valid for any P: keep it.
@@ -270,7 +258,7 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
                                                  attempt, request_id, exc)
             plan.prefill = engine
         finally:
-            current.active_prefill_tokens -= prompt_tokens
+            _add_load(current, -1, 0, -prompt_tokens)
     if status != 200:
         raise _PassThrough(status, data)
     out = msgspec.json.decode(data)
@@ -377,6 +365,8 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
 
 def _add_load(engine: Engine, requests: int, decode_tokens: int, prefill_tokens: int
               ) -> None:
+    """What a request adds to an engine's in-flight load while it runs (negative to
+    take it off): the policy's load terms."""
     engine.active_requests += requests
     engine.active_decode_tokens += decode_tokens
     engine.active_prefill_tokens += prefill_tokens

@@ -243,14 +243,9 @@ class Router:
         # (whether to use it, which P, how much the session's D can hand over).  A
         # lone decode worker gets the request whatever its content.
         if not has_prefill_pool:
-            decode_pool = self.pool.by_role(Role.DECODE)
-            if len(decode_pool) == 1:
-                lone = decode_pool[0] if decode_pool[0].healthy else None
-            else:
-                healthy = [e for e in decode_pool if e.healthy]
-                lone = healthy[0] if len(healthy) == 1 else None
-            if lone is not None:
-                return RoutePlan("decode_only", None, lone, "single_decode_worker",
+            healthy = [e for e in self.pool.by_role(Role.DECODE) if e.healthy]
+            if len(healthy) == 1:
+                return RoutePlan("decode_only", None, healthy[0], "single_decode_worker",
                                  terms={"decision_s": time.perf_counter() - started,
                                         "detail": "single decode worker; decode only"},
                                  prompt_tokens=_estimate_tokens(body, is_chat),
