@@ -222,6 +222,30 @@ def test_connector_loads_through_factory_and_plugin():
     assert KVConnectorFactory._registry[CONNECTOR_NAME]() is SessionKVConnector
 
 
+def test_side_channel_ports_do_not_split_the_compile_cache(monkeypatch):
+    """Two engines that differ only in their NIXL side-channel port share one
+    torch.compile cache key (vLLM 0.32 hashed the port into it)."""
+    import vllm.envs as envs
+    from vllm.config.utils import hash_factors
+
+    from vllm_sessionkv.plugin import register
+
+    def env_hash(port: str) -> str:
+        monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", port)
+        return hash_factors(envs.compile_factors())
+
+    unwrapped = getattr(envs.compile_factors, "__wrapped__", envs.compile_factors)
+    monkeypatch.setattr(envs, "compile_factors", unwrapped)  # restored after the test
+    assert env_hash("5600") != env_hash("5700")  # the vLLM behaviour this works around
+    register()
+    register()  # wraps once
+    assert env_hash("5600") == env_hash("5700")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    one_bind = env_hash("5600")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert env_hash("5600") != one_bind  # every other factor still counts
+
+
 def test_entry_point_is_declared():
     from importlib.metadata import entry_points
 
