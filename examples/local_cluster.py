@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size in tokens (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--kv-cache-gb", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE per engine")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0,
+                   help="KV cache per engine in GiB on CPU (--kv-cache-memory-bytes)")
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES values, one per engine "
                                   "in order prefill..., decode..., colocated (GPU hosts)")
     p.add_argument("--log-dir", help="engine logs (default: a temporary directory)")
@@ -66,14 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
+    if args.block_size % 32:
+        p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
+    if not args.kv_cache_gb > 0:
+        p.error("--kv-cache-gb must be above 0")
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
     model = args.model
     if model is None:
         from vllm_sessionkv.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama"))
-    if args.block_size % 32:
-        p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
     spec = ClusterSpec(
         model=model, prefill=args.prefill, decode=args.decode,
         colocated=args.colocated_port is not None, colocated_port=args.colocated_port,

@@ -22,6 +22,10 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 240.0
+# KV cache per test engine: 262,144 tokens of the tiny model, far above any test's
+# need.  vLLM's 1 GiB default put up to nine engines' worth (6.75 GiB more) on this
+# 24 GiB machine while the session cluster and the 2P+2D one ran together.
+TEST_KV_CACHE_GB = 0.25
 # Pull-or-recompute prices for the tiny model in these tests: a 32-token tail costs
 # about 1 ms to recompute at 200 tokens of context and about 4 ms at 2,000, against
 # a fixed 2 ms per pull; each request in P's last step adds 25% to recompute time.
@@ -82,7 +86,7 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
     base = free_port_block(40)
     argv = [sys.executable, str(REPO / "examples" / "local_cluster.py"), "--model", model,
             "--base-port", str(base), "--proxy-port", str(base + 39),
-            "--log-dir", str(log_dir), *args]
+            "--log-dir", str(log_dir), "--kv-cache-gb", str(TEST_KV_CACHE_GB), *args]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -22,6 +22,7 @@ from vllm_sessionkv.launch import (
 
 from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
     SESSION_COST,
+    TEST_KV_CACHE_GB,
     free_port_block,
     launch_cluster,
     stop_cluster,
@@ -61,8 +62,10 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
     extra: list[ManagedProcess] = []
     try:
         base = free_port_block(4)
-        colocated = EngineSpec(role="colocated", model=tiny_model, port=base)
+        colocated = EngineSpec(role="colocated", model=tiny_model, port=base,
+                               kv_cache_space_gb=TEST_KV_CACHE_GB)
         perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
+                               kv_cache_space_gb=TEST_KV_CACHE_GB,
                                side_channel_port=base + 2,
                                nixl_extra={"enforce_handshake_compat": False},
                                extra_args=["--served-model-name", tiny_model])

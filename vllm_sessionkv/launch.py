@@ -59,7 +59,7 @@ class EngineSpec:
     kv_events_replay_port: int | None = None
     block_size: int = 32
     max_model_len: int = 4096
-    kv_cache_space_gb: int = 1
+    kv_cache_space_gb: float = 1.0  # KV cache per engine on CPU
     num_gpu_blocks_override: int | None = None
     # "sessionkv" (ours), "nixl" (stock NixlConnector, bidirectional on: controls).
     connector: str = "sessionkv"
@@ -113,6 +113,9 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
             "--prefix-caching-hash-algo", "sha256", "--seed", "0"]
     if spec.num_gpu_blocks_override:
         argv += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
+    if spec.gpus is None:
+        # The flag, not VLLM_CPU_KVCACHE_SPACE: that one takes whole GiB only.
+        argv += ["--kv-cache-memory-bytes", str(int(spec.kv_cache_space_gb * 2**30))]
     ktc = kv_transfer_config(spec)
     if ktc is not None:
         argv += ["--kv-transfer-config", json.dumps(ktc)]
@@ -128,10 +131,11 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     # The sha256 block-hash seed must agree across engines and the router; a set
     # PYTHONHASHSEED would override it per process.
     env.pop("PYTHONHASHSEED", None)
+    # vLLM's CPU platform lets this legacy variable override --kv-cache-memory-bytes.
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.update({
         "HF_HUB_OFFLINE": "1",
         "VLLM_SERVER_DEV_MODE": "1",          # /reset_prefix_cache for tests
-        "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_space_gb),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         "UCX_NET_DEVICES": "lo",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -288,7 +292,7 @@ class ClusterSpec:
     colocated_port: int | None = None
     block_size: int = 32
     max_model_len: int = 4096
-    kv_cache_space_gb: int = 1
+    kv_cache_space_gb: float = 1.0  # KV cache per engine on CPU
     num_gpu_blocks_override: int | None = None
     connector: str = "sessionkv"
     sessionkv: dict = field(default_factory=dict)

@@ -14,7 +14,7 @@ import time
 import pytest
 import zmq
 
-from cluster import free_port_block
+from cluster import TEST_KV_CACHE_GB, free_port_block
 from helpers import assert_same, completion_body, metric_sum, post
 from sessionkv_proxy.events import BlockRemoved, BlockStored, decode_batch
 from vllm_sessionkv.launch import EngineSpec, start_engine, stop_all, wait_healthy
@@ -63,10 +63,12 @@ def host_engine(tiny_model, tmp_path_factory):
     base = free_port_block(6)
     engine = EngineSpec(
         role="decode", model=tiny_model, port=base, side_channel_port=base + 1,
+        kv_cache_space_gb=TEST_KV_CACHE_GB,
         kv_events_port=base + 2, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=2000,
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": 2.0,
                    "superseded_hold_grace_s": 1.0})
-    colocated = EngineSpec(role="colocated", model=tiny_model, port=base + 4)
+    colocated = EngineSpec(role="colocated", model=tiny_model, port=base + 4,
+                           kv_cache_space_gb=TEST_KV_CACHE_GB)
     procs = [start_engine(engine, "decode-host-tier", log_dir),
              start_engine(colocated, "colocated", log_dir)]
     try:

@@ -25,7 +25,7 @@ import psutil
 import pytest
 import requests
 
-from cluster import free_port_block, launch_cluster, stop_cluster
+from cluster import TEST_KV_CACHE_GB, free_port_block, launch_cluster, stop_cluster
 from helpers import assert_same, chat_body, post
 
 from vllm_sessionkv.launch import (
@@ -89,7 +89,8 @@ def cluster_2p2d(tiny_model, tmp_path_factory):
     ], ready_timeout_s=600)
     extra: list[ManagedProcess] = []
     try:
-        colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1))
+        colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1),
+                               kv_cache_space_gb=TEST_KV_CACHE_GB)
         extra.append(start_engine(colocated, "colocated", log_dir))
         wait_healthy([(extra[0], colocated.url)], timeout_s=400)
         cluster.colocated = colocated.url
