@@ -549,6 +549,29 @@ async def models(state: ProxyState, request: Request) -> Response:
     return Response(200, state.models_body)
 
 
+async def forward_to_any_engine(state: ProxyState, request: Request) -> Response:
+    """Model-level utilities (``/tokenize``, ``/detokenize``): every engine serves the
+    same model, so any healthy one answers; D first, as for ``/v1/models``."""
+    assert state.http is not None
+    engines = [e for e in state.pool.by_role(Role.DECODE) + state.pool.by_role(Role.PREFILL)
+               if e.healthy]
+    if not engines:
+        raise ApiError(503, "no healthy engine")
+    engine = engines[0]
+    try:
+        async with state.http.post(
+                engine.url + request.path, data=request.body,
+                headers={"Content-Type": request.headers.get("content-type",
+                                                             "application/json")}) as resp:
+            body = await resp.read()
+            return Response(resp.status, body,
+                            content_type=resp.headers.get("Content-Type", "application/json"))
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        state.metrics.errors.labels(f"{engine.role.value}_connect").inc()
+        raise ApiError(502, f"engine {engine.url} did not answer {request.path}: "
+                            f"{type(exc).__name__}") from exc
+
+
 async def health(state: ProxyState, request: Request) -> Response:
     healthy = {role.value: sum(e.healthy for e in state.pool.by_role(role)) for role in Role}
     ok = healthy["decode"] > 0
@@ -670,6 +693,8 @@ class ProxyApp:
             {"/v1/completions": {"POST": bind(completions)},
              "/v1/chat/completions": {"POST": bind(chat_completions)},
              "/v1/models": {"GET": bind(models)},
+             "/tokenize": {"POST": bind(forward_to_any_engine)},
+             "/detokenize": {"POST": bind(forward_to_any_engine)},
              "/health": {"GET": bind(health)},
              "/metrics": {"GET": bind(metrics)}},
             error_response=_server_error, max_body_bytes=config.max_body_bytes)

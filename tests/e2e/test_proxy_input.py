@@ -278,3 +278,24 @@ def test_completion_routing_ids_equal_engine_prompt_ids(cluster, case):
     assert routed == engine_ids, (f"router ids ({len(routed or [])}) != engine ids "
                                   f"({len(engine_ids)})")
     print(f"completion {case}: {len(engine_ids)} prompt tokens, router ids equal")
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"prompt": "The sea is wide and grey."}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi there"}],
+                   "add_generation_prompt": True}),
+    ("/tokenize", {"prompt": "abc", "return_token_strs": True}),
+    ("/detokenize", {"tokens": [78, 880, 5, 17]}),
+    ("/detokenize", {"tokens": "not a list"}),
+    ("/tokenize", {}),
+], ids=["prompt", "messages", "token-strs", "detokenize", "detokenize-bad", "empty"])
+def test_tokenizer_utilities_answer_as_the_engine(cluster, path, body):
+    """/tokenize and /detokenize are forwarded: the same status and body as vLLM's."""
+    data = json.dumps(dict(body, model=cluster.model)).encode()
+    got = _raw_post(cluster.proxy, path, data)
+    base = _raw_post(cluster.colocated, path, data)
+    assert got.status_code == base.status_code, (got.status_code, got.text, base.text)
+    if base.status_code == 200:
+        assert got.json() == base.json()
+    else:
+        assert got.json()["error"]["message"] == base.json()["error"]["message"]
