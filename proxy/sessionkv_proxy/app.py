@@ -363,6 +363,11 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
         upstream.release()
 
 
+def _request_id(request: Request) -> str:
+    return request.headers.get("x-request-id") or \
+        f"{_REQUEST_ID_PREFIX}{next(_request_counter)}"
+
+
 def _add_load(engine: Engine, requests: int, decode_tokens: int, prefill_tokens: int
               ) -> None:
     """What a request adds to an engine's in-flight load while it runs (negative to
@@ -379,8 +384,7 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     # The phase timings only feed the debug log.
     debug = logger.isEnabledFor(logging.DEBUG)
     started = time.perf_counter() if debug else 0.0
-    request_id = request.headers.get("x-request-id") or \
-        f"{_REQUEST_ID_PREFIX}{next(_request_counter)}"
+    request_id = _request_id(request)
     try:
         body = _read_json(request)
         _validate(body, is_chat, state)
@@ -549,27 +553,19 @@ async def models(state: ProxyState, request: Request) -> Response:
     return Response(200, state.models_body)
 
 
-async def forward_to_any_engine(state: ProxyState, request: Request) -> Response:
+async def forward_to_decode(state: ProxyState, request: Request) -> Response:
     """Model-level utilities (``/tokenize``, ``/detokenize``): every engine serves the
-    same model, so any healthy one answers; D first, as for ``/v1/models``."""
-    assert state.http is not None
-    engines = [e for e in state.pool.by_role(Role.DECODE) + state.pool.by_role(Role.PREFILL)
-               if e.healthy]
-    if not engines:
-        raise ApiError(503, "no healthy engine")
-    engine = engines[0]
-    try:
-        async with state.http.post(
-                engine.url + request.path, data=request.body,
-                headers={"Content-Type": request.headers.get("content-type",
-                                                             "application/json")}) as resp:
-            body = await resp.read()
-            return Response(resp.status, body,
-                            content_type=resp.headers.get("Content-Type", "application/json"))
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        state.metrics.errors.labels(f"{engine.role.value}_connect").inc()
-        raise ApiError(502, f"engine {engine.url} did not answer {request.path}: "
-                            f"{type(exc).__name__}") from exc
+    same model, so a D answers them as it would directly, through the same send,
+    retry and relay as a decode-only request."""
+    assert state.router is not None
+    engine = state.router.alternative(Role.DECODE, set())
+    if engine is None:
+        raise ApiError(503, "no decode engine available", type_="server_error")
+    plan = RoutePlan("decode_only", None, engine, "model_utility")
+    response, _, _ = await _answer(state, request, plan, Role.DECODE, request.path, {},
+                                   _request_id(request), {}, body_unchanged=True)
+    assert response is not None  # never streamed
+    return response
 
 
 async def health(state: ProxyState, request: Request) -> Response:
@@ -693,8 +689,8 @@ class ProxyApp:
             {"/v1/completions": {"POST": bind(completions)},
              "/v1/chat/completions": {"POST": bind(chat_completions)},
              "/v1/models": {"GET": bind(models)},
-             "/tokenize": {"POST": bind(forward_to_any_engine)},
-             "/detokenize": {"POST": bind(forward_to_any_engine)},
+             "/tokenize": {"POST": bind(forward_to_decode)},
+             "/detokenize": {"POST": bind(forward_to_decode)},
              "/health": {"GET": bind(health)},
              "/metrics": {"GET": bind(metrics)}},
             error_response=_server_error, max_body_bytes=config.max_body_bytes)
