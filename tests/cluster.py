@@ -147,3 +147,41 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
     if code is None:
         cluster.launcher.kill()
     return report
+
+
+class OwnRedis:
+    """A redis-server this test owns: kill, stop, continue, restart on one port."""
+
+    def __init__(self, port: int, log_dir: Path) -> None:
+        self.port, self.log_dir = port, log_dir
+        self.proc = None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        from vllm_sessionkv.launch import start_redis, wait_redis
+
+        self.proc = start_redis(self.port, self.log_dir)
+        wait_redis(self.port, timeout_s=10.0)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.popen.wait(timeout=10)
+
+    def pause(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        from vllm_sessionkv.launch import stop_all
+
+        try:
+            self.resume()
+        except ProcessLookupError:
+            pass
+        stop_all([self.proc], grace_s=5.0)

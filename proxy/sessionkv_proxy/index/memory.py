@@ -32,13 +32,16 @@ class MemoryIndex:
     ``max_blocks_per_slot`` bounds the entries of one engine on one tier (None: no
     bound); the least recently stored entry goes first.  ``clock`` is monotonic
     seconds, injectable so session expiry can be tested without sleeping.
+    ``max_sessions`` bounds the session records; the least recently written go first.
     """
 
     def __init__(self, *, max_blocks_per_slot: int | None = None,
+                 max_sessions: int = 1_000_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_blocks_per_slot is not None and max_blocks_per_slot <= 0:
             raise ValueError(f"max_blocks_per_slot must be positive, got {max_blocks_per_slot}")
         self._max_blocks_per_slot = max_blocks_per_slot
+        self._max_sessions = max_sessions
         self._clock = clock
         self._slot_of: dict[tuple[str, str], int] = {}
         self._pair_of: dict[int, tuple[str, str]] = {}
@@ -168,7 +171,10 @@ class MemoryIndex:
 
     async def put_session(self, session_id: str, record: bytes, ttl_s: float) -> None:
         now = self._clock()
+        self._sessions.pop(session_id, None)  # re-inserted last: oldest first below
         self._sessions[session_id] = (now + ttl_s, bytes(record))
+        while len(self._sessions) > self._max_sessions:
+            del self._sessions[next(iter(self._sessions))]
         # Sweep now and then so abandoned sessions cannot grow the table without bound.
         if len(self._sessions) % 1024 == 0:
             for sid in [s for s, (exp, _) in self._sessions.items() if exp <= now]:
@@ -183,6 +189,19 @@ class MemoryIndex:
             del self._sessions[session_id]
             return None
         return record
+
+    def snapshot(self) -> tuple[list[tuple[str, str, list[tuple[EngineHash, RequestKey]]]],
+                                list[tuple[str, bytes, float]]]:
+        """Everything held, for re-publishing to a shared backend: the entries of
+        each (engine, tier), least recently stored first, and each live session record
+        with its remaining seconds."""
+        entries = [(engine, tier, list(self._entries[slot].items()))
+                   for (engine, tier), slot in self._slot_of.items()]
+        now = self._clock()
+        sessions = [(sid, record, expires_at - now)
+                    for sid, (expires_at, record) in self._sessions.items()
+                    if expires_at > now]
+        return entries, sessions
 
     async def close(self) -> None:
         self._holders.clear()
