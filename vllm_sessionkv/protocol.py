@@ -11,6 +11,8 @@ PROTOCOL_VERSION history:
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "decode_prefill_done",
     "encode_handle",
     "encode_prefill_done",
+    "session_store_key",
 ]
 
 PROTOCOL_VERSION = 1
@@ -54,6 +57,18 @@ FIRST_TOKEN_WANTED_KEY = "first_token"
 
 # Redis key prefix under which engines publish each session's latest handle.
 HANDLE_KEY_PREFIX = "sessionkv:handle:"
+
+
+def session_store_key(session_id: str, tenant: str | None) -> str:
+    """The one name of a session in every shared store (the proxy's session records,
+    the engines' published handles): the tenant (vLLM's ``cache_salt``) is part of
+    it, so one tenant's turns can never overwrite another's record under the same
+    session id.  The tenant is hashed (any string fits, none is stored in clear);
+    the tag before the first ``:`` never contains one, so no session id can make two
+    tenants' keys equal."""
+    tag = "-" if tenant is None else \
+        hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    return f"{tag}:{session_id}"
 
 
 class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):

@@ -15,7 +15,12 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv.protocol import SESSIONKV_PARAMS_KEY, SessionHandle, encode_handle
+from vllm_sessionkv.protocol import (
+    SESSIONKV_PARAMS_KEY,
+    SessionHandle,
+    encode_handle,
+    session_store_key,
+)
 
 __all__ = ["HandlePublisher", "handle_from_params"]
 
@@ -67,8 +72,9 @@ class HandlePublisher:
         if not self.enabled:
             return False
         try:
-            payload = encode_handle(handle_from_params(session_id, params))
-            self._queue.put_nowait((self.key_prefix + session_id, payload, ttl_s))
+            handle = handle_from_params(session_id, params)
+            key = self.key_prefix + session_store_key(session_id, handle.tenant)
+            self._queue.put_nowait((key, encode_handle(handle), ttl_s))
             return True
         except (queue.Full, KeyError, TypeError, ValueError) as exc:
             logger.warning("sessionkv: handle for session %s not published: %r",

@@ -38,6 +38,7 @@ from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
+from sessionkv_proxy.redis_link import LinkState, RedisLink, make_redis_client
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
@@ -71,7 +72,7 @@ class ProxyState:
     upstream: UpstreamPool | None = None  # the request hot path
     router: Router | None = None
     consumer: KVEventConsumer | None = None
-    handles_redis: Any = None
+    redis: RedisLink | None = None  # shared index, sessions and published handles
     early: EarlyDecodeSender | None = None  # P's parameters to Ds that hold requests
     model_ids: frozenset[str] = frozenset()
     models_body: bytes = b""
@@ -84,6 +85,8 @@ def _read_json(request: Request) -> dict[str, Any]:
         body = _body_decoder.decode(request.body)
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body
@@ -161,15 +164,22 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
             valid = False
         if not valid:
             raise ApiError(400, f"'{key}' must be a non-negative integer", param=key)
-    if "kv_transfer_params" in body:
+    xargs = body.get("vllm_xargs")
+    if "kv_transfer_params" in body or (isinstance(xargs, dict)
+                                        and "kv_transfer_params" in xargs):
+        # vLLM also reads it from vllm_xargs: that door is closed the same way.
         raise ApiError(400, "'kv_transfer_params' is set by the proxy, not the client",
                        param="kv_transfer_params")
 
 
 def _session_id(request: Request, body: dict[str, Any], state: ProxyState) -> str | None:
-    for source, value in (("prompt_cache_key", body.get("prompt_cache_key")),
-                          ("X-Session-ID", request.headers.get("x-session-id")),
-                          ("session_id", body.get("session_id"))):
+    """The conversation this request continues: the body's prompt_cache_key, the
+    configured session headers in order, then the body's session_id."""
+    headers = request.headers
+    sources = [("prompt_cache_key", body.get("prompt_cache_key"))]
+    sources += [(name, headers.get(name.lower())) for name in state.config.session_headers]
+    sources.append(("session_id", body.get("session_id")))
+    for source, value in sources:
         if value is None:
             continue
         if not valid_session_id(value, state.config.max_session_id_chars):
@@ -342,11 +352,20 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
                 acct = _accounting_header(params)
                 if acct:
                     headers.append(("x-sessionkv-decode", acct))
+                if params and not state.config.return_kv_transfer_params:
+                    # D's handle (engine id, NIXL address, blocks, hash chain, session
+                    # and tenant) is the proxy's business; the client sees what a
+                    # plain vLLM server sends.
+                    out["kv_transfer_params"] = None
+                    data = _json.encode(out)
             return (Response(upstream.status, data, headers, content_type=None),
                     upstream.status, params)
         await request.start_stream(200, headers)
         try:
             async for chunk in upstream.iter_chunks():
+                engine.alive(time.monotonic())
+                if chunk.endswith(b"data: [DONE]\n\n"):
+                    request.stream_done = True   # the client may close once it has it
                 await request.write(chunk)
         except (ConnectionResetError, asyncio.TimeoutError) as exc:
             # Either side may end it; only the engine's side is an error of ours.  The
@@ -357,6 +376,7 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
                                request_id, engine.url, exc)
             raise ConnectionResetError("stream ended early") from exc
         request.end_stream()   # before the session is stored: the client is done
+        request.stream_done = True
         return None, 200, None
     finally:
         _add_load(engine, -1, -decode_load, -prefill_load)
@@ -380,7 +400,8 @@ def _add_load(engine: Engine, requests: int, decode_tokens: int, prefill_tokens:
 # --------------------------------------------------------------------------- handlers
 async def _generate(state: ProxyState, request: Request, path: str, is_chat: bool
                     ) -> Response | None:
-    endpoint = "chat" if is_chat else "completions"
+    """Route and answer one generation request.  Counting its outcome is the
+    caller's (``_counted``), so that every way out is counted once."""
     # The phase timings only feed the debug log.
     debug = logger.isEnabledFor(logging.DEBUG)
     started = time.perf_counter() if debug else 0.0
@@ -392,11 +413,12 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         assert state.router is not None
         plan = await state.router.plan(body, is_chat, session_id)
     except ApiError as err:
-        state.metrics.count_request(endpoint, err.status)
         return error_response(err)
 
     plan_done = time.perf_counter() if debug else 0.0
     prefill_s = 0.0
+    if plan.degraded:
+        state.metrics.degraded.labels(plan.degraded).inc()
     state.metrics.count_route(plan.mode, plan.reason, plan.handle_outcome,
                               plan.terms.get("decision_s", 0.0), len(plan.prompt_keys))
     if debug:
@@ -439,17 +461,14 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
                 state, request, plan, role, path, d_body, request_id, extra_headers,
                 body_unchanged=body_unchanged)
     except ApiError as err:
-        state.metrics.count_request(endpoint, err.status)
         return error_response(err)
     except _PassThrough as exc:
-        state.metrics.count_request(endpoint, exc.status)
         return Response(exc.status, exc.body)
 
     # A prefill-only turn leaves the session where it was: its D (and any handle
     # there) still serves the next turn, and P's copy is in the index.
     if session_id and plan.mode != "prefill_only":
         await _remember_session(state, plan, session_id, body, d_params)
-    state.metrics.count_request(endpoint, status)
     if debug:
         done = time.perf_counter()
         logger.debug("done request_id=%s in %.1f ms: plan %.1f ms, prefill %.1f ms, "
@@ -537,12 +556,39 @@ async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
         logger.warning("session %s not stored: %r", session_id, exc)
 
 
+async def _counted(state: ProxyState, request: Request, endpoint: str, path: str,
+                   is_chat: bool) -> Response | None:
+    """``_generate``, with every outcome counted in ``requests_total``: the status
+    answered, 499 for a client that left before its answer was complete, 502 for an
+    engine stream that broke, 500 (and ``errors{kind="internal"}``) for a bug."""
+    status = 500
+    try:
+        response = await _generate(state, request, path, is_chat)
+        status = response.status if response is not None else 200
+        return response
+    except RecursionError:  # a body nested deeper than a step of ours can walk
+        response = error_response(ApiError(400, "request body is nested too deeply"))
+        status = 400
+        return response
+    except (ConnectionResetError, BrokenPipeError):
+        status = 200 if request.stream_done else 499 if request.client_gone else 502
+        raise
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    except Exception:
+        state.metrics.errors.labels("internal").inc()
+        raise
+    finally:
+        state.metrics.count_request(endpoint, status)
+
+
 async def completions(state: ProxyState, request: Request) -> Response | None:
-    return await _generate(state, request, "/v1/completions", is_chat=False)
+    return await _counted(state, request, "completions", "/v1/completions", is_chat=False)
 
 
 async def chat_completions(state: ProxyState, request: Request) -> Response | None:
-    return await _generate(state, request, "/v1/chat/completions", is_chat=True)
+    return await _counted(state, request, "chat", "/v1/chat/completions", is_chat=True)
 
 
 async def models(state: ProxyState, request: Request) -> Response:
@@ -568,11 +614,51 @@ async def forward_to_decode(state: ProxyState, request: Request) -> Response:
     return response
 
 
+# An event stream whose newest batch arrived later than this after it was published
+# makes /health say "degraded": the index lags the engines.
+_EVENT_LAG_DEGRADED_S = 5.0
+
+
+def health_report(state: ProxyState) -> tuple[int, dict[str, Any]]:
+    """What /health answers: 200 while the proxy can serve (a decode engine takes
+    requests), 503 otherwise; ``status`` is "degraded" with each problem named when
+    it serves with less than it should (an engine out, Redis down, events lagging)."""
+    now = time.monotonic()
+    problems: list[str] = []
+    engines = []
+    for e in state.pool.engines:
+        engine_state = "up" if e.available else "stalled" if e.healthy else "unreachable"
+        if engine_state != "up":
+            problems.append(f"{e.role.value} engine {e.url} {engine_state}")
+        engines.append({"url": e.url, "role": e.role.value, "state": engine_state,
+                        "in_flight": e.active_requests,
+                        "last_answer_s_ago": round(now - e.last_alive_s, 1)})
+    available = {role.value: sum(e.available for e in state.pool.by_role(role))
+                 for role in Role}
+    report: dict[str, Any] = {"healthy": available, "engines": engines}
+    if state.redis is not None:
+        report["redis"] = state.redis.health()
+        if state.redis.state is not LinkState.UP:
+            problems.append(f"redis {state.redis.state.value}: routing from this "
+                            "replica's own index and sessions")
+    if state.consumer is not None:
+        events = {}
+        for engine, stats in state.consumer.stats().items():
+            events[engine] = {"last_lag_s": round(stats.last_lag_s, 3),
+                              "batches_lost": stats.batches_lost,
+                              "index_errors": stats.index_errors}
+            if stats.last_lag_s > _EVENT_LAG_DEGRADED_S:
+                problems.append(f"kv events of {engine} lag {stats.last_lag_s:.1f} s")
+        report["events"] = events
+    serving = available["decode"] > 0
+    report["status"] = "unavailable" if not serving else "degraded" if problems else "ok"
+    report["problems"] = problems
+    return (200 if serving else 503), report
+
+
 async def health(state: ProxyState, request: Request) -> Response:
-    healthy = {role.value: sum(e.healthy for e in state.pool.by_role(role)) for role in Role}
-    ok = healthy["decode"] > 0
-    return Response(200 if ok else 503,
-                    _json.encode({"status": "ok" if ok else "unavailable", "healthy": healthy}))
+    status, report = health_report(state)
+    return Response(status, _json.encode(report))
 
 
 async def metrics(state: ProxyState, request: Request) -> Response:
@@ -589,6 +675,9 @@ async def metrics(state: ProxyState, request: Request) -> Response:
             state.metrics.undecodable.labels(engine).set(stats.batches_undecodable)
     for engine in state.pool.engines:
         state.metrics.in_flight.labels(engine.url).set(engine.active_requests)
+        state.metrics.engine_available.labels(engine.url).set(1 if engine.available else 0)
+    if state.redis is not None:
+        state.metrics.redis_up.set(1 if state.redis.available else 0)
     return Response(200, generate_latest(state.metrics.registry),
                     content_type=CONTENT_TYPE_LATEST)
 
@@ -653,14 +742,28 @@ async def _check_local_tokenizer(state: ProxyState) -> None:
                  local.path, bad[0], bad[1])
 
 
-def _make_index(config: ProxyConfig) -> KVIndex:
-    if config.index.backend == "redis":
-        from sessionkv_proxy.index.redis import RedisIndex
+def _make_index(config: ProxyConfig, metrics: ProxyMetrics
+                ) -> tuple[KVIndex, RedisLink | None]:
+    """The index (and the Redis link it and the published handles share): in-process,
+    or Redis with the in-process copy to fall back on."""
+    local = MemoryIndex(max_blocks_per_slot=config.index.max_blocks_per_engine)
+    if config.index.backend != "redis":
+        return local, None
+    from sessionkv_proxy.index.fallback import FallbackIndex
+    from sessionkv_proxy.index.redis import RedisIndex
 
-        return RedisIndex.from_url(config.index.redis_url,
-                                   namespace=config.index.redis_prefix.rstrip(":") or "skv",
-                                   max_blocks_per_slot=config.index.max_blocks_per_engine)
-    return MemoryIndex(max_blocks_per_slot=config.index.max_blocks_per_engine)
+    cfg = config.index
+    link = RedisLink(make_redis_client(cfg.redis_url, max_connections=cfg.redis_max_connections,
+                                       timeout_s=cfg.redis_timeout_s),
+                     timeout_s=cfg.redis_timeout_s, failures_to_open=cfg.redis_failures_to_open,
+                     retry_interval_s=cfg.redis_retry_interval_s,
+                     on_error=lambda kind: metrics.errors.labels(kind).inc())
+    remote = RedisIndex(link.client, namespace=cfg.redis_prefix.rstrip(":") or "skv",
+                        max_blocks_per_slot=cfg.max_blocks_per_engine)
+    index = FallbackIndex(remote, local, link, engines=[e.url for e in config.engines],
+                          on_fallback=lambda op: metrics.redis_fallbacks.labels(op).inc(),
+                          on_republish=metrics.redis_republishes.inc)
+    return index, link
 
 
 def _server_error(status: int, message: str) -> Response:
@@ -671,10 +774,13 @@ class ProxyApp:
     """The proxy's state, its routes and their lifecycle (start, then stop)."""
 
     def __init__(self, config: ProxyConfig, index: KVIndex | None = None) -> None:
+        counters = ProxyMetrics(redis=index is None and config.index.backend == "redis")
+        link = None
+        if index is None:
+            index, link = _make_index(config, counters)
         self.state = ProxyState(config=config, pool=EnginePool.from_configs(config.engines),
-                                index=index if index is not None else _make_index(config),
-                                metrics=ProxyMetrics())
-        self._scraper: asyncio.Task | None = None
+                                index=index, metrics=counters, redis=link)
+        self._background: list[asyncio.Task] = []
         state = self.state
 
         def bind(handler):
@@ -706,13 +812,7 @@ class ProxyApp:
                                           sock_connect=config.connect_timeout_s))
         state.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s,
                                       request_timeout_s=config.request_timeout_s)
-        handles_url = config.index.redis_url
-        if handles_url:
-            import redis.asyncio as aioredis
-
-            state.handles_redis = aioredis.Redis.from_url(handles_url)
-        state.router = Router(config, state.pool, state.index, state.upstream,
-                              state.handles_redis)
+        state.router = Router(config, state.pool, state.index, state.upstream, state.redis)
         early_endpoints = [e.early_decode for e in config.decode if e.early_decode]
         if early_endpoints:
             state.early = EarlyDecodeSender(early_endpoints)
@@ -727,10 +827,15 @@ class ProxyApp:
         if state.router.local_tokenizer is not None:
             state.router.check_local_tokenizer = lambda: _check_local_tokenizer(state)
             await _check_local_tokenizer(state)
-        self._scraper = asyncio.create_task(state.pool.scrape_forever(
+        self._background.append(asyncio.create_task(state.pool.scrape_forever(
             state.http, config.metrics_scrape_interval_s, config.metrics_scrape_timeout_s,
-            on_slow=lambda e: state.metrics.errors.labels("metrics_scrape_slow").inc()),
-            name="metrics-scraper")
+            on_slow=lambda e: state.metrics.errors.labels("metrics_scrape_slow").inc(),
+            stall_s=config.engine_stall_s,
+            on_stall=lambda e: state.metrics.errors.labels("engine_stalled").inc()),
+            name="metrics-scraper"))
+        maintain = getattr(state.index, "maintain", None)
+        if maintain is not None:
+            self._background.append(asyncio.create_task(maintain(), name="index-upkeep"))
         await self.server.start(config.host, config.port)
         logger.info("proxy ready on %s:%d: %d prefill, %d decode engines, index=%s, "
                     "policy=%s", config.host, config.port, len(config.prefill),
@@ -740,9 +845,9 @@ class ProxyApp:
         """Stop accepting, finish in-flight requests up to ``grace_s``, close all."""
         state = self.state
         await self.server.stop(grace_s)
-        if self._scraper is not None:
-            self._scraper.cancel()
-            await asyncio.gather(self._scraper, return_exceptions=True)
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if state.consumer is not None:
             await state.consumer.stop()
         if state.http is not None:
@@ -752,8 +857,8 @@ class ProxyApp:
         if state.early is not None:
             state.early.close()
         await state.index.close()
-        if state.handles_redis is not None:
-            await state.handles_redis.aclose()
+        if state.redis is not None:
+            await state.redis.aclose()
 
 
 def create_app(config: ProxyConfig, index: KVIndex | None = None) -> ProxyApp:

@@ -57,8 +57,24 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis_prefix: str = "sessionkv:"
     # Bound on index entries per engine and tier; the oldest are dropped first.
     max_blocks_per_engine: int = 1_000_000
+    # Redis is an accelerator (see redis_link.py): each call waits at most about
+    # twice this; after redis_failures_to_open failures in a row the proxy stops
+    # calling it and routes from its own copy, pinging every redis_retry_interval_s
+    # (doubling up to 10 s) until it answers, then re-publishes what it missed.
+    redis_timeout_s: float = 0.25
+    redis_failures_to_open: int = 3
+    redis_retry_interval_s: float = 1.0
+    # Connections to Redis; a request waits for a free one (within its deadline).
+    redis_max_connections: int = 256
 
     def __post_init__(self):
+        for key in ("redis_timeout_s", "redis_retry_interval_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"index.{key} must be > 0")
+        for key in ("redis_failures_to_open", "redis_max_connections",
+                    "max_blocks_per_engine"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"index.{key} must be >= 1")
         if self.backend not in ("memory", "redis"):
             raise ValueError(f"index.backend must be 'memory' or 'redis', got {self.backend!r}")
         if self.backend == "redis" and not self.redis_url:
@@ -108,6 +124,17 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # connections mark an engine unhealthy.
     metrics_scrape_timeout_s: float = 5.0
     session_ttl_s: float = 3600.0
+    # Headers that name a conversation, checked in this order after the body's
+    # prompt_cache_key and before its session_id (case-insensitive).  X-Session-ID is
+    # ours; X-Session-Affinity is what opencode and pi-ai send with their session id.
+    session_headers: list[str] = msgspec.field(
+        default_factory=lambda: ["X-Session-ID", "X-Session-Affinity"])
+    # An engine with no sign of life (answer, streamed chunk, metrics scrape) for this
+    # long gets no new requests until it answers (0: never); see engines.py.
+    engine_stall_s: float = 10.0
+    # Answers keep D's kv_transfer_params (engine ids, NIXL addresses, block ids) only
+    # when true, for clients that run their own P/D; by default they are removed.
+    return_kv_transfer_params: bool = False
     log_level: str = "INFO"
     # Let D continue from the token P sampled (the engines' first_token_handoff);
     # False asks each P not to export it, so D recomputes the last prompt token.
@@ -123,6 +150,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             from sessionkv_proxy.tokenizer import LocalTokenizer
 
             LocalTokenizer.load(self.tokenizer)  # fail at start-up, naming the key
+        if self.engine_stall_s < 0:
+            raise ValueError("engine_stall_s must be >= 0")
+        for name in self.session_headers:
+            if not name or not all(c.isalnum() or c in "-_" for c in name):
+                raise ValueError(f"session_headers: not a header name: {name!r}")
         if self.block_size <= 0 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
 

@@ -3,6 +3,14 @@
 Two load signals: the proxy's own in-flight accounting (exact, immediate, but blind
 to traffic that bypasses this replica) and a periodic scrape of each engine's
 ``/metrics`` (queue depth, KV usage; shared truth, but seconds old).
+
+Two health signals.  Refused or broken connections mark an engine unhealthy (two in
+a row).  An engine that accepts connections but stops answering (a hung or stopped
+process) is caught by behaviour: every answer from it (a scrape, a response's
+headers, a streamed chunk) is a sign of life, and an engine with no sign of life for
+``stall_s`` while the proxy keeps asking (the scraper always does) is *stalled* and
+gets no new requests until it answers again.  Requests already sent keep their own
+timeout.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ class Engine:
     running_requests: float = 0.0
     kv_usage: float = 0.0
     healthy: bool = True
+    stalled: bool = False
+    last_alive_s: float = field(default_factory=time.monotonic)
     last_scrape_s: float = 0.0
     consecutive_failures: int = 0
     served_requests: int = 0
@@ -61,6 +71,18 @@ class Engine:
     @property
     def role(self) -> Role:
         return self.config.role
+
+    @property
+    def available(self) -> bool:
+        """Takes new requests: connections succeed and it is not stalled."""
+        return self.healthy and not self.stalled
+
+    def alive(self, now_s: float) -> None:
+        """A sign of life: an answer, a streamed chunk, a scrape."""
+        self.last_alive_s = now_s
+        if self.stalled:
+            self.stalled = False
+            logger.info("engine %s answers again; taking new requests", self.url)
 
 
 @dataclass
@@ -92,15 +114,38 @@ class EnginePool:
 
     def mark_success(self, engine: Engine) -> None:
         engine.consecutive_failures = 0
+        engine.alive(time.monotonic())
         if not engine.healthy:
             engine.healthy = True
             logger.info("engine %s healthy again", engine.url)
 
+    def check_stall(self, engine: Engine, stall_s: float, now_s: float) -> bool:
+        """Mark ``engine`` stalled when it has shown no sign of life for ``stall_s``
+        (0: never); True when this call marked it."""
+        if stall_s <= 0 or engine.stalled or now_s - engine.last_alive_s <= stall_s:
+            return False
+        engine.stalled = True
+        logger.warning("engine %s stalled: no answer for %.1f s (%d requests in "
+                       "flight); no new requests until it answers", engine.url,
+                       now_s - engine.last_alive_s, engine.active_requests)
+        return True
+
     async def scrape_forever(self, session: aiohttp.ClientSession, interval_s: float,
-                             timeout_s: float = 5.0, on_slow=None) -> None:
+                             timeout_s: float = 5.0, on_slow=None, stall_s: float = 0.0,
+                             on_stall=None) -> None:
+        """One scrape loop per engine, so a hung engine's timeouts never delay the
+        others' scrapes (or their signs of life)."""
+        await asyncio.gather(*(self._scrape_engine_forever(
+            session, e, interval_s, timeout_s, on_slow, stall_s, on_stall)
+            for e in self.engines))
+
+    async def _scrape_engine_forever(self, session, engine: Engine, interval_s: float,
+                                     timeout_s: float, on_slow, stall_s: float,
+                                     on_stall) -> None:
         while True:
-            await asyncio.gather(*(self._scrape(session, e, timeout_s, on_slow)
-                                   for e in self.engines))
+            await self._scrape(session, engine, timeout_s, on_slow)
+            if self.check_stall(engine, stall_s, time.monotonic()) and on_stall:
+                on_stall(engine)
             await asyncio.sleep(interval_s)
 
     async def _scrape(self, session: aiohttp.ClientSession, engine: Engine,

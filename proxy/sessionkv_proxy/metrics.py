@@ -37,7 +37,7 @@ _PROMPT_BLOCKS = ("sessionkv_proxy_prompt_blocks", "Full prompt blocks per route
 
 
 class ProxyMetrics:
-    def __init__(self) -> None:
+    def __init__(self, redis: bool = False) -> None:
         # Per-request counts (see the module docstring), keyed by label values.
         self._requests: dict[tuple[str, int], int] = {}
         self._decisions: dict[tuple[str, str], int] = {}
@@ -71,6 +71,28 @@ class ProxyMetrics:
                                "failure.", ["role"], registry=r)
         self.in_flight = Gauge("sessionkv_proxy_in_flight_requests",
                                "Requests in flight per engine.", ["engine"], registry=r)
+        self.engine_available = Gauge(
+            "sessionkv_proxy_engine_available",
+            "1 while an engine takes new requests; 0 while it refuses connections or "
+            "is stalled (no answer for engine_stall_s).", ["engine"], registry=r)
+        self.degraded = Counter(
+            "sessionkv_proxy_degraded_requests",
+            "Requests routed with less than the usual view, by reason "
+            "(redis_unavailable: index and sessions read from this replica's copy).",
+            ["reason"], registry=r)
+        if redis:
+            self.redis_up = Gauge(
+                "sessionkv_proxy_redis_up",
+                "1 while Redis serves the index and sessions; 0 while it is down or "
+                "the proxy re-publishes what it missed.", registry=r)
+            self.redis_fallbacks = Counter(
+                "sessionkv_proxy_redis_fallbacks",
+                "Reads served from the proxy's own copy because Redis did not answer, "
+                "by operation.", ["op"], registry=r)
+            self.redis_republishes = Counter(
+                "sessionkv_proxy_redis_republishes",
+                "Times the proxy re-published its index and sessions to Redis after an "
+                "outage or a Redis restart.", registry=r)
 
     def count_request(self, endpoint: str, status: int) -> None:
         """One answered request (``sessionkv_proxy_requests``)."""

@@ -542,9 +542,12 @@ def route(
     except NoWorkerAvailable:
         if not params.decode_only_without_prefill:
             raise
+        # A deployment without P (co-located) is not one whose P are down.
+        why = ("no healthy prefill worker" if any(w.role is Role.PREFILL for w in workers)
+               else "co-located, no prefill pool")
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
-            reason=f"{decode_reason}; decode only: no healthy prefill worker",
+            reason=f"{decode_reason}; decode only: {why}",
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)

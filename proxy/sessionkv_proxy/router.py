@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from vllm_sessionkv.hashing import request_keys
-from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX, SESSIONKV_PARAMS_KEY
+from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX, SESSIONKV_PARAMS_KEY, session_store_key
 
 from sessionkv_proxy import policy
 from sessionkv_proxy.config import ProxyConfig, Role
@@ -31,6 +31,7 @@ from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex
 from sessionkv_proxy.recent import RecentRoutes
+from sessionkv_proxy.redis_link import RedisLink, RedisUnavailable
 from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
@@ -60,16 +61,20 @@ class RoutePlan:
     handle_outcome: str = "none"
     prompt_tokens: int = 0
     max_output_tokens: int | None = None  # the request's cap on new tokens, as vLLM reads it
+    # Why this decision had less to go on than usual (e.g. Redis unavailable: the
+    # index and sessions were read from this replica's own copy); None when not.
+    degraded: str | None = None
 
 
 class Router:
     def __init__(self, config: ProxyConfig, pool: EnginePool, index: KVIndex,
-                 upstream: UpstreamPool, handles_redis=None, rng: random.Random | None = None):
+                 upstream: UpstreamPool, redis: RedisLink | None = None,
+                 rng: random.Random | None = None):
         self.config = config
         self.upstream = upstream  # the hot path's client, also for /tokenize
         self.pool = pool
         self.index = index
-        self.handles_redis = handles_redis
+        self.redis = redis  # the engines' published handles live there
         self.rng = rng or random.Random()
         self.params = policy.routing_params_from_config(config.routing.params)
         # KV bytes per token of the served model, to price peer pulls; 0 = unknown,
@@ -107,7 +112,7 @@ class Router:
                     self._tokenizer_check = asyncio.create_task(self.check_local_tokenizer())
         if self.config.tokenizer == "none":
             return None
-        engines = [e for e in self.pool.engines if e.healthy] or self.pool.engines
+        engines = [e for e in self.pool.engines if e.available] or self.pool.engines
         engine = engines[0]
         if is_chat:
             req = {k: body[k] for k in ("model", "messages", "add_generation_prompt",
@@ -141,24 +146,27 @@ class Router:
         return tokens if isinstance(tokens, list) else None
 
     # ------------------------------------------------------------ sessions
-    async def load_session(self, session_id: str | None) -> SessionRecord | None:
+    async def load_session(self, session_id: str | None, tenant: str | None
+                           ) -> SessionRecord | None:
         if not session_id:
             return None
-        raw = await self.index.get_session(session_id)
-        return decode_record(raw) if raw else None
+        raw = await self.index.get_session(session_store_key(session_id, tenant))
+        record = decode_record(raw) if raw else None
+        # A record stored under this key is this tenant's; the check guards old ones.
+        return record if record is not None and record.tenant == tenant else None
 
     async def save_session(self, record: SessionRecord) -> None:
         record.updated_at_unix_s = time.time()
-        await self.index.put_session(record.session_id, encode_record(record),
-                                     self.config.session_ttl_s)
+        await self.index.put_session(session_store_key(record.session_id, record.tenant),
+                                     encode_record(record), self.config.session_ttl_s)
 
-    async def _published_handle(self, session_id: str) -> dict | None:
-        if self.handles_redis is None:
+    async def _published_handle(self, session_id: str, tenant: str | None) -> dict | None:
+        if self.redis is None or not self.redis.available:
             return None
+        key = HANDLE_KEY_PREFIX + session_store_key(session_id, tenant)
         try:
-            raw = await self.handles_redis.get(HANDLE_KEY_PREFIX + session_id)
-        except Exception as exc:  # a handle is an optimisation; never fail the request
-            logger.warning("reading published handle failed: %r", exc)
+            raw = await self.redis.call("get_handle", lambda: self.redis.client.get(key))
+        except RedisUnavailable:  # a handle is an optimisation; never fail the request
             return None
         handle = decode_published_handle(raw)
         if handle is None:
@@ -175,7 +183,7 @@ class Router:
             return None, "none", ""
         params, source = (record.handle_params if record else None), "record"
         if params is None:
-            params, source = await self._published_handle(session_id), "published"
+            params, source = await self._published_handle(session_id, tenant), "published"
         if params is None:
             return None, "none", ""
         ours = params.get(SESSIONKV_PARAMS_KEY) or {}
@@ -187,7 +195,7 @@ class Router:
         return params, "attached", source
 
     async def _consume_handle(self, record: SessionRecord | None, session_id: str,
-                              source: str) -> bool:
+                              tenant: str | None, source: str) -> bool:
         """Take a handle for one P request; False if another request already took it.
 
         A handle is single-use: P's read tells D to release the blocks, after which
@@ -198,18 +206,20 @@ class Router:
         if source == "record" and record is not None:
             record.handle_params = None
             await self.save_session(record)
-        if self.handles_redis is None:
+        if self.redis is None:
             return True
+        key = HANDLE_KEY_PREFIX + session_store_key(session_id, tenant)
         try:
-            deleted = await self.handles_redis.delete(HANDLE_KEY_PREFIX + session_id)
-        except Exception as exc:
-            logger.warning("consuming published handle failed: %r", exc)
+            deleted = await self.redis.call("consume_handle",
+                                            lambda: self.redis.client.delete(key))
+        except RedisUnavailable:
+            # A published handle cannot be taken atomically now: leave it to D's lease.
             return source == "record"
         return source == "record" or deleted == 1
 
     # ------------------------------------------------------------ decision
     def _next(self, role: Role, exclude: set[str] = frozenset()) -> Engine:
-        engines = [e for e in self.pool.by_role(role) if e.healthy and e.url not in exclude]
+        engines = [e for e in self.pool.by_role(role) if e.available and e.url not in exclude]
         if not engines:
             engines = [e for e in self.pool.by_role(role) if e.url not in exclude]
         if not engines:
@@ -230,7 +240,7 @@ class Router:
         if self.config.routing.policy == "round_robin":
             decode = self._next(Role.DECODE)
             if not has_prefill_pool:
-                return RoutePlan("decode_only", None, decode, "no_prefill_pool",
+                return RoutePlan("decode_only", None, decode, "colocated",
                                  max_output_tokens=max_output)
             prefill = self._next(Role.PREFILL)
             return RoutePlan("disaggregated", prefill, decode, "round_robin",
@@ -243,7 +253,7 @@ class Router:
         # (whether to use it, which P, how much the session's D can hand over).  A
         # lone decode worker gets the request whatever its content.
         if not has_prefill_pool:
-            healthy = [e for e in self.pool.by_role(Role.DECODE) if e.healthy]
+            healthy = [e for e in self.pool.by_role(Role.DECODE) if e.available]
             if len(healthy) == 1:
                 return RoutePlan("decode_only", None, healthy[0], "single_decode_worker",
                                  terms={"decision_s": time.perf_counter() - started,
@@ -253,9 +263,10 @@ class Router:
         token_ids = await self.prompt_token_ids(body, is_chat)
         keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
                 if token_ids else [])
-        record = await self.load_session(session_id)
+        record = await self.load_session(session_id, tenant)
         handle, outcome, source = await self._usable_handle(record, session_id, tenant)
         matches = await self.index.lookup(keys) if keys else {}
+        degraded = "redis_unavailable" if getattr(self.index, "degraded", False) else None
         now_s = time.time()
         for engine, depth in self.recent.overlaps(keys, now_s).items():
             tiers = matches.setdefault(engine, {})
@@ -274,8 +285,12 @@ class Router:
                                               expires_at_s=expires_at)
         block_size = self.config.block_size
         placed = self.recent.placement_counts(now_s)
+        # A stalled engine takes no new requests while another of its role can; when
+        # every D looks stalled, the D pool is tried anyway (slow beats a 503).
+        any_decode = any(e.available for e in self.pool.by_role(Role.DECODE))
         workers = [policy.WorkerLoad(
-            url=e.url, role=policy.Role(e.role.value), healthy=e.healthy,
+            url=e.url, role=policy.Role(e.role.value),
+            healthy=e.available or (e.healthy and not any_decode and e.role is Role.DECODE),
             active_requests=max(e.active_requests,
                                 int(e.running_requests + e.waiting_requests)),
             active_prefill_blocks=e.active_prefill_tokens / block_size,
@@ -309,7 +324,7 @@ class Router:
         prefill_params = None
         if mode == "disaggregated":
             if handle is not None and not await self._consume_handle(record, session_id,
-                                                                     source):
+                                                                     tenant, source):
                 handle, outcome = None, "consumed_elsewhere"
             prefill_params = (handle_params_for_prefill(handle) if handle is not None
                               else _fresh_prefill_params())
@@ -317,14 +332,16 @@ class Router:
             outcome = f"unused_{mode}"
         terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
-                 "detail": decision.reason,
+                 "detail": decision.reason + (
+                     "; index and sessions from this replica (redis unavailable)"
+                     if degraded else ""),
                  "prefill": {t.url: round(t.cost, 3) for t in decision.prefill_candidates},
                  "decode": {t.url: round(t.cost, 3) for t in decision.decode_candidates}}
         return RoutePlan(mode, prefill, decode, _reason_label(decision.reason),
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,
                          prompt_tokens=len(token_ids) if token_ids else num_tokens,
-                         max_output_tokens=max_output)
+                         max_output_tokens=max_output, degraded=degraded)
 
 
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:
@@ -355,7 +372,8 @@ def _max_output_tokens(body: dict[str, Any], is_chat: bool) -> int | None:
 
 def _reason_label(reason: str) -> str:
     """A bounded label for metrics from the policy's free-text reason."""
-    for needle, label in (("no healthy prefill", "no_prefill_worker"),
+    for needle, label in (("no prefill pool", "colocated"),
+                          ("no healthy prefill", "no_prefill_worker"),
                           ("decode only", "small_increment"),
                           ("prefill only", "no_decode"),
                           ("increment too large", "increment_too_large"),

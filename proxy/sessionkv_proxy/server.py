@@ -95,7 +95,7 @@ class Request:
     """One parsed request, and the means to answer it by streaming."""
 
     __slots__ = ("method", "path", "query", "headers", "body", "_conn", "_keep_alive",
-                 "_version", "_streaming", "_chunked", "_ended")
+                 "_version", "_streaming", "_chunked", "_ended", "stream_done")
 
     def __init__(self, conn: _Connection, method: str, url: bytes,
                  headers: dict[str, str], body: bytes, keep_alive: bool,
@@ -112,6 +112,9 @@ class Request:
         self._streaming = False
         self._chunked = False
         self._ended = False
+        # The handler relayed its whole stream (set by the handler): a client that
+        # closes after the last chunk has its answer, not a broken one.
+        self.stream_done = False
 
     @property
     def client_gone(self) -> bool:

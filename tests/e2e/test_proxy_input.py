@@ -103,6 +103,20 @@ def _bad_bodies(model: str) -> list[tuple[str, str, bytes, int | None, str | Non
         ("client-kv-transfer-params", COMPLETIONS,
          enc(dict(comp, kv_transfer_params={"do_remote_prefill": True})), 400,
          "kv_transfer_params"),
+        # vLLM also reads kv_transfer_params from vllm_xargs: the same door.
+        ("xargs-kv-transfer-params", COMPLETIONS,
+         enc(dict(comp, vllm_xargs={"kv_transfer_params": "x"})), 400,
+         "kv_transfer_params"),
+        ("xargs-kv-transfer-params-chat", CHAT,
+         enc(dict(chat, vllm_xargs={"kv_transfer_params": ["a"]})), 400,
+         "kv_transfer_params"),
+        # Deeper than any JSON decoder here walks: a 400, not a 500.
+        ("nested-100k", COMPLETIONS,
+         enc(comp)[:-1] + b', "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+         None),
+        ("nested-100k-chat", CHAT,
+         enc(chat)[:-1] + b', "metadata": ' + b'{"a":' * 50_000 + b"1" + b"}" * 50_001,
+         400, None),
     ]
 
 
@@ -299,3 +313,56 @@ def test_tokenizer_utilities_answer_as_the_engine(cluster, path, body):
         assert got.json() == base.json()
     else:
         assert got.json()["error"]["message"] == base.json()["error"]["message"]
+
+
+# --------------------------------------------------------------------------- isolation
+def test_answers_carry_no_engine_internals(cluster):
+    """D's handle (engine id, NIXL address, block ids, hash chain, session, tenant)
+    stays in the proxy: the client sees what the co-located server sends."""
+    body = completion_body(cluster.model, "the kato is of rimu. " * 12, max_tokens=6,
+                           session_id="no-internals")
+    for _ in range(2):   # the second turn attaches the first's handle
+        resp = requests.post(cluster.proxy + COMPLETIONS, json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        assert out.get("kv_transfer_params") is None, out.get("kv_transfer_params")
+        assert "remote_host" not in resp.text and "hash_chain" not in resp.text
+    base = requests.post(cluster.colocated + COMPLETIONS, json=body, timeout=120).json()
+    assert set(out) == set(base), (sorted(out), sorted(base))
+
+
+def test_another_tenant_cannot_take_over_a_session_record(cluster):
+    """The same session id under another cache_salt is another session: the owner's
+    next turn still attaches its own handle."""
+    sid = "tenant-isolation"
+    owner_prompt = "the owner's conversation: the kato is of rimu. " * 10
+    intruder_prompt = "someone else's words: the vaqu is of zipe. " * 10
+
+    def turn(prompt: str, salt: str):
+        body = completion_body(cluster.model, prompt, max_tokens=8, session_id=sid,
+                               cache_salt=salt)
+        got = post(cluster.proxy, COMPLETIONS, body)
+        assert_same(got, post(cluster.colocated, COMPLETIONS, body), f"salt {salt}")
+        return got
+
+    first = turn(owner_prompt, "owner-salt")
+    intruder = turn(intruder_prompt, "intruder-salt")
+    assert intruder.headers["x-sessionkv-handle"] == "none"   # not the owner's handle
+    second = turn(owner_prompt + first.text + " and then? ", "owner-salt")
+    assert second.headers["x-sessionkv-handle"] == "attached", second.headers
+
+
+@pytest.mark.parametrize("header", ["X-Session-ID", "X-Session-Affinity"])
+def test_default_session_headers_name_the_conversation(cluster, header):
+    body = completion_body(cluster.model, f"header drill {header}: the kato. " * 10,
+                           max_tokens=6)
+    sid = f"hdr-{header.lower()}"
+    first = post(cluster.proxy, COMPLETIONS, body, headers={header: sid})
+    assert first.headers["x-sessionkv-handle"] == "none"
+    body2 = dict(body, prompt=body["prompt"] + first.text + " more. ")
+    second = post(cluster.proxy, COMPLETIONS, body2, headers={header: sid})
+    assert second.headers["x-sessionkv-handle"] == "attached", second.headers
+    # A header that is not configured names nothing.
+    plain = post(cluster.proxy, COMPLETIONS, body, headers={"X-Correlation-ID": sid})
+    assert "x-sessionkv-handle" not in plain.headers
+

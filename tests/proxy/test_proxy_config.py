@@ -1,0 +1,51 @@
+"""The proxy's dependability settings are validated at start-up, naming the bad key;
+session keys keep tenants apart."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_sessionkv.protocol import session_store_key
+
+from sessionkv_proxy.config import ConfigError, load_config
+
+ENGINES = [{"url": "http://127.0.0.1:1", "role": "decode"}]
+
+
+def _load(**raw):
+    return load_config(None, {"engines": ENGINES, **raw})
+
+
+def test_defaults_make_redis_an_accelerator_and_name_common_session_headers():
+    cfg = _load()
+    assert cfg.session_headers == ["X-Session-ID", "X-Session-Affinity"]
+    assert cfg.engine_stall_s > 0 and not cfg.return_kv_transfer_params
+    assert 0 < cfg.index.redis_timeout_s <= 1.0
+    assert cfg.index.redis_max_connections >= 100
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"index": {"redis_timeout_s": 0}}, "redis_timeout_s"),
+    ({"index": {"redis_retry_interval_s": -1}}, "redis_retry_interval_s"),
+    ({"index": {"redis_failures_to_open": 0}}, "redis_failures_to_open"),
+    ({"index": {"redis_max_connections": 0}}, "redis_max_connections"),
+    ({"engine_stall_s": -1}, "engine_stall_s"),
+    ({"session_headers": ["X-Session-ID", "bad header"]}, "session_headers"),
+    ({"session_headers": [""]}, "session_headers"),
+    ({"return_kv_transfer_params": "maybe"}, "return_kv_transfer_params"),
+])
+def test_bad_values_are_refused_naming_the_key(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        _load(**raw)
+
+
+def test_session_keys_differ_by_tenant_and_cannot_be_forged_by_a_session_id():
+    plain = session_store_key("s1", None)
+    a, b = session_store_key("s1", "tenant-a"), session_store_key("s1", "tenant-b")
+    assert len({plain, a, b}) == 3
+    assert session_store_key("s1", "tenant-a") == a          # stable
+    # No session id without a tenant reproduces a tenant's key, and the tenant is not
+    # stored in clear.
+    tag = a.split(":", 1)[0]
+    assert session_store_key(f"{tag}:s1", None) != a and "tenant-a" not in a
+    assert session_store_key("s1", "") != plain
