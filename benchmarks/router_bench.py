@@ -629,16 +629,22 @@ AFFINITY_METRICS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_t
 
 
 def reset_prefix_caches(urls: list[str]) -> None:
+    """Reset each engine's prefix cache, session holds included (``reset_external``).
+
+    vLLM answers HTTP 200 either way; ``{"success": false}`` in the body means the
+    cache was not reset (blocks still in use), so that is what is checked."""
     import requests
 
     for url in urls:
         for _ in range(100):
-            resp = requests.post(url + "/reset_prefix_cache", timeout=30)
-            if resp.status_code == 200:
+            resp = requests.post(url + "/reset_prefix_cache",
+                                 params={"reset_external": "true"}, timeout=30)
+            resp.raise_for_status()
+            if resp.json().get("success") is True:
                 break
             time.sleep(0.2)   # refused while requests still hold blocks
         else:
-            raise RuntimeError(f"{url}/reset_prefix_cache kept failing: {resp.status_code}")
+            raise RuntimeError(f"{url}/reset_prefix_cache kept answering {resp.text}")
 
 
 @dataclass

@@ -76,10 +76,10 @@ __all__ = [
     "request_cache_salt",
     "request_session_id",
     "scheduled_requests",
+    "release_pending_send",
     "show_first_tokens_to_worker",
     "set_pending_send_deadline",
     "set_sync_recv_blocks",
-    "shorten_pending_send",
     "start_ready_reads",
     "stop_heartbeat",
     "wait_for_prefill_params",
@@ -398,11 +398,20 @@ def report_invalid_blocks(worker: NixlPullConnectorWorker, block_ids: set[int]) 
     worker._invalid_block_ids.put(set(block_ids))
 
 
-def shorten_pending_send(scheduler: NixlPullConnectorScheduler, request_id: str,
-                         grace_s: float) -> None:
-    """Release a held request's blocks after ``grace_s`` (the worker overwrites the
-    deadline of a request it still tracks)."""
-    scheduler._reqs_need_send[request_id] = time.perf_counter() + grace_s
+def release_pending_send(worker: NixlPullConnectorWorker, request_id: str) -> bool:
+    """Stop the worker holding a finished request's blocks for a peer's read, the way
+    its own lease expiry does (``_reap_expired_send_leases``) but without counting
+    an expiry or logging a warning.  True when the worker held it: the caller then
+    reports the request in ``finished_sending`` (once: a request reported twice
+    fails vLLM's scheduler), and vLLM frees its blocks.  A peer notification that
+    arrives after this is logged by stock code as for an expired request."""
+    if request_id not in worker._reqs_to_send:
+        return False
+    del worker._reqs_to_send[request_id]
+    worker._reqs_to_process.discard(request_id)
+    worker.consumer_notification_counts_by_req.pop(request_id, None)
+    worker.expected_consumer_notifications_by_req.pop(request_id, None)
+    return True
 
 
 def pending_send_deadline_unix_s(deadline_perf_counter: float) -> float:

@@ -65,6 +65,11 @@ class SessionKVConnector(_vllm.NixlPullConnector):
             return self.connector_scheduler.take_events()
         return ()
 
+    def reset_cache(self) -> bool | None:
+        if self.connector_scheduler is not None:
+            return self.connector_scheduler.reset_cache()
+        return None
+
     def get_kv_connector_stats(self):
         if self.connector_scheduler is not None:
             return self.connector_scheduler.take_stats()

@@ -173,6 +173,10 @@ class HostTierManager:
             self._events.append((EVENT_REMOVED, removed))
         return removed
 
+    def discard_all(self) -> list[Hashable]:
+        """Forget every resident block (a cache reset); returns them."""
+        return self.discard(list(self._slot_by_hash))
+
     # -- loads ---------------------------------------------------------------------
 
     def plan_load(self, block_hashes: Sequence[Hashable], start_block: int,

@@ -18,6 +18,9 @@ Three additions to vLLM 0.32's NIXL pull scheduler:
 * **First-token handoff** (``first_token.py``): P exports the token it sampled; D,
   having verified P's KV for the whole prompt, continues from it instead of
   recomputing the last prompt token to sample it again.
+* **Ending holds** (``holds.py``): a hold whose lease (or superseded grace) ends, and
+  every hold on a reset (``reset_cache``, vLLM's ``reset_external``), is released by
+  us through the worker, counted by reason; NIXL's expiry is only a backstop.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from vllm_sessionkv.cost import (
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
 from vllm_sessionkv.first_token import handoff_refusal
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
+from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.protocol import (
     EARLY_DECODE_ID_KEY,
@@ -70,6 +74,12 @@ _HELD_STEP_INTERVAL_S = 0.02
 # P requests whose token a D request continued from, remembered so that a second D
 # request on the same handle (``n`` > 1) samples its own.
 _USED_FIRST_TOKENS_KEPT = 4096
+
+# NIXL's own expiry of a held send comes this long after our lease ends: we release
+# the hold ourselves at the lease's end (quietly; NIXL would count and log an expiry
+# as a failed hand-off), so NIXL's timer fires only if our release never reached the
+# worker.
+_NIXL_EXPIRY_BACKSTOP_S = 5.0
 
 _REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
@@ -121,9 +131,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._plans: dict[str, _Plan] = {}
         # Local prefix hits of requests that involve no remote KV, for accounting.
         self._local_hits: dict[str, int] = {}
-        # The request whose blocks this engine holds for each session, and back.
-        self._session_holds: dict[str, str] = {}
-        self._hold_sessions: dict[str, str] = {}
+        # Session holds (D): which request's blocks each session keeps, until when.
+        self._holds = HoldTable()
+        self._holds_to_release: set[str] = set()   # for the next step's metadata
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
         self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
         # Host-DRAM tier: this side decides and tracks; the worker copies.
@@ -587,6 +597,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         _vllm.show_first_tokens_to_worker(scheduler_output, self._first_tokens)
         meta = super().build_connector_meta(scheduler_output)
         self._attach_host_ops(meta)
+        self._attach_hold_releases(meta)
         meta.sessionkv_sync_loads = self._sync_reads_next
         self._sync_reads_in_step |= self._sync_reads_next
         self._sync_reads_next = set()
@@ -624,9 +635,12 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                         invalid):
                     self._pull_failed(req_id, plan)
         for req_id in getattr(connector_output, "finished_sending", None) or ():
-            session_id = self._hold_sessions.pop(req_id, None)
-            if session_id is not None and self._session_holds.get(session_id) == req_id:
-                del self._session_holds[session_id]
+            reason = self._holds.released(req_id)
+            if reason is not None:
+                self._holds_to_release.discard(req_id)
+                self.stats.record(f"session_holds_released_{reason}")
+                logger.debug("sessionkv hold released request_id=%s reason=%s", req_id,
+                             reason)
         for req_id in failed:
             self._pull_failed(req_id, self._plans.get(req_id))
         super().update_connector_output(connector_output)
@@ -670,9 +684,13 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 if delay_free:
                     _vllm.cancel_pending_send(self, request.request_id)
                 return False, {SESSIONKV_PARAMS_KEY: ours} if "accounting" in ours else None
-            deadline = _vllm.set_pending_send_deadline(self, request.request_id,
-                                                       self.config.session_lease_s)
-            self._supersede_hold(session_id, request.request_id)
+            lease_s = self.config.session_lease_s
+            _vllm.set_pending_send_deadline(self, request.request_id,
+                                            lease_s + _NIXL_EXPIRY_BACKSTOP_S)
+            now = time.perf_counter()
+            deadline = now + lease_s
+            self._holds.hold(session_id, request.request_id, until_s=deadline,
+                             superseded_until_s=now + self.config.superseded_hold_grace_s)
             self._offload_to_host(request, block_ids, out["remote_num_tokens"])
             out["remote_blocks_expiry_time"] = deadline
             ours.update(self._chain_export(request, out["remote_num_tokens"]))
@@ -744,17 +762,37 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         src = [group[position[h]] for h, _ in pairs]
         self._host_ops.append(("store", src, [slot for _, slot in pairs]))
 
-    def _supersede_hold(self, session_id: str, request_id: str) -> None:
-        """A session's newest turn replaces its older hold on this engine.
+    def _attach_hold_releases(self, meta) -> None:
+        """Holds the worker is to release in this step: those whose lease (or, once
+        superseded, grace) ended, and those a reset dropped.
 
-        The old turn's blocks are released after a grace period rather than at once,
-        in case a pull of them is still in flight."""
-        previous = self._session_holds.get(session_id)
-        if previous is not None and previous != request_id:
-            _vllm.shorten_pending_send(self, previous, self.config.superseded_hold_grace_s)
-            self._hold_sessions.pop(previous, None)
-        self._session_holds[session_id] = request_id
-        self._hold_sessions[request_id] = session_id
+        A lease ends at the deadline published in the handle; P refuses a handle
+        within ``expiry_margin_s`` of it and vLLM's reader declines a read within 5 s
+        of it, so no pull of these blocks starts this late."""
+        due = self._holds.due(time.perf_counter())
+        for req_id, reason in due.items():
+            logger.debug("sessionkv hold ends request_id=%s reason=%s", req_id, reason)
+        self._holds_to_release.update(due)
+        meta.sessionkv_release_holds = self._holds_to_release
+        self._holds_to_release = set()
+
+    def reset_cache(self) -> bool:
+        """Drop every session hold (vLLM calls this for ``reset_prefix_cache`` with
+        ``reset_external``), and empty the host tier.
+
+        vLLM resets its block pool *before* it asks the connector, and our holds pin
+        blocks until the worker has released them in the next step: the call that
+        drops the holds still reports failure; one after that step succeeds."""
+        dropped = self._holds.end_all("reset")
+        self._holds_to_release.update(dropped)
+        host_blocks = 0
+        if self.host is not None:
+            host_blocks = len(self.host.discard_all())
+            self.stats.record("host_resident_bytes", self.host.resident_bytes)
+        if dropped or host_blocks:
+            logger.info("sessionkv reset: releasing %d session hold(s), dropped %d host-tier "
+                        "block(s)", len(dropped), host_blocks)
+        return True
 
     def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:
         """Hash chain + partial-block tokens of the first ``num_tokens`` tokens."""
@@ -779,8 +817,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if counted != self._host_counted:
                 self.stats.record("host_resident_bytes", self.host.resident_bytes)
             self._host_counted = counted
-        if len(self._session_holds) != self._session_holds_reported:
-            self._session_holds_reported = len(self._session_holds)
+        if self._holds.sessions != self._session_holds_reported:
+            self._session_holds_reported = self._holds.sessions
             self.stats.record("session_holds", self._session_holds_reported)
         publish_failures = self._publisher.take_failures()
         if publish_failures:

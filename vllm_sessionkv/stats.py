@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_metric_per_engine
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
+from vllm_sessionkv.holds import RELEASE_REASONS
 
 __all__ = ["EARLY_DECODE_OUTCOMES", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
@@ -41,6 +42,7 @@ _SESSION_KEYS = (
     "host_evicted_blocks",
     "host_resident_bytes",
     "session_holds",
+    *(f"session_holds_released_{r}" for r in RELEASE_REASONS),
     "host_store_s",
     "host_restore_s",
     "idle_step_recv_wait_s",
@@ -146,6 +148,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
                                           "read, superseded or its lease ends).",
                             labelnames=labelnames, multiprocess_mode="mostrecent"),
             per_engine_labelvalues)
+        self._holds_released = by_label(
+            "sessionkv_session_holds_released",
+            "Session holds ended, by reason, each a normal outcome: pulled (the next "
+            "turn's P read the blocks or declined them), lease_ended (no next turn "
+            "within session_lease_s), superseded (a newer turn holds its own blocks), "
+            "reset (reset_prefix_cache with reset_external).", "reason", RELEASE_REASONS)
         self._host_restore_s = create_metric_per_engine(
             self._histogram_cls(name="sessionkv_host_restore_seconds",
                                 documentation="Time to restore one request's blocks from "
@@ -217,6 +225,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "session_handles_published": self._published,
             "session_handles_publish_failed": self._publish_failed,
             **self._host_counters,
+            **{f"session_holds_released_{r}": m for r, m in self._holds_released.items()},
             **{f"load_{mode}": m for mode, m in self._loads.items()},
             "sync_load_timeouts": self._sync_load_timeouts,
             **{f"early_decode_{o}": m for o, m in self._early_decode.items()},

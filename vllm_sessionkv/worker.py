@@ -42,6 +42,9 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         self._early_results = None
         # Synchronous loads given up on: their reads may still land; never report them.
         self._abandoned_sync: set[str] = set()
+        # Session holds the scheduler ended (lease, superseded, reset), released here
+        # and reported sent with this step's results.
+        self._released_holds: set[str] = set()
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
@@ -67,6 +70,11 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
         self._idle_step = bool(getattr(metadata, "sessionkv_idle_step", False))
         super().start_load_kv(metadata)
+        # After stock code has taken this step's held sends, which a reset in the
+        # same step may already release.
+        for req_id in getattr(metadata, "sessionkv_release_holds", None) or ():
+            if _vllm.release_pending_send(self, req_id):
+                self._released_holds.add(req_id)
         sync_loads = getattr(metadata, "sessionkv_sync_loads", None)
         if sync_loads:
             self._finish_sync_loads(set(sync_loads))
@@ -114,6 +122,9 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
             results.finished_recving -= late
             results.failed_recving -= late
             self._abandoned_sync -= late
+        if self._released_holds:
+            results.finished_sending |= self._released_holds
+            self._released_holds = set()
         return results
 
     def _idle_wait_results(self):

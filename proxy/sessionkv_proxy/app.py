@@ -31,6 +31,7 @@ from vllm_sessionkv.protocol import (
     SESSIONKV_PARAMS_KEY,
 )
 
+from sessionkv_proxy import admin
 from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
 from sessionkv_proxy.engines import Engine, EnginePool
@@ -797,6 +798,7 @@ class ProxyApp:
              "/v1/models": {"GET": bind(models)},
              "/tokenize": {"POST": bind(forward_to_decode)},
              "/detokenize": {"POST": bind(forward_to_decode)},
+             "/admin/reset": {"POST": bind(admin.reset)},
              "/health": {"GET": bind(health)},
              "/metrics": {"GET": bind(metrics)}},
             error_response=_server_error, max_body_bytes=config.max_body_bytes)

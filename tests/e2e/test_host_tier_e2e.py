@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from cluster import TEST_KV_CACHE_GB, free_port_block
-from helpers import assert_same, completion_body, metric_sum, post
+from helpers import assert_same, completion_body, metric_sum, post, wait_until
 from sessionkv_proxy.events import BlockRemoved, BlockStored, decode_batch
 from vllm_sessionkv.launch import EngineSpec, start_engine, stop_all, wait_healthy
 
@@ -86,6 +86,32 @@ def _turn(url: str, model: str, prompt: list[int], session: str, max_tokens: int
                            session_id=session)
     out = post(url, "/v1/completions", body)
     return out, out.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+
+
+def test_an_unused_session_hold_ends_quietly_at_its_lease(host_engine):
+    """A hold nobody pulls is a normal outcome: the connector releases it at the end
+    of ``session_lease_s`` (2 s here), counted as ``lease_ended``, before NIXL's own
+    expiry timer would count it in ``vllm:nixl_num_kv_expired_reqs`` (and log a
+    warning)."""
+    engine, _colocated, _events = host_engine
+    url = engine.url
+
+    def counts() -> tuple[float, float]:
+        return (metric_sum(url, "sessionkv_session_holds_released_total",
+                           reason="lease_ended"),
+                metric_sum(url, "vllm:nixl_num_kv_expired_reqs_total"))
+
+    wait_until(lambda: metric_sum(url, "sessionkv_session_holds") == 0, 30,
+              "earlier tests' holds to end")
+    released_before, expired_before = counts()
+    _turn(url, engine.model, _ids(300, 200), "lease-quiet", max_tokens=4)
+    wait_until(lambda: counts()[0] > released_before, 30, "the lease to end")
+    # NIXL's expiry and our release are reported by the same step's output, so an
+    # expiry that came first would show now.
+    released, expired = counts()
+    assert released == released_before + 1
+    assert expired == expired_before == 0
+    assert metric_sum(url, "sessionkv_session_holds") == 0
 
 
 def _evict_device_cache(url: str, model: str) -> None:

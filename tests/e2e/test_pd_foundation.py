@@ -23,6 +23,7 @@ from helpers import (
     fresh_prefill_params,
     metric_sum,
     post,
+    wait_until,
 )
 
 pytestmark = pytest.mark.cluster
@@ -343,3 +344,42 @@ def test_cluster_holding_a_session_uses_under_half_a_core_and_still_serves_it(pd
     prefill_acct = json.loads(got.headers["x-sessionkv-prefill"])
     assert prefill_acct.get("pulled_from_peer_tokens", 0) > 0, prefill_acct
     assert_same(got, post(pd_cluster.colocated, "/v1/completions", body), "held turn")
+
+
+def test_admin_reset_drops_session_holds_so_the_prefix_cache_resets(pd_cluster):
+    """D's session holds pin blocks, so vLLM's own reset on D answers 200 with
+    ``{"success": false}``.  The proxy's ``POST /admin/reset`` has each engine drop its
+    holds (``reset_external``) and checks every engine's answer body."""
+    import requests
+
+    session = {"X-Session-ID": "admin-reset"}
+    first = post(pd_cluster.proxy, "/v1/completions",
+                 completion_body(pd_cluster.model, PROMPT_IDS, max_tokens=8), headers=session)
+    d_url = first.headers["x-sessionkv-decode-engine"]
+    wait_until(lambda: metric_sum(d_url, "sessionkv_session_holds") >= 1, 30,
+                "D to report the turn's hold")
+    resets_before = metric_sum(d_url, "sessionkv_session_holds_released_total",
+                               reason="reset")
+
+    direct = requests.post(d_url + "/reset_prefix_cache", timeout=30)
+    assert direct.status_code == 200 and direct.json() == {"success": False}, direct.text
+
+    admin = requests.post(pd_cluster.proxy + "/admin/reset", timeout=60)
+    assert admin.status_code == 200, admin.text
+    body = admin.json()
+    assert body["success"] is True and body["failed"] == [], body
+    assert set(body["engines"]) == {*pd_cluster.prefill, *pd_cluster.decode}, body
+    assert all(r["success"] for r in body["engines"].values()), body
+
+    wait_until(lambda: metric_sum(d_url, "sessionkv_session_holds") == 0, 30,
+                "the hold gauge to drop")
+    assert metric_sum(d_url, "sessionkv_session_holds_released_total",
+                      reason="reset") > resets_before
+    direct = requests.post(d_url + "/reset_prefix_cache", timeout=30)
+    assert direct.status_code == 200 and direct.json() == {"success": True}, direct.text
+    # The engines still serve after the reset.
+    after = post(pd_cluster.proxy, "/v1/completions",
+                 completion_body(pd_cluster.model, PROMPT_IDS, max_tokens=8))
+    assert_same(after, post(pd_cluster.colocated, "/v1/completions",
+                            completion_body(pd_cluster.model, PROMPT_IDS, max_tokens=8)),
+                "after reset")

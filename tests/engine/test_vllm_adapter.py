@@ -27,6 +27,33 @@ def test_scheduler_private_state_exists():
     assert hasattr(_vllm.NixlPullConnectorScheduler, "_get_remote_prefill_token_count")
 
 
+def test_worker_send_lease_state_exists():
+    """``release_pending_send`` undoes what stock expiry undoes, minus its counting."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    init_src = inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    for attr in ("_reqs_to_send", "_reqs_to_process", "consumer_notification_counts_by_req",
+                 "expected_consumer_notifications_by_req"):
+        assert f"self.{attr}" in init_src, attr
+    reap = inspect.getsource(base_worker.NixlBaseConnectorWorker._reap_expired_send_leases)
+    for line in ("del self._reqs_to_send[req_id]", "self._reqs_to_process.remove(req_id)",
+                 "self.consumer_notification_counts_by_req.pop(req_id, 0)",
+                 "self.expected_consumer_notifications_by_req.pop(req_id, None)",
+                 "done_sending.add(req_id)"):
+        assert line in reap, line
+
+
+def test_reset_reaches_the_connector_after_the_block_pool():
+    """vLLM resets its block pool, then asks the connector (``reset_cache``): a reset
+    that drops our holds reports failure until the next step frees their blocks."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    src = inspect.getsource(Scheduler.reset_prefix_cache)
+    assert src.index("self.kv_cache_manager.reset_prefix_cache()") < src.index(
+        "self.reset_connector_cache()")
+    assert "self.connector.reset_cache()" in inspect.getsource(Scheduler.reset_connector_cache)
+
+
 def test_worker_agent_config_hook_exists():
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 

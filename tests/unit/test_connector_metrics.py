@@ -43,6 +43,9 @@ def test_recorded_keys_reach_their_series():
     stats.record("host_resident_bytes", 4096)
     stats.record("session_holds", 3)
     stats.record("session_holds", 2)   # a gauge: the last value reported wins
+    stats.record("session_holds_released_lease_ended")
+    stats.record("session_holds_released_reset")
+    stats.record("session_holds_released_reset")
     metrics.observe(stats.data, 0)
 
     def value(name, **labels):
@@ -57,6 +60,9 @@ def test_recorded_keys_reach_their_series():
     assert value("sessionkv_early_decode_requests_total", outcome="ready") == 1
     assert value("sessionkv_host_resident_bytes") == 4096
     assert value("sessionkv_session_holds") == 2
+    assert value("sessionkv_session_holds_released_total", reason="lease_ended") == 1
+    assert value("sessionkv_session_holds_released_total", reason="reset") == 2
+    assert value("sessionkv_session_holds_released_total", reason="pulled") == 0
 
 
 def test_every_counted_key_is_a_stats_key():

@@ -300,6 +300,20 @@ def test_discard_removes_blocks_and_frees_pinned_slots_only_on_release():
     assert manager.plan_store(chain(4)) == [(h(4), stored[h(1)])]
 
 
+def test_discard_all_empties_the_tier_and_reports_each_block_removed():
+    manager = HostTierManager(capacity_bytes=4, block_bytes=1)
+    manager.plan_store(chain(1, 2, 3))
+    pinned = manager.plan_load(chain(1), 0, 1)
+    manager.take_events()
+    assert sorted(manager.discard_all()) == sorted(chain(1, 2, 3))
+    assert manager.take_events() and manager.resident_blocks == 0
+    assert manager.discard_all() == [] and manager.take_events() == []
+    # The pinned slot is reused only after its load is released.
+    assert len(manager.plan_store(chain(4, 5, 6, 7))) == 3
+    manager.release(pinned)
+    assert len(manager.plan_store(chain(8))) == 1
+
+
 class ReferenceLRU:
     """A clean-room model of the tier's contract: a list, least recent first."""
 

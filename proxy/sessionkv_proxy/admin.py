@@ -1,0 +1,123 @@
+"""Operator endpoints.
+
+``POST /admin/reset[?timeout_s=S]`` resets every engine's prefix cache, session holds
+included, and answers 200 only when every engine said it succeeded, else 502 naming
+the engines that did not.
+
+Each engine gets vLLM's ``POST /reset_prefix_cache?reset_external=true`` (vLLM serves
+it with ``VLLM_SERVER_DEV_MODE=1``).  vLLM answers HTTP 200 either way and says in
+the body, ``{"success": bool}``, whether the cache was reset; it is not while any
+block is in use.  ``reset_external`` makes vLLM call the connector's ``reset_cache``,
+which drops the engine's session holds; vLLM resets its block pool *before* it asks
+the connector, and the released blocks are freed in the engine's next step, so the
+call that drops holds answers false and the next one succeeds.  An engine that
+answers false is asked again until ``timeout_s``: running requests, or a P's
+hand-off to D not yet read, also keep blocks in use until they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+import aiohttp
+import msgspec
+
+from sessionkv_proxy.errors import ApiError
+from sessionkv_proxy.server import Request, Response
+
+if TYPE_CHECKING:
+    from sessionkv_proxy.app import ProxyState
+
+__all__ = ["RESET_TIMEOUT_S", "reset", "reset_engines"]
+
+logger = logging.getLogger("sessionkv_proxy.admin")
+
+RESET_PATH = "/reset_prefix_cache?reset_external=true"
+# How long one engine may keep answering {"success": false} before the reset fails.
+RESET_TIMEOUT_S = 10.0
+_RETRY_S = 0.05
+_MAX_TIMEOUT_S = 600.0
+_json = msgspec.json.Encoder()
+
+
+def _success_field(raw: bytes) -> bool | None:
+    """The body's boolean ``success``, or None when there is none."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    value = body.get("success") if isinstance(body, dict) else None
+    return value if isinstance(value, bool) else None
+
+
+async def _reset_one(http: aiohttp.ClientSession, url: str, timeout_s: float
+                     ) -> dict[str, Any]:
+    started = time.monotonic()
+    attempts = 0
+    while True:
+        attempts += 1
+        try:
+            async with http.post(url + RESET_PATH,
+                                 timeout=aiohttp.ClientTimeout(total=max(timeout_s, 5.0))
+                                 ) as resp:
+                status, raw = resp.status, await resp.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return {"success": False, "attempts": attempts,
+                    "error": f"unreachable: {exc!r}"}
+        if status != 200:
+            hint = " (vLLM serves it only with VLLM_SERVER_DEV_MODE=1)" if status == 404 else ""
+            return {"success": False, "attempts": attempts, "status": status,
+                    "error": f"HTTP {status}{hint}: {raw[:200].decode(errors='replace')}"}
+        success = _success_field(raw)
+        if success is None:
+            return {"success": False, "attempts": attempts, "status": status,
+                    "error": f"no boolean 'success' in {raw[:200].decode(errors='replace')!r}"}
+        elapsed_s = time.monotonic() - started
+        if success:
+            return {"success": True, "attempts": attempts, "seconds": round(elapsed_s, 3)}
+        if elapsed_s >= timeout_s:
+            return {"success": False, "attempts": attempts, "status": status,
+                    "error": f"blocks still in use after {timeout_s:g} s (running "
+                             "requests or unread hand-offs)"}
+        await asyncio.sleep(_RETRY_S)
+
+
+async def reset_engines(state: ProxyState, timeout_s: float = RESET_TIMEOUT_S
+                        ) -> tuple[int, bytes]:
+    """Reset every engine, in parallel; (status, JSON body) with a result per engine."""
+    assert state.http is not None
+    engines = [e.url for e in state.pool.engines]
+    results = await asyncio.gather(*(_reset_one(state.http, url, timeout_s)
+                                     for url in engines))
+    by_engine = dict(zip(engines, results))
+    failed = [url for url, result in by_engine.items() if not result["success"]]
+    if failed:
+        logger.warning("admin reset failed on %s: %s", ", ".join(failed),
+                       "; ".join(by_engine[url]["error"] for url in failed))
+    else:
+        logger.info("admin reset: %d engine(s) reset", len(engines))
+    body = {"success": not failed, "failed": failed, "engines": by_engine}
+    return (502 if failed else 200), _json.encode(body)
+
+
+def _timeout_from_query(query: str) -> float:
+    values = parse_qs(query).get("timeout_s")
+    if not values:
+        return RESET_TIMEOUT_S
+    try:
+        seconds = float(values[-1])
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= _MAX_TIMEOUT_S:
+        raise ApiError(400, f"timeout_s must be a number within [0, {_MAX_TIMEOUT_S:g}]",
+                       param="timeout_s")
+    return seconds
+
+
+async def reset(state: ProxyState, request: Request) -> Response:
+    status, body = await reset_engines(state, _timeout_from_query(request.query))
+    return Response(status, body)

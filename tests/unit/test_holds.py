@@ -1,0 +1,76 @@
+"""Session holds: when each ends, why, and what the gauge counts."""
+
+from __future__ import annotations
+
+from vllm_sessionkv.holds import RELEASE_REASONS, HoldTable
+
+
+def test_a_hold_read_by_the_next_turn_ends_as_pulled():
+    holds = HoldTable()
+    holds.hold("s1", "r1", until_s=100.0, superseded_until_s=10.0)
+    assert holds.sessions == 1 and holds.due(50.0) == {}
+    assert holds.released("r1") == "pulled"
+    assert holds.sessions == 0 and len(holds) == 0
+    assert holds.released("r1") is None          # reported once
+    assert holds.released("not-a-hold") is None  # e.g. a P->D send
+
+
+def test_a_lease_ends_once_at_its_deadline():
+    holds = HoldTable()
+    holds.hold("s1", "r1", until_s=100.0, superseded_until_s=10.0)
+    holds.hold("s2", "r2", until_s=200.0, superseded_until_s=110.0)
+    assert holds.due(99.9) == {}
+    assert holds.due(100.0) == {"r1": "lease_ended"}
+    assert holds.due(150.0) == {}                 # asked once, until the worker reports
+    assert holds.sessions == 2                    # blocks still allocated until then
+    assert holds.released("r1") == "lease_ended"
+    assert holds.sessions == 1
+
+
+def test_a_newer_turn_supersedes_the_older_hold_after_its_grace():
+    holds = HoldTable()
+    holds.hold("s1", "r1", until_s=100.0, superseded_until_s=10.0)
+    assert holds.hold("s1", "r2", until_s=150.0, superseded_until_s=60.0) == "r1"
+    assert holds.sessions == 1 and len(holds) == 2
+    assert holds.due(59.0) == {}
+    assert holds.due(60.0) == {"r1": "superseded"}
+    assert holds.released("r1") == "superseded"
+    assert holds.sessions == 1                    # r2 still holds the session
+    # A grace never lengthens a hold.
+    holds.hold("s2", "r3", until_s=5.0, superseded_until_s=0.0)
+    holds.hold("s2", "r4", until_s=50.0, superseded_until_s=20.0)
+    assert holds.due(5.0) == {"r3": "superseded"}
+
+
+def test_the_same_request_held_again_is_not_superseded():
+    holds = HoldTable()
+    holds.hold("s1", "r1", until_s=100.0, superseded_until_s=10.0)
+    assert holds.hold("s1", "r1", until_s=120.0, superseded_until_s=30.0) is None
+    assert holds.due(110.0) == {}
+
+
+def test_a_reset_ends_every_running_hold_and_keeps_earlier_reasons():
+    holds = HoldTable()
+    holds.hold("s1", "r1", until_s=100.0, superseded_until_s=10.0)
+    holds.hold("s2", "r2", until_s=100.0, superseded_until_s=10.0)
+    holds.hold("s3", "r3", until_s=50.0, superseded_until_s=10.0)
+    assert holds.due(60.0) == {"r3": "lease_ended"}
+    assert sorted(holds.end_all("reset")) == ["r1", "r2"]
+    assert holds.end_all("reset") == []
+    assert holds.due(1000.0) == {}
+    assert [holds.released(r) for r in ("r1", "r2", "r3")] == [
+        "reset", "reset", "lease_ended"]
+    assert holds.sessions == 0
+
+
+def test_every_reason_is_a_known_label():
+    holds = HoldTable()
+    holds.hold("a", "1", until_s=1.0, superseded_until_s=0.0)
+    holds.hold("a", "2", until_s=1.0, superseded_until_s=0.0)
+    holds.hold("b", "3", until_s=9.0, superseded_until_s=0.0)
+    holds.hold("c", "4", until_s=9.0, superseded_until_s=0.0)
+    holds.due(1.0)
+    holds.end_all("reset")
+    reasons = {holds.released(r) for r in ("1", "2", "3")} | {"pulled"}
+    assert reasons <= set(RELEASE_REASONS)
+    assert reasons == {"superseded", "lease_ended", "reset", "pulled"}
