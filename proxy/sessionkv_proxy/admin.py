@@ -1,8 +1,17 @@
 """Operator endpoints.
 
-``POST /admin/reset[?timeout_s=S]`` resets every engine's prefix cache, session holds
-included, and answers 200 only when every engine said it succeeded, else 502 naming
-the engines that did not.
+``POST /admin/reset[?timeout_s=S]`` drops every session, then resets every engine's
+prefix cache, session holds included, and answers 200 only when every engine said it
+succeeded, else 502 naming the engines that did not.
+
+Sessions go first: the proxy's session records and the handles the engines published
+to Redis name D's held blocks, which the reset frees for other requests; a handle
+left behind would have the session's next P read whatever those blocks hold then
+(the hash check covers what a handle claims, not what freed memory holds).  When the
+handles cannot all be withdrawn (Redis unavailable), nothing is reset: 503.
+
+Who may call it: clients on loopback, and anyone sending ``Authorization: Bearer
+<admin_token>`` when the proxy's ``admin_token`` is set; others get a 403.
 
 Each engine gets vLLM's ``POST /reset_prefix_cache?reset_external=true`` (vLLM serves
 it with ``VLLM_SERVER_DEV_MODE=1``).  vLLM answers HTTP 200 either way and says in
@@ -18,6 +27,8 @@ hand-off to D not yet read, also keep blocks in use until they end.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -26,7 +37,11 @@ from urllib.parse import parse_qs
 import aiohttp
 import msgspec
 
+from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX
+
 from sessionkv_proxy.errors import ApiError
+from sessionkv_proxy.index.redis import delete_matching
+from sessionkv_proxy.redis_link import RedisUnavailable
 from sessionkv_proxy.server import Request, Response
 
 if TYPE_CHECKING:
@@ -87,7 +102,7 @@ async def _reset_one(http: aiohttp.ClientSession, url: str, timeout_s: float
 
 
 async def reset_engines(state: ProxyState, timeout_s: float = RESET_TIMEOUT_S
-                        ) -> tuple[int, bytes]:
+                        ) -> tuple[int, dict[str, Any]]:
     """Reset every engine, in parallel; (status, JSON body) with a result per engine."""
     assert state.http is not None
     engines = [e.url for e in state.pool.engines]
@@ -101,7 +116,7 @@ async def reset_engines(state: ProxyState, timeout_s: float = RESET_TIMEOUT_S
     else:
         logger.info("admin reset: %d engine(s) reset", len(engines))
     body = {"success": not failed, "failed": failed, "engines": by_engine}
-    return (502 if failed else 200), _json.encode(body)
+    return (502 if failed else 200), body
 
 
 def _timeout_from_query(query: str) -> float:
@@ -118,6 +133,45 @@ def _timeout_from_query(query: str) -> float:
     return seconds
 
 
+def authorize(state: ProxyState, request: Request) -> None:
+    """Refuse (403) an admin call that is neither from loopback nor carries the
+    configured admin token."""
+    token = state.config.admin_token
+    if token is not None:
+        sent = request.headers.get("authorization", "")
+        if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+            return
+    try:
+        if ipaddress.ip_address(request.peer_host or "").is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ApiError(403, "admin endpoints answer loopback clients, or a bearer token "
+                   "when admin_token is set", type_="permission_error")
+
+
+async def withdraw_sessions(state: ProxyState) -> dict[str, int]:
+    """Drop the session records and the published handles (see the module doc)."""
+    try:
+        records = await state.index.clear_sessions()
+        handles = 0
+        if state.redis is not None:
+            client = state.redis.client
+            handles = await state.redis.call_long(
+                "withdraw_handles",
+                lambda: delete_matching(client, HANDLE_KEY_PREFIX + "*"))
+    except RedisUnavailable as exc:
+        raise ApiError(503, f"sessions could not be withdrawn, nothing was reset: {exc}",
+                       type_="server_error") from None
+    logger.info("admin reset: dropped %d session records and %d published handles",
+                records, handles)
+    return {"session_records": records, "published_handles": handles}
+
+
 async def reset(state: ProxyState, request: Request) -> Response:
-    status, body = await reset_engines(state, _timeout_from_query(request.query))
-    return Response(status, body)
+    authorize(state, request)
+    timeout_s = _timeout_from_query(request.query)
+    dropped = await withdraw_sessions(state)
+    status, body = await reset_engines(state, timeout_s)
+    body["dropped"] = dropped
+    return Response(status, _json.encode(body))

@@ -132,6 +132,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # An engine with no sign of life (answer, streamed chunk, metrics scrape) for this
     # long gets no new requests until it answers (0: never); see engines.py.
     engine_stall_s: float = 10.0
+    # Admin endpoints (/admin/reset) answer loopback clients, and others that send
+    # "Authorization: Bearer <admin_token>" when it is set.
+    admin_token: str | None = None
     # Answers keep D's kv_transfer_params (engine ids, NIXL addresses, block ids) only
     # when true, for clients that run their own P/D; by default they are removed.
     return_kv_transfer_params: bool = False

@@ -106,6 +106,19 @@ class RedisLink:
         self.consecutive_failures = 0
         return result
 
+    async def call_long(self, op: str, make: Callable[[], Awaitable[T]],
+                        timeout_s: float = 30.0) -> T:
+        """An operator's call that may take long (a SCAN over every key): its own
+        deadline, and its failure does not count towards opening the breaker."""
+        if not self.available:
+            raise RedisUnavailable(f"redis {self.state.value}")
+        try:
+            return await asyncio.wait_for(make(), timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise RedisUnavailable(f"{op}: {exc!r}") from exc
+
     def _failed(self, op: str, exc: BaseException) -> None:
         kind = "timeout" if isinstance(exc, (TimeoutError, asyncio.TimeoutError)) \
             or "Timeout" in type(exc).__name__ else "error"

@@ -117,6 +117,13 @@ class Request:
         self.stream_done = False
 
     @property
+    def peer_host(self) -> str | None:
+        """The client's address (None when the transport has none)."""
+        transport = self._conn.transport
+        peer = transport.get_extra_info("peername") if transport is not None else None
+        return peer[0] if isinstance(peer, tuple) and peer else None
+
+    @property
     def client_gone(self) -> bool:
         """The client closed its connection (a stream to it can stop)."""
         return self._conn.closed

@@ -192,6 +192,16 @@ class IndexContract:
         assert await index.get_session("s2") is None
         assert await index.get_session("s1") == b"newer"
 
+    async def test_clear_sessions_drops_every_record_and_nothing_else(self, index):
+        await index.put_session("s1", b"a", ttl_s=30)
+        await index.put_session("s2", b"b", ttl_s=30)
+        await index.store("e", TIER_DEVICE, [(1, 100)])
+        assert await index.clear_sessions() == 2
+        assert await index.get_session("s1") is None and await index.get_session("s2") is None
+        assert await index.lookup([100]) == {"e": {TIER_DEVICE: 1}}
+        await index.put_session("s1", b"c", ttl_s=30)
+        assert await index.get_session("s1") == b"c"
+
     # -- against the reference model -------------------------------------------
 
     @pytest.mark.parametrize("seed", [1, 2, 3])

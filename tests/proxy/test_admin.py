@@ -9,13 +9,19 @@ engines' side is tested end to end in ``tests/e2e/test_pd_foundation.py``.
 from __future__ import annotations
 
 import json
+import uuid
+from types import SimpleNamespace
 
 import aiohttp
+import pytest
 from aiohttp import web
 
-from sessionkv_proxy.admin import RESET_PATH
+from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX, session_store_key
+
+from sessionkv_proxy.admin import RESET_PATH, authorize
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
+from sessionkv_proxy.errors import ApiError
 
 
 class StubEngine:
@@ -47,7 +53,9 @@ class StubEngine:
 
 
 async def _admin_reset(free_port, prefill: StubEngine | None, decode: StubEngine,
-                       query: str = "") -> tuple[int, dict, dict[str, StubEngine]]:
+                       query: str = "", redis_url: str | None = None, before=None
+                       ) -> tuple[int, dict, dict[str, StubEngine]]:
+    """``before(proxy)`` runs once the proxy is up, before the reset is sent."""
     runners, engines, by_url = [], [], {}
     for role, stub in (("prefill", prefill), ("decode", decode)):
         port = free_port()
@@ -61,10 +69,16 @@ async def _admin_reset(free_port, prefill: StubEngine | None, decode: StubEngine
         runners.append(runner)
         by_url[url] = stub
     proxy_port = free_port()
-    proxy = create_app(load_config(None, {"engines": engines, "host": "127.0.0.1",
-                                          "port": proxy_port, "tokenizer": "none"}))
+    overrides = {"engines": engines, "host": "127.0.0.1", "port": proxy_port,
+                 "tokenizer": "none"}
+    if redis_url:
+        overrides["index"] = {"backend": "redis", "redis_url": redis_url,
+                              "redis_prefix": f"t{uuid.uuid4().hex}"}
+    proxy = create_app(load_config(None, overrides))
     await proxy.start()
     try:
+        if before is not None:
+            await before(proxy)
         async with aiohttp.ClientSession() as http:
             async with http.post(f"http://127.0.0.1:{proxy_port}/admin/reset{query}") as resp:
                 status, body = resp.status, await resp.json()
@@ -121,3 +135,50 @@ async def test_bad_timeout_is_refused_before_any_engine_is_called(free_port):
     status, body, _ = await _admin_reset(free_port, None, decode, "?timeout_s=-1")
     assert status == 400 and body["error"]["param"] == "timeout_s"
     assert decode.calls == []
+
+
+async def test_sessions_and_published_handles_are_withdrawn_before_the_engines_reset(
+        free_port, redis_server):
+    """A handle left behind would name blocks the reset frees."""
+    handle_key = HANDLE_KEY_PREFIX + session_store_key("s1", None)
+
+    async def before(proxy):
+        state = proxy.state
+        await state.index.put_session(session_store_key("s1", None), b"record", 60)
+        await state.redis.client.set(handle_key, b"handle", px=60_000)
+
+    ok = {"success": True}
+    status, body, _ = await _admin_reset(free_port, StubEngine((200, ok)),
+                                         StubEngine((200, ok)), redis_url=redis_server,
+                                         before=before)
+    assert status == 200, body
+    assert body["dropped"] == {"session_records": 1, "published_handles": 1}
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_server)
+    try:
+        assert await client.get(handle_key) is None
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("peer, token, header, allowed", [
+    ("127.0.0.1", None, None, True),
+    ("::1", None, None, True),
+    ("10.1.2.3", None, None, False),
+    ("10.1.2.3", "s3cret", "Bearer s3cret", True),
+    ("10.1.2.3", "s3cret", "Bearer wrong", False),
+    ("10.1.2.3", "s3cret", None, False),
+    (None, None, None, False),
+])
+def test_admin_answers_loopback_or_the_token(peer, token, header, allowed):
+    state = SimpleNamespace(config=SimpleNamespace(admin_token=token))
+    request = SimpleNamespace(peer_host=peer,
+                              headers={"authorization": header} if header else {})
+    if allowed:
+        authorize(state, request)
+    else:
+        with pytest.raises(ApiError) as refused:
+            authorize(state, request)
+        assert refused.value.status == 403
+

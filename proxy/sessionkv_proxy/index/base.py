@@ -101,6 +101,10 @@ class KVIndex(Protocol):
         """The record stored for ``session_id``, or None if absent or expired."""
         ...
 
+    async def clear_sessions(self) -> int:
+        """Drop every session record (an operator's reset); how many were dropped."""
+        ...
+
     async def close(self) -> None:
         """Release connections.  The index must not be used afterwards."""
         ...

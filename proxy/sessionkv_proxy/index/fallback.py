@@ -92,6 +92,15 @@ class FallbackIndex:
         await self._write("put_session",
                           lambda: self.remote.put_session(session_id, record, ttl_s))
 
+    async def clear_sessions(self) -> int:
+        """Both copies; raises ``RedisUnavailable`` when Redis's could not be cleared
+        (an operator's reset must not half succeed in silence)."""
+        dropped = await self.local.clear_sessions()
+        if not self._writable.is_set():
+            await self._writable.wait()
+        return max(dropped, await self.link.call_long("clear_sessions",
+                                                      self.remote.clear_sessions))
+
     # ------------------------------------------------------------------ reads
     async def request_key(self, engine: str, engine_hash: EngineHash) -> RequestKey | None:
         # The consumer's own copy holds every entry it wrote: no round trip needed.

@@ -190,6 +190,11 @@ class MemoryIndex:
             return None
         return record
 
+    async def clear_sessions(self) -> int:
+        dropped = len(self._sessions)
+        self._sessions.clear()
+        return dropped
+
     def snapshot(self) -> tuple[list[tuple[str, str, list[tuple[EngineHash, RequestKey]]]],
                                 list[tuple[str, bytes, float]]]:
         """Everything held, for re-publishing to a shared backend: the entries of

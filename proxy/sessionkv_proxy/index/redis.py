@@ -31,7 +31,7 @@ from vllm_sessionkv.hashing import RequestKey
 
 from .base import EngineHash, PrefixMatch
 
-__all__ = ["DEFAULT_MAX_BLOCKS_PER_SLOT", "RedisIndex"]
+__all__ = ["DEFAULT_MAX_BLOCKS_PER_SLOT", "RedisIndex", "delete_matching"]
 
 # About the block count of a large engine, so eviction only bites when events
 # were lost; Dynamo's approximate router uses the same 2^20 tree bound.
@@ -167,6 +167,20 @@ return total
 """
 
 
+async def delete_matching(client: aioredis.Redis, pattern: str, batch: int = 500) -> int:
+    """Delete every key matching ``pattern`` (SCAN, then UNLINK in batches: no
+    blocking KEYS on a large Redis); how many were deleted."""
+    deleted, keys = 0, []
+    async for key in client.scan_iter(match=pattern, count=batch):
+        keys.append(key)
+        if len(keys) >= batch:
+            deleted += await client.unlink(*keys)
+            keys = []
+    if keys:
+        deleted += await client.unlink(*keys)
+    return deleted
+
+
 def _eh_str(engine_hash: EngineHash) -> str:
     # Decimal for ints, "x"+hex for bytes: the two forms can never collide.
     if isinstance(engine_hash, int):
@@ -266,6 +280,9 @@ class RedisIndex:
 
     async def get_session(self, session_id: str) -> bytes | None:
         return await self._client.get(f"{self._prefix}sess:{session_id}")
+
+    async def clear_sessions(self) -> int:
+        return await delete_matching(self._client, f"{self._prefix}sess:*")
 
     async def close(self) -> None:
         if self._owns_client:

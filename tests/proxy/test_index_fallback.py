@@ -1,0 +1,38 @@
+"""The shared index contract against the Redis index with its in-process fallback
+(what the proxy runs with ``--redis-url``), on a real redis-server."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from index_contract import IndexContract
+
+from sessionkv_proxy.index.fallback import FallbackIndex
+from sessionkv_proxy.index.memory import MemoryIndex
+from sessionkv_proxy.index.redis import RedisIndex
+from sessionkv_proxy.redis_link import RedisLink, make_redis_client
+
+
+@pytest.fixture
+async def index_factory(redis_server):
+    made: list[tuple[FallbackIndex, RedisLink]] = []
+
+    async def make(max_blocks_per_slot: int | None = None) -> FallbackIndex:
+        link = RedisLink(make_redis_client(redis_server, max_connections=16, timeout_s=1.0),
+                         timeout_s=1.0)
+        remote = RedisIndex(link.client, namespace=f"t{uuid.uuid4().hex}",
+                            max_blocks_per_slot=max_blocks_per_slot)
+        index = FallbackIndex(remote, MemoryIndex(max_blocks_per_slot=max_blocks_per_slot),
+                              link)
+        made.append((index, link))
+        return index
+
+    yield make
+    for index, link in made:
+        await index.close()
+        await link.aclose()
+
+
+class TestFallbackIndex(IndexContract):
+    pass
