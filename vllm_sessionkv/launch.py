@@ -510,7 +510,7 @@ class LocalCluster:
         what it did.
 
         A child found dead has its process group killed and its exit logged.  Under
-        ``fail_fast`` that raises :class:`ChildExited`.  Otherwise the child is started
+        ``fail_fast`` that raises :class:`ChildExited` (once; the child stays stopped).  Otherwise the child is started
         again by the ``start`` it was registered with, once its backoff has passed; a
         restarted child with a health URL is reported healthy when ``/health`` first
         answers.  When ``max_restarts`` restarts already fall within
@@ -543,7 +543,9 @@ class LocalCluster:
             exited.append((child.name, child.exit_code))
             events.append(ChildEvent(EventKind.EXITED, child.name, child.proc.pid,
                                      child.exit_code, child.restarts))
-            if not spec.fail_fast:
+            if spec.fail_fast:
+                child.gave_up = True  # raised once below; left stopped
+            else:
                 self._schedule(child, now_s, events)
         for event in events:
             level = {EventKind.GAVE_UP: logging.ERROR,

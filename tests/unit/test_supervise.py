@@ -200,6 +200,7 @@ def test_fail_fast_raises_and_restarts_nothing(make_cluster):
         cluster.supervise_once(now_s=0.0)
     assert info.value.exited == [("victim", -signal.SIGKILL)]
     assert cluster.procs[0] is victim and other.alive()
+    assert cluster.supervise_once(now_s=100.0) == []  # raised once, nothing restarted
     cluster.stop()
     assert not other.alive()
 
