@@ -12,6 +12,12 @@ healthy it prints one line
     READY proxy=http://127.0.0.1:8000 colocated=<url or ->
 
 and stays in the foreground; SIGINT or SIGTERM stops every process it started.
+
+A child that dies (an engine, the proxy, Redis) is logged and started again on the
+same ports while the rest keep serving (``LocalCluster.supervise_once``), with a
+growing backoff; after --max-restarts restarts within --restart-window-s it is given
+up and left stopped.  --fail-fast instead stops everything and exits 1 when any child
+exits.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_sessionkv.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.launch import ChildExited, ClusterSpec, LocalCluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-early-decode", action="store_true",
                    help="send D each disaggregated request after P answers, not while P "
                         "prefills (D engines then open no early-decode socket)")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="when any child exits, stop everything and exit 1 (no restarts)")
+    p.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of one child within --restart-window-s before it is "
+                        "given up (0: never restart)")
+    p.add_argument("--restart-window-s", type=float, default=600.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -71,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
     if not args.kv_cache_gb > 0:
         p.error("--kv-cache-gb must be above 0")
+    if args.max_restarts < 0 or not args.restart_window_s > 0:
+        p.error("--max-restarts must be 0 or more and --restart-window-s above 0")
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
     model = args.model
     if model is None:
@@ -86,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
         nixl_extra=json.loads(args.nixl_extra_config),
         gpus=args.gpus.split(",") if args.gpus else None,
-        early_decode=not args.no_early_decode,
+        early_decode=not args.no_early_decode, fail_fast=args.fail_fast,
+        max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
         log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs",
         proxy_args=([] if args.decode_only_max_uncached_tokens is None else
                     ["--decode-only-max-uncached-tokens",
@@ -118,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"READY proxy={cluster.proxy_url or '-'} colocated={colocated}", flush=True)
     try:
         while not stop.is_set():
-            if any(not p.alive() for p in cluster.procs):
-                dead = [p.name for p in cluster.procs if not p.alive()]
-                print(f"process exited: {', '.join(dead)}", file=sys.stderr, flush=True)
+            try:
+                cluster.supervise_once()
+            except ChildExited as exc:  # --fail-fast
+                print(exc, file=sys.stderr, flush=True)
                 return 1
             stop.wait(1.0)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import requests
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 240.0
@@ -78,6 +80,8 @@ class Cluster:
     colocated: str | None = None
     extras: dict[str, str] = field(default_factory=dict)
     teardown_report: dict = field(default_factory=dict)
+    # Every line local_cluster.py printed or logged (its supervisor's events too).
+    output: list[str] = field(default_factory=list)
 
 
 def launch_cluster(model: str, log_dir: Path, args: list[str],
@@ -112,13 +116,62 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
     if layout is None or time.monotonic() > deadline or proc.poll() is not None:
         proc.kill()
         raise RuntimeError("local_cluster.py did not become READY:\n" + "".join(lines[-40:]))
-    # Keep draining its output so it never blocks on a full pipe.
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
     descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
-    return Cluster(proxy=layout["proxy"], redis=layout["redis"], prefill=layout["prefill"],
-                   decode=layout["decode"], kv_events=layout["kv_events"],
-                   early_decode=layout.get("early_decode", {}), model=model,
-                   launcher=proc, ready_s=ready_s, log_dir=log_dir, descendants=descendants)
+    cluster = Cluster(proxy=layout["proxy"], redis=layout["redis"], prefill=layout["prefill"],
+                      decode=layout["decode"], kv_events=layout["kv_events"],
+                      early_decode=layout.get("early_decode", {}), model=model,
+                      launcher=proc, ready_s=ready_s, log_dir=log_dir,
+                      descendants=descendants, output=lines)
+    def drain() -> None:  # so it never blocks on a full pipe; line by line, for wait_output
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    return cluster
+
+
+def launcher_child(cluster: Cluster, port: int | None = None, argv_has: str | None = None
+                   ) -> psutil.Process:
+    """The launcher's child serving ``--port port`` (an engine's API server), or the one
+    whose command line holds ``argv_has`` (``"sessionkv_proxy"``)."""
+    found = []
+    for child in psutil.Process(cluster.launcher.pid).children():
+        try:
+            argv = child.cmdline()
+        except psutil.Error:
+            continue
+        if port is not None and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
+            found.append(child)
+        elif argv_has is not None and argv_has in argv:
+            found.append(child)
+    assert len(found) == 1, f"{len(found)} launcher children match port={port} {argv_has}"
+    return found[0]
+
+
+def wait_output(cluster: Cluster, pattern: str, timeout_s: float, start: int = 0) -> str:
+    """The first line of the launcher's output from index ``start`` matching ``pattern``."""
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for line in cluster.output[start:]:
+            if regex.search(line):
+                return line
+        if time.monotonic() > deadline or cluster.launcher.poll() is not None:
+            raise AssertionError(f"local_cluster.py printed no line matching {pattern!r} "
+                                 f"(exit code {cluster.launcher.poll()}):\n"
+                                 + "".join(cluster.output[-30:]))
+        time.sleep(0.5)
+
+
+def refresh_descendants(cluster: Cluster) -> list[int]:
+    """Add the launcher's current processes to ``cluster.descendants`` (its supervisor
+    restarts children under new pids) and return the list."""
+    try:
+        now = {p.pid for p in psutil.Process(cluster.launcher.pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        now = set()
+    cluster.descendants = sorted(set(cluster.descendants) | now)
+    return cluster.descendants
 
 
 def _running(pid: int) -> bool:
@@ -131,6 +184,7 @@ def _running(pid: int) -> bool:
 
 def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
     """SIGTERM the launcher; report which of its processes are still alive."""
+    refresh_descendants(cluster)
     cluster.launcher.send_signal(signal.SIGTERM)
     try:
         code = cluster.launcher.wait(timeout=timeout_s)
@@ -147,6 +201,46 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
     if code is None:
         cluster.launcher.kill()
     return report
+
+
+def kill_engine(cluster: Cluster, url: str) -> tuple[int, int]:
+    """SIGKILL the API server of the engine at ``url`` (a crash: its EngineCore is left
+    to the launcher's supervisor).  Returns its pid and the launcher's output position
+    from which to look for the supervisor's lines."""
+    since = len(cluster.output)
+    proc = launcher_child(cluster, port=int(url.rsplit(":", 1)[1]))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    return proc.pid, since
+
+
+def wait_engine_restarted(cluster: Cluster, name: str, url: str, old_pid: int, since: int,
+                          timeout_s: float = READY_TIMEOUT_S) -> None:
+    """The launcher logged ``name``'s exit and restart, and the new process answers
+    /health on the same URL."""
+    wait_output(cluster, rf"supervisor event=exited process={name} pid={old_pid} "
+                         r"exit_code=-9 ", 30, since)
+    wait_output(cluster, rf"supervisor event=restarted process={name} pid=\d+ exit_code=-9 "
+                         rf"attempt=\d+ old_pid={old_pid}\b", 30, since)
+    wait_output(cluster, rf"supervisor event=healthy process={name} ", timeout_s, since)
+    new = launcher_child(cluster, port=int(url.rsplit(":", 1)[1]))
+    assert new.pid != old_pid
+    resp = requests.get(url + "/health", timeout=10)
+    assert resp.status_code == 200, resp.text
+
+
+def wait_proxy_sees(proxy_url: str, decode: int, timeout_s: float = 60.0) -> None:
+    """Wait until the proxy's /health counts ``decode`` healthy D engines."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = requests.get(proxy_url + "/health", timeout=10)
+        healthy = resp.json()["healthy"]
+        if healthy["decode"] == decode:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"proxy /health after {timeout_s:.0f}s: {resp.status_code} "
+                                 f"{resp.text}")
+        time.sleep(0.5)
 
 
 class OwnRedis:

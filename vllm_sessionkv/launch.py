@@ -6,10 +6,17 @@ benchmarks.  It applies the CPU recipe (``cpu-pd-recipe.md``): one reserved CPU
 thread (the connector does that), UCX on loopback, a block size that is a multiple
 of 32, and vLLM's loadable (non-AOT) compile cache.  Every process runs in its own
 session and is stopped by PID.
+
+``LocalCluster.supervise_once()`` is the supervisor: called in a loop, it logs each
+child that exited and starts it again with the same command line and ports (an engine
+with the same ``EngineSpec``), after a backoff, a bounded number of times in a window,
+while the other children keep serving.  Past that bound it gives up on that child and
+says so; with ``ClusterSpec.fail_fast`` it raises :class:`ChildExited` instead.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -20,13 +27,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "ChildEvent",
+    "ChildExited",
     "ClusterSpec",
     "EngineSpec",
+    "EventKind",
     "LocalCluster",
     "ManagedProcess",
     "engine_command",
@@ -37,6 +47,7 @@ __all__ = [
     "start_redis",
     "stop_all",
     "wait_healthy",
+    "wait_redis",
 ]
 
 logger = logging.getLogger(__name__)
@@ -201,6 +212,23 @@ def start_process(name: str, argv: Sequence[str], log_dir: Path | None = None,
     return _spawn(name, argv, dict(env or os.environ), log_dir)
 
 
+def _answers_health(url: str, timeout_s: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return False
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL what is left of a child's process group (vLLM's EngineCore outlives a
+    killed API server otherwise, holding the ports its restart needs)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def wait_healthy(procs: Sequence[tuple[ManagedProcess, str]], timeout_s: float = 300.0,
                  poll_s: float = 0.5) -> None:
     """Wait until every ``GET url/health`` answers 200; raise with the log tail if a
@@ -213,13 +241,8 @@ def wait_healthy(procs: Sequence[tuple[ManagedProcess, str]], timeout_s: float =
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n"
                                    f"{proc.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        continue
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            still.append((proc, url))
+            if not _answers_health(url, timeout_s=2.0):
+                still.append((proc, url))
         pending = still
         if pending:
             if time.monotonic() > deadline:
@@ -244,11 +267,8 @@ def stop_all(procs: Sequence[ManagedProcess], grace_s: float = 15.0) -> None:
         except subprocess.TimeoutExpired:
             pass
     for proc in procs:
-        try:
-            # The group, not just the leader: vLLM's EngineCore and workers are children.
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        # The group, not just the leader: vLLM's EngineCore and workers are children.
+        _kill_group(proc.pid)
         try:
             proc.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -305,18 +325,83 @@ class ClusterSpec:
     # D engines take P's parameters on an early-decode socket, and the proxy sends
     # them each disaggregated request while P prefills (see early_decode.py).
     early_decode: bool = True
+    # Supervision (LocalCluster.supervise_once).  fail_fast: any child's exit is an
+    # error (ChildExited), nothing is restarted.  Otherwise a child that exits is
+    # started again after restart_backoff_s, doubling with each restart in the last
+    # restart_window_s up to max_restart_backoff_s; once max_restarts restarts fall
+    # in that window, the next exit gives that child up (0: never restart).
+    fail_fast: bool = False
+    max_restarts: int = 5
+    restart_window_s: float = 600.0
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+
+
+class EventKind(enum.Enum):
+    EXITED = "exited"        # found dead; its process group was killed
+    RESTARTED = "restarted"  # started again, same command line and ports
+    HEALTHY = "healthy"      # a restarted child answered GET /health
+    GAVE_UP = "gave_up"      # too many restarts in the window: left stopped
+
+
+@dataclass(frozen=True)
+class ChildEvent:
+    """One thing the supervisor did, logged as ``supervisor event=... process=...``."""
+
+    kind: EventKind
+    process: str
+    pid: int
+    exit_code: int | None = None
+    attempt: int = 0  # restarts of this child so far (1 = the first restart)
+    detail: str = ""
+
+    def __str__(self) -> str:
+        text = (f"supervisor event={self.kind.value} process={self.process} pid={self.pid} "
+                f"exit_code={self.exit_code} attempt={self.attempt}")
+        return f"{text} {self.detail}" if self.detail else text
+
+
+class ChildExited(RuntimeError):
+    """A child exited under ``fail_fast``; ``exited`` holds (name, exit code) pairs."""
+
+    def __init__(self, exited: list[tuple[str, int | None]]):
+        self.exited = exited
+        super().__init__("process exited: " + ", ".join(f"{n} (exit code {c})"
+                                                        for n, c in exited))
+
+
+@dataclass
+class _Child:
+    """A supervised process and how to start it again."""
+
+    name: str
+    start: Callable[[], ManagedProcess]
+    proc: ManagedProcess
+    health_url: str | None = None
+    restarts: int = 0
+    restart_times_s: list[float] = field(default_factory=list)
+    exit_code: int | None = None
+    restart_at_s: float | None = None  # due restart; None when running or given up
+    restarted_at_s: float | None = None  # awaiting /health since then
+    gave_up: bool = False
 
 
 class LocalCluster:
+    """Starts a :class:`ClusterSpec`'s processes, supervises them, stops them.
+
+    Every child is registered with how to start it again (:meth:`manage`), so
+    :meth:`supervise_once` can restart it with the same command line and ports.
+    """
+
     def __init__(self, spec: ClusterSpec):
         self.spec = spec
-        self.procs: list[ManagedProcess] = []
         self.prefill: list[EngineSpec] = []
         self.decode: list[EngineSpec] = []
         self.colocated: EngineSpec | None = None
         self.redis_url: str | None = None
         self.proxy_url: str | None = None
         self._next = spec.base_port
+        self._children: list[_Child] = []
 
     def _port(self) -> int:
         if not self.spec.base_port:
@@ -347,22 +432,33 @@ class LocalCluster:
                           connector=spec.connector, sessionkv=sessionkv,
                           nixl_extra=dict(spec.nixl_extra), extra_args=list(spec.engine_extra_args), gpus=gpus)
 
+    def manage(self, name: str, start: Callable[[], ManagedProcess],
+               health_url: str | None = None) -> ManagedProcess:
+        """Start a child with ``start()`` and supervise it; ``start`` is called again
+        for each restart.  ``health_url`` (its ``GET /health``) is polled after one."""
+        proc = start()
+        self._children.append(_Child(name=name, start=start, proc=proc,
+                                     health_url=health_url))
+        return proc
+
+    @property
+    def procs(self) -> list[ManagedProcess]:
+        """The current process of every child, in start order (the proxy last)."""
+        return [c.proc for c in self._children]
+
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
         spec = self.spec
         log_dir = spec.log_dir
         try:
             if spec.redis:
                 redis_port = self._port()
-                self.procs.append(start_redis(redis_port, log_dir))
+                self.manage("redis", lambda: start_redis(redis_port, log_dir))
                 wait_redis(redis_port)
                 self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
             self.prefill = [self._engine("prefill", i) for i in range(spec.prefill)]
             self.decode = [self._engine("decode", spec.prefill + i) for i in range(spec.decode)]
-            engines: list[tuple[ManagedProcess, str]] = []
-            for i, e in enumerate(self.prefill):
-                engines.append((start_engine(e, f"prefill{i}", log_dir), e.url))
-            for i, e in enumerate(self.decode):
-                engines.append((start_engine(e, f"decode{i}", log_dir), e.url))
+            named = [(f"prefill{i}", e) for i, e in enumerate(self.prefill)]
+            named += [(f"decode{i}", e) for i, e in enumerate(self.decode)]
             if spec.colocated:
                 self.colocated = EngineSpec(
                     role="colocated", model=spec.model,
@@ -370,42 +466,137 @@ class LocalCluster:
                     max_model_len=spec.max_model_len, kv_cache_space_gb=spec.kv_cache_space_gb,
                     extra_args=list(spec.engine_extra_args),
                     gpus=spec.gpus[-1] if spec.gpus else None)
-                engines.append((start_engine(self.colocated, "colocated", log_dir),
-                                self.colocated.url))
-            self.procs.extend(p for p, _ in engines)
+                named.append(("colocated", self.colocated))
+            engines = [(self.manage(name, self._engine_starter(e, name), e.url), e.url)
+                       for name, e in named]
             wait_healthy(engines, timeout_s=timeout_s)
             if spec.proxy:
                 port = spec.proxy_port or self._port()
-                argv = [sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
-                        "--policy", spec.policy, "--block-size", str(spec.block_size)]
-                for flag, group in (("--prefill", self.prefill), ("--decode", self.decode)):
-                    for e in group:
-                        engine = (f"url={e.url},events={e.kv_events_endpoint},"
-                                  f"replay={e.kv_events_replay_endpoint}")
-                        if e.early_decode_endpoint:
-                            engine += f",early={e.early_decode_endpoint}"
-                        argv += [flag, engine]
-                if self.redis_url:
-                    argv += ["--redis-url", self.redis_url]
-                if (Path(spec.model) / "tokenizer.json").is_file() and \
-                        "--tokenizer" not in spec.proxy_args:
-                    # The engines' own tokenizer files: text prompts are tokenized in
-                    # the proxy (checked against the engines' /tokenize at start-up).
-                    argv += ["--tokenizer", spec.model]
-                argv += spec.proxy_args
-                proxy = start_process("proxy", argv, log_dir)
-                self.procs.append(proxy)
+                argv = self._proxy_argv(port)
                 self.proxy_url = f"http://127.0.0.1:{port}"
+                proxy = self.manage("proxy", lambda: start_process("proxy", argv, log_dir),
+                                    self.proxy_url)
                 wait_healthy([(proxy, self.proxy_url)], timeout_s=60)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _engine_starter(self, engine: EngineSpec, name: str) -> Callable[[], ManagedProcess]:
+        return lambda: start_engine(engine, name, self.spec.log_dir)
+
+    def _proxy_argv(self, port: int) -> list[str]:
+        spec = self.spec
+        argv = [sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+                "--policy", spec.policy, "--block-size", str(spec.block_size)]
+        for flag, group in (("--prefill", self.prefill), ("--decode", self.decode)):
+            for e in group:
+                engine = (f"url={e.url},events={e.kv_events_endpoint},"
+                          f"replay={e.kv_events_replay_endpoint}")
+                if e.early_decode_endpoint:
+                    engine += f",early={e.early_decode_endpoint}"
+                argv += [flag, engine]
+        if self.redis_url:
+            argv += ["--redis-url", self.redis_url]
+        if (Path(spec.model) / "tokenizer.json").is_file() and \
+                "--tokenizer" not in spec.proxy_args:
+            # The engines' own tokenizer files: text prompts are tokenized in
+            # the proxy (checked against the engines' /tokenize at start-up).
+            argv += ["--tokenizer", spec.model]
+        return argv + spec.proxy_args
+
+    def supervise_once(self, now_s: float | None = None) -> list[ChildEvent]:
+        """One pass of the supervisor; call it every second or so.  Returns (and logs)
+        what it did.
+
+        A child found dead has its process group killed and its exit logged.  Under
+        ``fail_fast`` that raises :class:`ChildExited` (once; the child stays stopped).  Otherwise the child is started
+        again by the ``start`` it was registered with, once its backoff has passed; a
+        restarted child with a health URL is reported healthy when ``/health`` first
+        answers.  When ``max_restarts`` restarts already fall within
+        ``restart_window_s``, the child is given up (left stopped) and the rest keep
+        running.  A restarted engine's log goes to ``<name>.log`` again; the log of
+        the run that ended is kept as ``<name>.log.<n>`` (n = 1 for the first run).
+        ``now_s`` (``time.monotonic()`` by default) lets tests step the clock.
+        """
+        spec = self.spec
+        now_s = time.monotonic() if now_s is None else now_s
+        events: list[ChildEvent] = []
+        exited: list[tuple[str, int | None]] = []
+        for child in self._children:
+            if child.gave_up or child.restart_at_s is not None:
+                if child.restart_at_s is not None and now_s >= child.restart_at_s:
+                    self._restart(child, now_s, events)
+                continue
+            if child.proc.alive():
+                if child.restarted_at_s is not None and child.health_url and \
+                        _answers_health(child.health_url):
+                    events.append(ChildEvent(
+                        EventKind.HEALTHY, child.name, child.proc.pid, attempt=child.restarts,
+                        detail=f"after_s={now_s - child.restarted_at_s:.1f}"))
+                    child.restarted_at_s = None
+                continue
+            # Dead: take its orphans down with it and decide what comes next.
+            child.exit_code = child.proc.popen.returncode
+            child.restarted_at_s = None
+            _kill_group(child.proc.pid)
+            exited.append((child.name, child.exit_code))
+            events.append(ChildEvent(EventKind.EXITED, child.name, child.proc.pid,
+                                     child.exit_code, child.restarts))
+            if spec.fail_fast:
+                child.gave_up = True  # raised once below; left stopped
+            else:
+                self._schedule(child, now_s, events)
+        for event in events:
+            level = {EventKind.GAVE_UP: logging.ERROR,
+                     EventKind.EXITED: logging.WARNING}.get(event.kind, logging.INFO)
+            logger.log(level, "%s", event)
+        if spec.fail_fast and exited:
+            raise ChildExited(exited)
+        return events
+
+    def _schedule(self, child: _Child, now_s: float, events: list[ChildEvent]) -> None:
+        """Set a stopped child's restart time, or give it up."""
+        spec = self.spec
+        child.restart_times_s = [t for t in child.restart_times_s
+                                 if now_s - t < spec.restart_window_s]
+        recent = len(child.restart_times_s)
+        if recent >= spec.max_restarts:
+            child.gave_up = True
+            events.append(ChildEvent(
+                EventKind.GAVE_UP, child.name, child.proc.pid, child.exit_code,
+                child.restarts, f"restarts_in_window={recent} "
+                                f"window_s={spec.restart_window_s:g}"))
+            return
+        backoff_s = min(spec.restart_backoff_s * 2 ** recent, spec.max_restart_backoff_s)
+        child.restart_at_s = now_s + backoff_s
+
+    def _restart(self, child: _Child, now_s: float, events: list[ChildEvent]) -> None:
+        old = child.proc
+        child.restart_at_s = None
+        child.restarts += 1
+        child.restart_times_s.append(now_s)
+        if old.log_path is not None and old.log_path.exists():
+            old.log_path.rename(old.log_path.with_name(f"{old.log_path.name}.{child.restarts}"))
+        try:
+            child.proc = child.start()
+        except OSError as exc:  # e.g. the executable went away: counts as an attempt
+            events.append(ChildEvent(EventKind.EXITED, child.name, old.pid, child.exit_code,
+                                     child.restarts, f"start_failed={exc!r}"))
+            self._schedule(child, now_s, events)
+            return
+        child.restarted_at_s = now_s
+        events.append(ChildEvent(EventKind.RESTARTED, child.name, child.proc.pid,
+                                 child.exit_code, child.restarts, f"old_pid={old.pid}"))
+
+    def given_up(self) -> list[str]:
+        """Names of the children the supervisor gave up on."""
+        return [c.name for c in self._children if c.gave_up]
+
     def stop(self) -> None:
         # Proxy first (it holds connections to the engines), engines, Redis last.
         stop_all(list(reversed(self.procs)))
-        self.procs = []
+        self._children = []
 
     @property
     def pids(self) -> list[int]:

@@ -13,6 +13,10 @@ with a plain co-located vLLM server beside it as the baseline.
 * A second proxy process on the same engines and the same Redis: a session whose
   turns alternate between the two replicas is routed the same way by both (same D,
   KV reused on every later turn), and its outputs equal the baseline.
+* A D killed (SIGKILL) while a session lives there: the session's next turn goes to
+  the other D and equals the baseline, and the turn after follows it there.  The
+  launcher's supervisor restarts the killed D, and the test waits until the proxy
+  counts both D engines healthy again, so the tests around it find the cluster whole.
 """
 
 from __future__ import annotations
@@ -25,7 +29,16 @@ import psutil
 import pytest
 import requests
 
-from cluster import TEST_KV_CACHE_GB, free_port_block, launch_cluster, stop_cluster
+from cluster import (
+    TEST_KV_CACHE_GB,
+    free_port_block,
+    kill_engine,
+    launch_cluster,
+    refresh_descendants,
+    stop_cluster,
+    wait_engine_restarted,
+    wait_proxy_sees,
+)
 from helpers import assert_same, chat_body, post
 
 from vllm_sessionkv.launch import (
@@ -58,7 +71,7 @@ def _engine_layout(cluster) -> dict[str, dict[str, str]]:
     """url -> {"events", "replay"} of each engine, from the engines' own command lines
     (local_cluster.py prints the events endpoints but not the replay ones)."""
     out: dict[str, dict[str, str]] = {}
-    for pid in cluster.descendants:
+    for pid in refresh_descendants(cluster):
         try:
             argv = psutil.Process(pid).cmdline()
         except psutil.Error:
@@ -210,3 +223,31 @@ def test_two_replicas_route_a_session_alike(cluster_2p2d, second_proxy):
             else:
                 _check_reuse(got, decode, what)
             history.append({"role": "assistant", "content": got.text})
+
+
+def test_killed_decode_engine_moves_its_session_to_the_other_one(cluster_2p2d):
+    c = cluster_2p2d
+    s = 200
+    history = [{"role": "system", "content": system_prompt(s)}]
+
+    def turn(t: int):
+        history.append({"role": "user", "content": user_message(s, t)})
+        body = chat_body(c.model, list(history), max_tokens=new_tokens(s, t))
+        got = post(c.proxy, CHAT, body, headers={"X-Session-ID": "route-2p2d-killed-d"})
+        assert_same(got, post(c.colocated, CHAT, body), f"killed-D session turn {t}")
+        history.append({"role": "assistant", "content": got.text})
+        return got
+
+    wait_proxy_sees(c.proxy, decode=2)
+    first = turn(0).headers["x-sessionkv-decode-engine"]
+    (other,) = set(c.decode) - {first}
+    old_pid, since = kill_engine(c, first)
+    try:
+        got = turn(1)
+        assert got.headers["x-sessionkv-decode-engine"] == other, (
+            f"turn 1 went to {got.headers['x-sessionkv-decode-engine']} "
+            f"({got.headers.get('x-sessionkv-route-reason')}), not the surviving {other}")
+        _check_reuse(turn(2), other, "killed-D session turn 2")
+    finally:
+        wait_engine_restarted(c, f"decode{c.decode.index(first)}", first, old_pid, since)
+        wait_proxy_sees(c.proxy, decode=2)
