@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import statistics
@@ -93,7 +94,8 @@ def _health(proxy: str) -> str:
     try:
         resp = requests.get(proxy + "/health", timeout=5)
         body = resp.json()
-        return f"{resp.status_code} {body.get('status')}: {'; '.join(body.get('problems', []))}"
+        problems = "; ".join(body.get("problems", []))
+        return f"{resp.status_code} {body.get('status')}" + (f": {problems}" if problems else "")
     except (requests.RequestException, ValueError) as exc:
         return f"no answer ({type(exc).__name__})"
 
@@ -117,6 +119,7 @@ class Soak:
         args, model = self.args, self.cluster.spec.model
         history = f"soak session {i}: the kato is of rimu and senlo. " * args.prefix_repeats
         sid = f"soak-{os.getpid()}-{i}"
+        time.sleep(i * args.think_s / max(1, args.sessions))   # staggered starts
         for turn in range(args.turns):
             history += f" step {turn}: what of the vaqu and the dramon?"
             body = _body(model, history, args.max_tokens)
@@ -155,71 +158,83 @@ class Soak:
                     window.health.append(_health(self.proxy))
             self.done.wait(0.5)
 
-    def faults(self) -> None:
-        scale = self.args.schedule_scale
-        cluster = self.cluster
-        d0_port = int(cluster.decode[0].url.rsplit(":", 1)[1])
-        p0_port = int(cluster.prefill[0].url.rsplit(":", 1)[1])
-        redis_port = int(cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
+    def _at(self, t: float) -> bool:
+        """Wait until ``t`` seconds (scaled) into the run; False if the run ended."""
+        while self.now() < t * self.args.schedule_scale:
+            if self.done.wait(0.1):
+                return False
+        return not self.done.is_set()
 
-        def at(t: float) -> bool:
-            while self.now() < t * scale:
-                if self.done.wait(0.1):
-                    return False
-            return True
-
-        def wait_healthy(url: str, timeout_s: float = 600.0) -> None:
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and not self.done.is_set():
-                try:
-                    if requests.get(url + "/health", timeout=2).status_code == 200:
-                        return
-                except requests.RequestException:
-                    pass
-                time.sleep(0.5)
-
-        if not at(8):
-            return
-        window = Window("D0 killed until healthy again", self.now())
-        self.windows.append(window)
-        _signal_tree(_pid_listening(d0_port), signal.SIGKILL)
-        wait_healthy(cluster.decode[0].url)
-        window.end_s = self.now()
-
-        if not at(20):
-            return
-        window = Window("Redis killed until restarted", self.now())
-        self.windows.append(window)
-        _signal_tree(_pid_listening(redis_port), signal.SIGKILL)
-        deadline = time.monotonic() + 60
+    def _wait_healthy(self, url: str, timeout_s: float = 600.0) -> bool:
+        """Until ``url`` answers /health with 200 (True), or the run ends (False)."""
+        deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                _pid_listening(redis_port)
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    return True
+            except requests.RequestException:
+                pass
+            if self.done.wait(0.5):
+                return False
+        return False
+
+    def _open(self, name: str) -> Window:
+        window = Window(name, self.now())
+        with self.lock:
+            self.windows.append(window)
+        return window
+
+    def kill_decode(self) -> None:
+        """t=8: SIGKILL D0 with its EngineCore; the supervisor restarts it."""
+        url = self.cluster.decode[0].url
+        if not self._at(8):
+            return
+        window = self._open("D0 killed until healthy again")
+        _signal_tree(_pid_listening(int(url.rsplit(":", 1)[1])), signal.SIGKILL)
+        if self._wait_healthy(url):
+            window.end_s = self.now()
+
+    def kill_redis(self) -> None:
+        """t=20: SIGKILL Redis; the supervisor restarts it, empty."""
+        port = int(self.cluster.redis_url.rsplit(":", 1)[1].split("/")[0])
+        if not self._at(20):
+            return
+        window = self._open("Redis killed until restarted")
+        _signal_tree(_pid_listening(port), signal.SIGKILL)
+        while not self.done.wait(0.2):
+            try:
+                _pid_listening(port)
                 break
             except RuntimeError:
-                time.sleep(0.2)
-        window.end_s = self.now()
+                pass
+        window.end_s = self.now() if not self.done.is_set() else None
 
-        if not at(30):
+    def stop_prefill(self) -> None:
+        """t=30: SIGSTOP P0 and its children for 20 s."""
+        url = self.cluster.prefill[0].url
+        if not self._at(30):
             return
-        window = Window("P0 stopped (SIGSTOP) for 20 s", self.now())
-        self.windows.append(window)
-        p0 = _pid_listening(p0_port)
+        window = self._open("P0 stopped (SIGSTOP) for 20 s")
+        p0 = _pid_listening(int(url.rsplit(":", 1)[1]))
         _signal_tree(p0, signal.SIGSTOP)
-        self.done.wait(20 * scale)
-        _signal_tree(p0, signal.SIGCONT)
+        try:
+            self.done.wait(20 * self.args.schedule_scale)
+        finally:
+            _signal_tree(p0, signal.SIGCONT)
         window.end_s = self.now()
 
     def run(self) -> None:
         supervisor = threading.Thread(target=self.supervise, daemon=True)
-        faults = threading.Thread(target=self.faults, daemon=True)
+        faults = [threading.Thread(target=f, daemon=True)
+                  for f in (self.kill_decode, self.kill_redis, self.stop_prefill)]
         supervisor.start()
-        faults.start()
+        for fault in faults:
+            fault.start()
         with ThreadPoolExecutor(self.args.sessions) as pool:
             list(pool.map(self.session, range(self.args.sessions)))
-        faults.join(timeout=0)  # the schedule may still be waiting: stop it
-        self.done.set()
-        supervisor.join(timeout=10)
+        self.done.set()   # faults not yet due are skipped; a stopped P continues
+        for thread in (*faults, supervisor):
+            thread.join(timeout=30)
 
 
 def summarize(soak: Soak, args) -> tuple[str, bool]:
@@ -252,18 +267,27 @@ def summarize(soak: Soak, args) -> tuple[str, bool]:
         f"| latency p50 / p99 | {pct(0.5):.2f} s / {pct(0.99):.2f} s |",
         f"| latency mean | {statistics.fmean(latencies) if latencies else float('nan'):.2f} s |",
         f"| peak proxy RSS | {soak.peak_rss / 2**20:.0f} MiB |",
-        "", "| fault | from | to | /health answers seen |", "|---|---|---|---|",
+        "", "Seconds from the first request. A session whose D was killed sends its "
+        "next turn to the other D (the proxy retries a refused connection there), so "
+        "only requests running on the killed D when it died can fail; they are counted "
+        "inside the window.", "",
+        "| fault | from | to | /health answers seen |", "|---|---|---|---|",
     ]
     for w in soak.windows:
         seen = sorted(set(w.health))
         lines.append(f"| {w.name} | {w.start_s:.1f} s | "
-                     f"{'-' if w.end_s is None else f'{w.end_s:.1f} s'} | "
+                     f"{'after the traffic ended' if w.end_s is None else f'{w.end_s:.1f} s'} | "
                      f"{'<br>'.join(seen) if seen else '-'} |")
     if errors:
         lines += ["", "Errors:", ""]
         lines += [f"- t={o.started_s:.1f}-{o.ended_s:.1f} s session {o.session} turn "
                   f"{o.turn}: {o.status} {o.error}" for o in errors[:20]]
-    ok = not outside and not mismatches
+    reached = {w.name.split(" ")[0] for w in soak.windows}
+    missed = [name for name in ("D0", "Redis", "P0") if name not in reached]
+    if missed:
+        lines += ["", f"Faults not reached before the traffic ended: {', '.join(missed)} "
+                      "(raise --turns or --think-s, or lower --schedule-scale)."]
+    ok = not outside and not mismatches and not missed
     return "\n".join(lines), ok
 
 
@@ -275,20 +299,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prefix-repeats", type=int, default=8,
                    help="repeats of the sessions' opening sentence (prompt length)")
-    p.add_argument("--think-s", type=float, default=0.5, help="pause between turns")
+    p.add_argument("--think-s", type=float, default=5.0,
+                   help="pause between turns (a tool's run; agent traces' median is about "
+                        "5 s), so that the traffic spans the fault schedule")
     p.add_argument("--schedule-scale", type=float, default=1.0,
                    help="stretch (>1) or shrink the fault schedule")
     p.add_argument("--model", help="model directory (default: a tiny random Llama)")
     p.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES per engine, comma-separated")
     p.add_argument("--kv-cache-gb", type=float, default=0.25)
-    p.add_argument("--quick", action="store_true", help="8 sessions x 4 turns")
+    p.add_argument("--quick", action="store_true",
+                   help="8 sessions x 8 turns, 2 s apart, the schedule at 0.5x")
     p.add_argument("--no-report", action="store_true",
                    help=f"print only; do not write {REPORT.relative_to(REPO)}")
     args = p.parse_args(argv)
     if args.quick:
-        args.sessions, args.turns = 8, 4
+        args.sessions, args.turns, args.think_s, args.schedule_scale = 8, 8, 2.0, 0.5
 
     from vllm_sessionkv.launch import ClusterSpec, LocalCluster
+
+    # The supervisor's lines (exited, restarted, healthy) with their times.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
+    logging.getLogger("vllm_sessionkv.launch").setLevel(logging.INFO)
 
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-soak-"))
     model = args.model
