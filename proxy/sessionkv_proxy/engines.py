@@ -58,6 +58,9 @@ class Engine:
     running_requests: float = 0.0
     kv_usage: float = 0.0
     healthy: bool = True
+    # When connections to it were last refused (unix s): a process that comes back
+    # on the same port is a new one, and its NIXL memory holds none of the old KV.
+    lost_at_unix_s: float = 0.0
     stalled: bool = False
     last_alive_s: float = field(default_factory=time.monotonic)
     last_scrape_s: float = 0.0
@@ -110,6 +113,7 @@ class EnginePool:
         engine.consecutive_failures += 1
         if engine.consecutive_failures >= 2 and engine.healthy:
             engine.healthy = False
+            engine.lost_at_unix_s = time.time()
             logger.warning("engine %s marked unhealthy", engine.url)
 
     def mark_success(self, engine: Engine) -> None:

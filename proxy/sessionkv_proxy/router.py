@@ -189,6 +189,12 @@ class Router:
         ours = params.get(SESSIONKV_PARAMS_KEY) or {}
         if ours.get("tenant") != tenant:
             return None, "other_tenant", ""
+        holder = self.pool.get(ours.get("engine_url") or "")
+        if holder is not None and record is not None and \
+                holder.lost_at_unix_s > record.updated_at_unix_s:
+            # The D that held it refused connections since this turn: if it is back,
+            # it is a new process (P's read would fail against its new NIXL agent).
+            return None, "engine_lost", ""
         # A margin, so P does not start a read D is about to release.
         if float(ours.get("expires_at_unix_s", 0.0)) < time.time() + 2.0:
             return None, "expired", ""

@@ -91,3 +91,36 @@ async def test_a_lone_healthy_decode_worker_is_chosen_without_reading_the_prompt
     with pytest.raises(ApiError) as err:
         await lone.plan({**text, "prompt": list(range(40))}, False, None)
     assert err.value.status == 503 and "no healthy decode" in str(err.value)
+
+
+async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
+    """A D that refused connections and came back is a new process: P's read of the
+    old handle would fail against its new NIXL agent, so the router does not send it."""
+    from sessionkv_proxy.sessions import SessionRecord
+
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none"})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    pool = EnginePool.from_configs(config.engines)
+    router = Router(config, pool, MemoryIndex(), upstream)
+    handle = {"do_remote_decode": True, "remote_engine_id": "d1",
+              "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}}
+    try:
+        record = SessionRecord(session_id="s", last_decode=D1, handle_params=handle)
+        await router.save_session(record)
+        loaded = await router.load_session("s", None)
+        assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
+        d1 = pool.get(D1)
+        pool.mark_failure(d1)
+        pool.mark_failure(d1)          # refused twice: lost
+        pool.mark_success(d1)          # answers again, a new process
+        assert (await router._usable_handle(loaded, "s", None))[1] == "engine_lost"
+        # A turn served after it came back leaves a usable handle again.
+        await router.save_session(SessionRecord(session_id="s", last_decode=D1,
+                                                handle_params=handle))
+        loaded = await router.load_session("s", None)
+        assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
+    finally:
+        upstream.close()
+
