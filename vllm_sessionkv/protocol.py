@@ -31,6 +31,7 @@ __all__ = [
     "decode_prefill_done",
     "encode_handle",
     "encode_prefill_done",
+    "published_handle_key",
     "session_store_key",
 ]
 
@@ -69,6 +70,12 @@ def session_store_key(session_id: str, tenant: str | None) -> str:
     tag = "-" if tenant is None else \
         hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     return f"{tag}:{session_id}"
+
+
+def published_handle_key(session_id: str, tenant: str | None,
+                         prefix: str = HANDLE_KEY_PREFIX) -> str:
+    """The Redis key under which D publishes a session's latest handle."""
+    return prefix + session_store_key(session_id, tenant)
 
 
 class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):

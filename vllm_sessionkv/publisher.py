@@ -19,7 +19,7 @@ from vllm_sessionkv.protocol import (
     SESSIONKV_PARAMS_KEY,
     SessionHandle,
     encode_handle,
-    session_store_key,
+    published_handle_key,
 )
 
 __all__ = ["HandlePublisher", "handle_from_params"]
@@ -73,7 +73,7 @@ class HandlePublisher:
             return False
         try:
             handle = handle_from_params(session_id, params)
-            key = self.key_prefix + session_store_key(session_id, handle.tenant)
+            key = published_handle_key(session_id, handle.tenant, self.key_prefix)
             self._queue.put_nowait((key, encode_handle(handle), ttl_s))
             return True
         except (queue.Full, KeyError, TypeError, ValueError) as exc:

@@ -23,7 +23,11 @@ from typing import Any
 import msgspec
 
 from vllm_sessionkv.hashing import request_keys
-from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX, SESSIONKV_PARAMS_KEY, session_store_key
+from vllm_sessionkv.protocol import (
+    SESSIONKV_PARAMS_KEY,
+    published_handle_key,
+    session_store_key,
+)
 
 from sessionkv_proxy import policy
 from sessionkv_proxy.config import ProxyConfig, Role
@@ -161,9 +165,9 @@ class Router:
                                      encode_record(record), self.config.session_ttl_s)
 
     async def _published_handle(self, session_id: str, tenant: str | None) -> dict | None:
-        if self.redis is None or not self.redis.available:
+        if self.redis is None:
             return None
-        key = HANDLE_KEY_PREFIX + session_store_key(session_id, tenant)
+        key = published_handle_key(session_id, tenant)
         try:
             raw = await self.redis.call("get_handle", lambda: self.redis.client.get(key))
         except RedisUnavailable:  # a handle is an optimisation; never fail the request
@@ -214,7 +218,7 @@ class Router:
             await self.save_session(record)
         if self.redis is None:
             return True
-        key = HANDLE_KEY_PREFIX + session_store_key(session_id, tenant)
+        key = published_handle_key(session_id, tenant)
         try:
             deleted = await self.redis.call("consume_handle",
                                             lambda: self.redis.client.delete(key))

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX, session_store_key
+from vllm_sessionkv.protocol import published_handle_key, session_store_key
 
 from sessionkv_proxy.admin import RESET_PATH, authorize
 from sessionkv_proxy.app import create_app
@@ -140,7 +140,7 @@ async def test_bad_timeout_is_refused_before_any_engine_is_called(free_port):
 async def test_sessions_and_published_handles_are_withdrawn_before_the_engines_reset(
         free_port, redis_server):
     """A handle left behind would name blocks the reset frees."""
-    handle_key = HANDLE_KEY_PREFIX + session_store_key("s1", None)
+    handle_key = published_handle_key("s1", None)
 
     async def before(proxy):
         state = proxy.state

@@ -106,37 +106,30 @@ class FallbackIndex:
         # The consumer's own copy holds every entry it wrote: no round trip needed.
         return await self.local.request_key(engine, engine_hash)
 
+    # The link refuses at once while Redis is down, so each read is one try.
     async def lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
-        if self.link.available:
-            try:
-                return await self.link.call("lookup", lambda: self.remote.lookup(request_keys))
-            except RedisUnavailable:
-                pass
-        self._on_fallback("lookup")
-        return await self.local.lookup(request_keys)
+        try:
+            return await self.link.call("lookup", lambda: self.remote.lookup(request_keys))
+        except RedisUnavailable:
+            self._on_fallback("lookup")
+            return await self.local.lookup(request_keys)
 
     async def get_session(self, session_id: str) -> bytes | None:
-        if self.link.available:
-            try:
-                record = await self.link.call("get_session",
-                                              lambda: self.remote.get_session(session_id))
-            except RedisUnavailable:
-                pass
-            else:
-                # None from Redis but a record here: Redis lost it (a restart the
-                # re-publish has not covered yet); this replica's copy still helps.
-                return record if record is not None else \
-                    await self.local.get_session(session_id)
-        self._on_fallback("get_session")
-        return await self.local.get_session(session_id)
+        try:
+            record = await self.link.call("get_session",
+                                          lambda: self.remote.get_session(session_id))
+        except RedisUnavailable:
+            self._on_fallback("get_session")
+            record = None
+        # None from Redis but a record here: Redis lost it (a restart the re-publish
+        # has not covered yet); this replica's copy still helps.
+        return record if record is not None else await self.local.get_session(session_id)
 
     async def size(self) -> int:
-        if self.link.available:
-            try:
-                return await self.link.call("size", self.remote.size)
-            except RedisUnavailable:
-                pass
-        return await self.local.size()
+        try:
+            return await self.link.call("size", self.remote.size)
+        except RedisUnavailable:
+            return await self.local.size()
 
     # ------------------------------------------------------------------ upkeep
     async def maintain(self, interval_s: float = 0.25) -> None:
@@ -207,14 +200,9 @@ class FallbackIndex:
         logger.info("re-published %d index entries and %d sessions to redis",
                     sum(len(b) for _, _, b in entries), len(sessions))
         self.link.close_breaker()
-        info_run_id = None
-        try:
-            info = await self.link.call("info", lambda: self.link.client.info("server"))
-            info_run_id = info.get("run_id") if isinstance(info, dict) else None
-        except RedisUnavailable:
-            pass
-        if info_run_id:
-            self.run_id = info_run_id
+        # The Redis just re-published to is the one whose restart counts next.
+        self.run_id = None
+        await self._check_run_id()
 
     async def close(self) -> None:
         await self.local.close()
