@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib
 import math
+import os
 import queue
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,7 @@ __all__ = [
     "host_tier_events",
     "is_cpu_platform",
     "kv_bytes_per_block",
+    "keep_thread_affinity",
     "kv_bytes_per_token",
     "limit_engine_busy_poll",
     "mark_in_batch",
@@ -76,6 +78,7 @@ __all__ = [
     "request_cache_salt",
     "request_session_id",
     "scheduled_requests",
+    "set_engine_busy",
     "release_pending_send",
     "show_first_tokens_to_worker",
     "set_pending_send_deadline",
@@ -138,9 +141,13 @@ def nixl_agent_options(progress_thread: bool, ucx_error_handling: str | None) ->
         yield
 
 
-# Process-wide settings of the two pacing patches below (None: not patched).
+# Process-wide settings of the pacing patches below (None: not patched).
 _busy_poll_cap_s: float | None = None
 _holding_interval_s: float | None = None
+# Whether this engine has a model to run (see set_engine_busy); the cap applies only
+# while it has none, unless spin_while_busy was turned off.
+_engine_busy = False
+_spin_while_busy = True
 
 # A reader past its spin sleeps on a ZMQ notification, and a notification can be
 # lost (vLLM's PUB has a high-water mark of 1 and its SUB conflates): at vLLM's 1 s
@@ -153,38 +160,86 @@ _POLL_MIN_S = 0.001
 _POLL_MAX_S = 0.05
 
 
-def limit_engine_busy_poll(seconds: float) -> None:
-    """Cap how long this process spins on vLLM's shared-memory message queues.
+def set_engine_busy(busy: bool) -> None:
+    """Tell this process's queue readers whether the engine has a model to run.
+
+    Set every step: by the scheduler half in the engine-core process, from the
+    step it scheduled, and by the worker half in each worker process, from the
+    connector metadata of the step it runs.  A busy engine spins as vLLM does
+    (``busy_loop_s`` = 1 s): capping the spin while it decodes cost a connector engine
+    2-3x the plain engine's time per token on a 2-core host, every hop between
+    engine core and worker then waiting on a ZMQ wake-up.  An engine that only
+    holds blocks, waits for KV or has stopped stepping is not busy and keeps the cap.
+    """
+    global _engine_busy
+    _engine_busy = busy
+
+
+def limit_engine_busy_poll(seconds: float, spin_while_busy: bool = True) -> None:
+    """Cap how long this process spins on vLLM's shared-memory message queues while
+    the engine is not busy (``set_engine_busy``; always, if not ``spin_while_busy``).
 
     The engine core and its workers talk through ``shm_broadcast.MessageQueue``; a
     reader waiting for the next message spins (``sched_yield``) for
     ``SpinCondition.busy_loop_s`` = 1 s after each read before it sleeps on a ZMQ
     notification that every write sends.  So an engine that served a request in the
-    last second keeps its worker, and while a worker computes its engine core, spinning.
-    On a host with a few cores, two engines (P and D) spinning this way take the CPU
-    that the other engine's real step needs.  Process-wide, idempotent; the smallest
-    cap asked for wins.
+    last second, or that steps only to hold blocks for a peer, keeps its worker and
+    engine core spinning.  On a host with a few cores, two engines (P and D) spinning
+    this way take the CPU that the other engine's real step needs.  Process-wide,
+    idempotent; the smallest cap asked for wins.
     """
-    global _busy_poll_cap_s
+    global _busy_poll_cap_s, _spin_while_busy
     if seconds < 0:
         raise ValueError(f"busy-poll cap must be >= 0, got {seconds}")
     if _busy_poll_cap_s is None:
         original_wait = _shm_broadcast.SpinCondition.wait
 
-        def wait_with_cap(self, timeout_ms=None):
-            if self.busy_loop_s > _busy_poll_cap_s:
-                self.busy_loop_s = _busy_poll_cap_s
+        def wait_paced(self, timeout_ms=None):
+            # vLLM's own spin, kept per reader: the cap below changes it per call.
+            stock_s = self.__dict__.setdefault("_sessionkv_stock_busy_loop_s",
+                                               self.busy_loop_s)
+            if _engine_busy and _spin_while_busy:
+                self.busy_loop_s = stock_s
+                return original_wait(self, timeout_ms)
+            self.busy_loop_s = min(stock_s, _busy_poll_cap_s)
             idle_s = time.monotonic() - self.last_read
             if idle_s > self.busy_loop_s:
                 bound_ms = math.ceil(min(_POLL_MAX_S, max(_POLL_MIN_S, idle_s)) * 1e3)
                 timeout_ms = bound_ms if timeout_ms is None else min(timeout_ms, bound_ms)
             return original_wait(self, timeout_ms)
 
-        _shm_broadcast.SpinCondition.wait = wait_with_cap
+        _shm_broadcast.SpinCondition.wait = wait_paced
         _busy_poll_cap_s = seconds
+        _spin_while_busy = spin_while_busy
         _expect_sample_tokens_after_execute()
     else:
         _busy_poll_cap_s = min(_busy_poll_cap_s, seconds)
+        _spin_while_busy = _spin_while_busy and spin_while_busy
+
+
+@contextlib.contextmanager
+def keep_thread_affinity() -> Iterator[None]:
+    """Undo the CPU-core pinning that NIXL's worker does as it is built.
+
+    On CPU, 0.32's ``NixlBaseConnectorWorker.__init__`` calls
+    ``os.sched_setaffinity(0, [last core of each NUMA node])`` (``base_worker.py``
+    l.700-714, "reserve different cores for start_load_kv() from model_forward()").
+    It runs in the thread that later runs the model, so it moves the forward pass
+    itself, not a transfer thread, onto the last core, away from the cores vLLM's
+    CPU worker bound it to: on a 2-core host every connector engine computed on core
+    1 beside whatever else ran there, while a plain engine computed on core 0.  The
+    reads it was meant for are posted from the same thread anyway.  We restore the
+    thread's affinity as it was before the worker was built.
+    """
+    if not hasattr(os, "sched_getaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        yield
+    finally:
+        if os.sched_getaffinity(0) != before:
+            os.sched_setaffinity(0, before)
 
 
 def _expect_sample_tokens_after_execute() -> None:

@@ -88,10 +88,15 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # "none" on the CPU platform (engines share a host), NIXL's default elsewhere.
     nixl_ucx_error_handling: str | None = None
     # How long an engine's processes spin on vLLM's internal message queues after a
-    # message before sleeping until the next one (vLLM: 1 s).  None = 2 ms on the CPU
-    # platform, where spinning engines take the cores other engines compute on;
-    # vLLM's own on other platforms.
+    # message before sleeping until the next one (vLLM: 1 s), while the engine has no
+    # model to run (it only holds blocks, waits for KV, or has stopped).  None = 2 ms
+    # on the CPU platform, where spinning engines take the cores other engines
+    # compute on; vLLM's own on other platforms.
     engine_busy_poll_s: float | None = None
+    # While the engine has a model to run, spin as vLLM does whatever the cap above:
+    # a busy engine then steps at the plain engine's rate.  False applies the cap on
+    # every step too (slower decoding; only for comparison).
+    engine_spin_while_busy: bool = True
     # An engine with nothing to compute still steps while finished requests hold
     # blocks for a peer's read (P until D reads, D for a session's lease).  Such an
     # engine waits for a new request up to this long before each step (a request

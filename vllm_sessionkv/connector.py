@@ -47,7 +47,7 @@ class SessionKVConnector(_vllm.NixlPullConnector):
         if busy_poll_cap_s is not None:
             # Both roles: the scheduler half lives in the engine core, the worker half
             # in each worker process, and each process spins on its own queue.
-            _vllm.limit_engine_busy_poll(busy_poll_cap_s)
+            _vllm.limit_engine_busy_poll(busy_poll_cap_s, config.engine_spin_while_busy)
         _vllm.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         self.connector_scheduler = None
         self.connector_worker = None

@@ -601,8 +601,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         meta.sessionkv_sync_loads = self._sync_reads_next
         self._sync_reads_in_step |= self._sync_reads_next
         self._sync_reads_next = set()
-        # The worker may wait for its reads only when it has no model to run.
+        # The worker may wait for its reads only when it has no model to run, and
+        # this process and the worker spin on their queues only when it has one.
         meta.sessionkv_idle_step = running == 0
+        _vllm.set_engine_busy(running > 0)
         return meta
 
     def update_connector_output(self, connector_output) -> None:

@@ -31,7 +31,8 @@ def _merge(results, more):
 
 class SessionKVWorker(_vllm.NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
-        with _vllm.nixl_agent_options(*config.nixl_agent_options(_vllm.is_cpu_platform())):
+        with _vllm.nixl_agent_options(*config.nixl_agent_options(_vllm.is_cpu_platform())), \
+                _vllm.keep_thread_affinity():
             super().__init__(vllm_config, engine_id, kv_cache_config)
         _vllm.worker_set_stats(self, SessionKVStats())
         self.sessionkv_config = config
@@ -69,6 +70,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
                 self.host_pool.load(first, second)
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
         self._idle_step = bool(getattr(metadata, "sessionkv_idle_step", False))
+        _vllm.set_engine_busy(not self._idle_step)
         super().start_load_kv(metadata)
         # After stock code has taken this step's held sends, which a reset in the
         # same step may already release.

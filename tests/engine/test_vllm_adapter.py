@@ -170,6 +170,64 @@ def test_busy_poll_cap_makes_an_idle_reader_sleep_until_notified_or_a_bounded_po
         ctx.destroy(linger=0)
 
 
+def test_a_busy_engine_spins_as_vllm_does_and_an_idle_one_keeps_the_cap():
+    """``set_engine_busy(True)`` (a step scheduled tokens) gives the reader vLLM's own
+    1 s spin back; ``False`` (only holding, waiting for KV) applies the cap again.
+    Fails if the cap applies on busy steps: the busy wait would sleep ~10 ms."""
+    import time
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    from vllm.utils.network_utils import get_open_zmq_ipc_path
+
+    ctx = zmq.Context()
+    reader = SpinCondition(is_reader=True, context=ctx,
+                           notify_address=get_open_zmq_ipc_path())
+    try:
+        _vllm.limit_engine_busy_poll(0.002)
+        _vllm.set_engine_busy(True)
+        reader.record_read()
+        time.sleep(0.01)          # past the cap, within vLLM's 1 s
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)
+        assert time.monotonic() - started < 0.005 and reader.busy_loop_s == 1
+
+        _vllm.set_engine_busy(False)
+        reader.record_read()
+        time.sleep(0.01)
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)
+        assert time.monotonic() - started > 0.005 and reader.busy_loop_s == 0.002
+    finally:
+        _vllm.set_engine_busy(False)
+        ctx.destroy(linger=0)
+
+
+def test_nixl_worker_pins_its_thread_and_keep_thread_affinity_undoes_it():
+    """0.32's NIXL worker moves the thread that builds it (the one that runs the
+    model) onto the last core of each NUMA node on CPU; ours puts it back."""
+    import os
+    import threading
+
+    source = inspect.getsource(_vllm._nixl_base_worker.NixlBaseConnectorWorker.__init__)
+    assert "os.sched_setaffinity(0, rsv_cores_for_kv)" in source
+
+    seen = {}
+
+    def in_thread():   # a thread of its own: affinity is per thread
+        before = os.sched_getaffinity(0)
+        with _vllm.keep_thread_affinity():
+            os.sched_setaffinity(0, {max(before)})
+            seen["inside"] = os.sched_getaffinity(0)
+        seen["before"], seen["after"] = before, os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=in_thread)
+    thread.start()
+    thread.join()
+    assert seen["inside"] == {max(seen["before"])}
+    assert seen["after"] == seen["before"]
+
+
 def test_a_worker_spins_for_the_call_that_follows_execute_model():
     """Past the cap a reader sleeps; right after an ``execute_model`` RPC the worker
     spins instead, since vLLM's step sends ``sample_tokens`` next.  Fails without

@@ -29,11 +29,15 @@ def test_engine_pacing_defaults_depend_on_platform():
     cfg = parse_config({"sessionkv": {"engine_busy_poll_s": 1.0, "holding_step_interval_s": 0}})
     assert cfg.busy_poll_cap_s(cpu_platform=True) == 1.0
     assert cfg.holding_step_interval(cpu_platform=True) == 0.0
+    assert cfg.engine_spin_while_busy is True
+    assert parse_config({"sessionkv": {"engine_spin_while_busy": False}}
+                        ).engine_spin_while_busy is False
 
 
 @pytest.mark.parametrize("key,value", [("engine_busy_poll_s", -0.1),
                                        ("holding_step_interval_s", 1.5),
-                                       ("holding_step_interval_s", -1)])
+                                       ("holding_step_interval_s", -1),
+                                       ("engine_spin_while_busy", "sometimes")])
 def test_bad_pacing_values_are_named(key, value):
     with pytest.raises(ConfigError, match=key):
         parse_config({"sessionkv": {key: value}})

@@ -1,0 +1,475 @@
+#!/usr/bin/env python3
+"""What our connector costs one engine per token, against a plain vLLM engine.
+
+    python benchmarks/engine_overhead.py            # every variant, 2 rounds (~20 min)
+    python benchmarks/engine_overhead.py --quick    # plain, ours as D and as P, 1 round
+    python benchmarks/engine_overhead.py --model /models/M --gpus 0   # a GPU host
+
+It starts, one at a time and with the same launcher settings (``launch.engine_command``:
+the same threads, reserved CPU, KV cache, block size and model), a plain vLLM engine,
+an engine with vLLM's stock NixlConnector, and engines with ours: as D and as P with
+the defaults, and as D with each pacing setting turned back to vLLM's behaviour one at
+a time, and with KV events off.  Each engine gets the same streamed completions
+(prompt token ids, ``ignore_eos``, temperature 0) straight, with no proxy, at
+concurrency 1 and then 4, after a warm-up.  Round 2 runs the engines in the reverse
+order, so a drift of the machine over the run falls on both sides of each ratio.
+
+Per engine: decode time per output token and prefill time (means of vLLM's own
+``vllm:request_time_per_output_token_seconds`` and ``vllm:request_prefill_time_seconds``
+histograms over the phase), client-side ITL and latency p50/p99, the CPU the engine's
+processes used idle (no requests, nothing held) and busy (during the c=4 phase), and
+the CPU cores its processes' threads may run on.  Every figure is also a ratio to the
+plain engine of the same run.  Prints a table and writes
+``docs/benchmarks/engine_overhead.md`` (and ``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from vllm_sessionkv.launch import (  # noqa: E402
+    EngineSpec,
+    engine_command,
+    free_port,
+    start_engine,
+    stop_all,
+    wait_healthy,
+)
+
+REPORT = REPO / "docs" / "benchmarks" / "engine_overhead.md"
+# Launcher environment keys that decide threads and cores, stated in the report.
+THREAD_ENV = ("VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS",
+              "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    role: str                       # colocated (plain), decode (D) or prefill (P)
+    connector: str = "sessionkv"    # sessionkv (ours) or nixl (stock NixlConnector)
+    sessionkv: dict = field(default_factory=dict)
+    kv_events: bool = True
+    what: str = ""
+
+
+VARIANTS = [
+    Variant("plain", "colocated", kv_events=False, what="plain vLLM, no connector"),
+    Variant("ours D", "decode", what="our connector as D, defaults"),
+    Variant("ours P", "prefill", what="our connector as P, defaults"),
+    Variant("stock NIXL D", "decode", connector="nixl", kv_events=False,
+            what="vLLM's NixlConnector as D (progress thread off on CPU)"),
+    Variant("D: busy-spin capped", "decode", sessionkv={"engine_spin_while_busy": False},
+            what="the 2 ms spin cap on every step, busy or not (before this fix)"),
+    Variant("D: vLLM spin", "decode", sessionkv={"engine_busy_poll_s": 1.0},
+            what="engine_busy_poll_s 1.0: vLLM's 1 s spin, idle too"),
+    Variant("D: holding steps vLLM", "decode", sessionkv={"holding_step_interval_s": 0.0},
+            what="holding_step_interval_s 0: vLLM's back-to-back holding steps"),
+    Variant("D: idle-step wait off", "decode", sessionkv={"idle_step_recv_wait_s": 0.0},
+            what="idle_step_recv_wait_s 0"),
+    Variant("D: KV events off", "decode", kv_events=False, what="no --kv-events-config"),
+]
+QUICK = ("plain", "ours D", "ours P")
+# The engines the must-show holds for, and its bound.
+JUDGED = ("ours D", "ours P")
+BOUND = 1.15
+
+
+# ---------------------------------------------------------------- client
+
+@dataclass
+class Sample:
+    latency_s: float
+    itl_s: list[float]
+    chunks: int
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Sample:
+    started = time.perf_counter()
+    stamps: list[float] = []
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                stamps.append(time.perf_counter())
+    return Sample(time.perf_counter() - started,
+                  [b - a for a, b in zip(stamps, stamps[1:])], len(stamps))
+
+
+async def _closed_loop(url: str, bodies: list[dict], concurrency: int) -> list[Sample]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    samples: list[Sample] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def worker():
+            while not queue.empty():
+                samples.append(await _one(session, url, queue.get_nowait()))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return samples
+
+
+def completion_bodies(model: str, n: int, prompt_len: int, max_tokens: int, seed: int
+                      ) -> list[dict]:
+    """``n`` distinct prompts of token ids (no prefix shared between them)."""
+    bodies = []
+    for i in range(n):
+        ids = [(seed * 7919 + i * 131 + j * 17) % 900 + 20 for j in range(prompt_len)]
+        bodies.append({"model": model, "prompt": ids, "max_tokens": max_tokens,
+                       "temperature": 0.0, "ignore_eos": True, "stream": True})
+    return bodies
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+# ---------------------------------------------------------------- engine side
+
+def histogram_sums(url: str) -> dict[str, float]:
+    """Sum and count of the histograms we read, summed over label sets."""
+    wanted = ("vllm:request_time_per_output_token_seconds", "vllm:request_prefill_time_seconds")
+    out: dict[str, float] = {}
+    text = requests.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        for name in wanted:
+            for suffix in ("_sum", "_count"):
+                if line.startswith(name + suffix):
+                    out[name + suffix] = out.get(name + suffix, 0.0) + float(line.split()[-1])
+    return out
+
+
+def histogram_mean(before: dict, after: dict, name: str) -> float | None:
+    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    if count <= 0:
+        return None
+    return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / count
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def thread_cores(procs: list[psutil.Process]) -> str:
+    """Each process's threads' allowed cores, e.g. ``api:0-1 EngineCore:0-1
+    Worker:0 (1 thread on 1)``: what the engine computes on."""
+    parts = []
+    for p in procs:
+        try:
+            name = p.name().replace("VLLM::", "")
+            by_cores: dict[str, int] = {}
+            for t in p.threads():
+                cores = os.sched_getaffinity(t.id)
+                key = ",".join(str(c) for c in sorted(cores))
+                by_cores[key] = by_cores.get(key, 0) + 1
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            continue
+        main = max(by_cores, key=by_cores.get) if by_cores else "?"
+        odd = [f"{n} thread{'s' * (n > 1)} on {k}" for k, n in by_cores.items() if k != main]
+        parts.append(f"{name}:{main}" + (f" ({', '.join(odd)})" if odd else ""))
+    return " ".join(parts)
+
+
+def model_thread_cores(procs: list[psutil.Process]) -> str:
+    """The cores of the thread that runs the forward pass: the worker process's main
+    thread (NIXL's worker re-pins exactly that one), or the engine core's."""
+    for p in reversed(procs):  # workers are the deepest children
+        try:
+            if "Worker" in p.name() or p.name().startswith("VLLM::Engine"):
+                return ",".join(str(c) for c in sorted(os.sched_getaffinity(p.pid)))
+        except (psutil.NoSuchProcess, ProcessLookupError):
+            continue
+    return "?"
+
+
+def spec_for(variant: Variant, model: str, args) -> EngineSpec:
+    port = free_port()
+    spec = EngineSpec(role=variant.role, model=model, port=port,
+                      side_channel_port=free_port() if variant.role != "colocated" else None,
+                      kv_events_port=free_port() if variant.kv_events else None,
+                      connector=variant.connector, sessionkv=dict(variant.sessionkv),
+                      max_model_len=args.max_model_len,
+                      kv_cache_space_gb=args.kv_cache_gb)
+    if args.gpus is not None:
+        spec.gpus = args.gpus
+    return spec
+
+
+def measure_engine(variant: Variant, model: str, args, log_dir: Path,
+                   bodies: dict[int, list[dict]], warm: list[dict]) -> dict:
+    spec = spec_for(variant, model, args)
+    proc = start_engine(spec, variant.name.replace(" ", "_").replace(":", ""), log_dir)
+    try:
+        wait_healthy([(proc, spec.url)], timeout_s=600)
+        asyncio.run(_closed_loop(spec.url, warm, 2))
+        procs = _tree(proc.pid)
+        # Idle: nothing running and nothing held (no request of ours holds a lease).
+        time.sleep(args.settle_s)
+        c0, t0 = cpu_seconds(procs), time.monotonic()
+        time.sleep(args.idle_s)
+        idle_share = (cpu_seconds(procs) - c0) / (time.monotonic() - t0)
+        out = {"name": variant.name, "what": variant.what, "idle_cpu": idle_share,
+               "cores": thread_cores(procs), "model_thread_cores": model_thread_cores(procs)}
+        for conc, phase_bodies in bodies.items():
+            before = histogram_sums(spec.url)
+            c0, t0 = cpu_seconds(procs), time.monotonic()
+            samples = asyncio.run(_closed_loop(spec.url, phase_bodies, conc))
+            busy = (cpu_seconds(procs) - c0) / (time.monotonic() - t0)
+            after = histogram_sums(spec.url)
+            itl = [x for s in samples for x in s.itl_s]
+            lat = [s.latency_s for s in samples]
+            out[f"c{conc}"] = {
+                "tpot_s": histogram_mean(before, after,
+                                         "vllm:request_time_per_output_token_seconds"),
+                "prefill_s": histogram_mean(before, after, "vllm:request_prefill_time_seconds"),
+                "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
+                "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
+                "busy_cpu": busy, "requests": len(samples),
+                "chunks": sum(s.chunks for s in samples),
+            }
+        return out
+    finally:
+        stop_all([proc])
+
+
+# ---------------------------------------------------------------- report
+
+METRICS = ("tpot_s", "latency_p50_s", "latency_p99_s", "itl_p50_s", "itl_p99_s", "prefill_s",
+           "busy_cpu")
+
+
+def median_or_none(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(runs: list[list[dict]], concurrencies: list[int]) -> list[dict]:
+    """One row per engine: medians over rounds, and ratios to plain's medians."""
+    names = [r["name"] for r in runs[0]]
+    by_name = {n: [r for rnd in runs for r in rnd if r["name"] == n] for n in names}
+    rows = []
+    for name in names:
+        got = by_name[name]
+        row = {"name": name, "what": got[0]["what"],
+               "idle_cpu": median_or_none([g["idle_cpu"] for g in got]),
+               "model_thread_cores": got[-1]["model_thread_cores"],
+               "cores": got[-1]["cores"]}
+        for c in concurrencies:
+            for m in METRICS:
+                row[f"c{c}.{m}"] = median_or_none([g[f"c{c}"][m] for g in got])
+        rows.append(row)
+    plain = next(r for r in rows if r["name"] == "plain")
+    for row in rows:
+        for key, value in list(row.items()):
+            if "." in key and value is not None and plain.get(key):
+                row[key + "/plain"] = value / plain[key]
+    return rows
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.2f}"
+
+
+def _x(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def render_table(rows: list[dict], concurrencies: list[int]) -> str:
+    head = ["engine"]
+    for c in concurrencies:
+        head += [f"c{c} TPOT ms", "/plain", f"c{c} lat p50 ms", "/plain", "lat p99 ms",
+                 "ITL p50/p99 ms", "prefill ms"]
+    head += ["idle CPU", "busy CPU (c4)", "model thread cores"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    last = concurrencies[-1]
+    for r in rows:
+        cells = [r["name"]]
+        for c in concurrencies:
+            p = f"c{c}."
+            cells += [_ms(r[p + "tpot_s"]), _x(r.get(p + "tpot_s/plain")),
+                      _ms(r[p + "latency_p50_s"]), _x(r.get(p + "latency_p50_s/plain")),
+                      _ms(r[p + "latency_p99_s"]),
+                      f"{_ms(r[p + 'itl_p50_s'])}/{_ms(r[p + 'itl_p99_s'])}",
+                      _ms(r[p + "prefill_s"])]
+        cells += [_pct(r["idle_cpu"]), _pct(r[f"c{last}.busy_cpu"]), r["model_thread_cores"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict], concurrencies: list[int]) -> list[str]:
+    out = []
+    for row in rows:
+        if row["name"] not in JUDGED:
+            continue
+        for c in concurrencies:
+            for m in ("tpot_s", "latency_p50_s"):
+                ratio = row.get(f"c{c}.{m}/plain")
+                ok = ratio is not None and ratio <= BOUND
+                out.append(f"{'ok  ' if ok else 'OVER'} {row['name']} c={c} {m}: "
+                           f"{_x(ratio)} of plain (bound {BOUND}x)")
+    return out
+
+
+def render_report(rows, concurrencies, args, settings: dict, verdicts, wall_s) -> str:
+    variants = "\n".join(f"- **{r['name']}**: {r['what']}" for r in rows)
+    cores = "\n".join(f"- {r['name']}: {r['cores']}" for r in rows)
+    env = ", ".join(f"`{k}={v}`" for k, v in settings["env"].items()) or "none set"
+    return f"""# Engine overhead: our connector against a plain vLLM engine
+
+Command: `python benchmarks/engine_overhead.py{' --quick' if args.quick else ''}`
+({args.rounds} round(s), engines one at a time, round 2 in reverse order; {wall_s / 60:.0f} min).
+Machine: {settings['machine']}. Model: `{settings['model']}`.
+Requests: {args.requests} streamed completions per concurrency, {args.prompt_len} prompt
+token ids, {args.max_tokens} output tokens, `ignore_eos`, temperature 0, sent straight
+to the engine (no proxy), after {args.warmup} warm-up requests.
+Thread and core settings, the same for every engine (the launcher's): {env}.
+
+TPOT and prefill are means of vLLM's own histograms over the phase; latency and ITL
+are the client's; CPU is the engine's processes (API server, engine core, worker) in
+cores (100% = one core), idle over {args.idle_s:.0f} s with nothing running or held.
+Ratios are to the plain engine of this run (medians over rounds).
+
+{render_table(rows, concurrencies)}
+
+The engines:
+{variants}
+
+Cores each engine's threads may run on (process:cores):
+{cores}
+
+Judged (our defaults, D and P, within {BOUND}x of plain in decode time per token and
+client latency p50, at each concurrency):
+
+```
+{chr(10).join(verdicts)}
+```
+"""
+
+
+# ---------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="plain, ours as D and as P; one round, fewer requests")
+    ap.add_argument("--model", help="model directory (default: generate the tiny model)")
+    ap.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES for every engine (GPU hosts)")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--requests", type=int, default=None, help="per concurrency")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--settle-s", type=float, default=3.0)
+    ap.add_argument("--idle-s", type=float, default=5.0)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0)
+    ap.add_argument("--only", nargs="+", help="engine names to run (plain is always run)")
+    ap.add_argument("--out", default=str(REPORT), help="report path ('' to skip)")
+    ap.add_argument("--log-dir", default=None)
+    args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if args.requests is None:
+        args.requests = 12 if args.quick else 24
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = QUICK if args.quick else tuple(v.name for v in VARIANTS)
+    if args.only:
+        names = ("plain", *[n for n in args.only if n != "plain"])
+    variants = [v for v in VARIANTS if v.name in names]
+    unknown = set(names) - {v.name for v in variants}
+    if unknown:
+        raise SystemExit(f"unknown engine names: {sorted(unknown)}")
+    tmp = Path(tempfile.mkdtemp(prefix="skv-overhead-"))
+    log_dir = Path(args.log_dir) if args.log_dir else tmp / "logs"
+    model = args.model
+    if model is None:
+        from vllm_sessionkv.tiny_model import generate_tiny_model
+        model = str(tmp / "tiny-model")
+        generate_tiny_model(model)
+    bodies = {c: completion_bodies(model, args.requests, args.prompt_len, args.max_tokens,
+                                   seed=c) for c in args.concurrency}
+    warm = completion_bodies(model, args.warmup, args.prompt_len, args.max_tokens, seed=99)
+    _, env = engine_command(EngineSpec(role="colocated", model=model, port=0))
+    settings = {"env": {k: env[k] for k in THREAD_ENV if k in env}, "model": model,
+                "machine": f"{psutil.cpu_count()} cores, "
+                           f"{psutil.virtual_memory().total / 2**30:.0f} GiB"}
+    started = time.monotonic()
+    runs: list[list[dict]] = []
+    for rnd in range(args.rounds):
+        order = variants if rnd % 2 == 0 else list(reversed(variants))
+        results = []
+        for v in order:
+            print(f"[round {rnd + 1}/{args.rounds}] {v.name} ...", flush=True)
+            results.append(measure_engine(v, model, args, log_dir, bodies, warm))
+            r = results[-1]
+            print("   " + "  ".join(f"c{c}: tpot {_ms(r[f'c{c}']['tpot_s'])} ms, "
+                                    f"lat p50 {_ms(r[f'c{c}']['latency_p50_s'])} ms"
+                                    for c in args.concurrency)
+                  + f"  idle {_pct(r['idle_cpu'])}", flush=True)
+        runs.append(sorted(results, key=lambda r: names.index(r["name"])))
+    rows = summarize(runs, args.concurrency)
+    verdicts = verdict(rows, args.concurrency)
+    table = render_table(rows, args.concurrency)
+    print(table)
+    print("\n".join(verdicts))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_report(rows, args.concurrency, args, settings, verdicts,
+                                     time.monotonic() - started))
+        out.with_suffix(".json").write_text(json.dumps(
+            {"settings": settings, "args": vars(args), "rounds": runs, "rows": rows},
+            indent=1))
+        print(f"wrote {out}")
+    return 0 if all(v.startswith("ok") for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
