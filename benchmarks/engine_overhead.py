@@ -45,8 +45,10 @@ sys.path.insert(0, str(REPO))
 
 from vllm_sessionkv.launch import (  # noqa: E402
     EngineSpec,
+    cpu_seconds,
     engine_command,
     free_port,
+    process_tree,
     start_engine,
     stop_all,
     wait_healthy,
@@ -169,25 +171,6 @@ def histogram_mean(before: dict, after: dict, name: str) -> float | None:
     return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / count
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def cpu_seconds(procs: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
 def thread_cores(procs: list[psutil.Process]) -> str:
     """Each process's threads' allowed cores, e.g. ``api:0-1 EngineCore:0-1
     Worker:0 (1 thread on 1)``: what the engine computes on."""
@@ -240,7 +223,7 @@ def measure_engine(variant: Variant, model: str, args, log_dir: Path,
     try:
         wait_healthy([(proc, spec.url)], timeout_s=600)
         asyncio.run(_closed_loop(spec.url, warm, 2))
-        procs = _tree(proc.pid)
+        procs = process_tree([proc.pid])
         # Idle: nothing running and nothing held (no request of ours holds a lease).
         time.sleep(args.settle_s)
         c0, t0 = cpu_seconds(procs), time.monotonic()

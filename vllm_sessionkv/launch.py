@@ -39,9 +39,11 @@ __all__ = [
     "EventKind",
     "LocalCluster",
     "ManagedProcess",
+    "cpu_seconds",
     "engine_command",
     "free_port",
     "kv_transfer_config",
+    "process_tree",
     "start_engine",
     "start_process",
     "start_redis",
@@ -210,6 +212,34 @@ def start_engine(spec: EngineSpec, name: str, log_dir: Path | None = None) -> Ma
 def start_process(name: str, argv: Sequence[str], log_dir: Path | None = None,
                   env: dict[str, str] | None = None) -> ManagedProcess:
     return _spawn(name, argv, dict(env or os.environ), log_dir)
+
+
+def process_tree(pids: Sequence[int]) -> list:
+    """Each live process of ``pids`` with its descendants, once (``psutil.Process``)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return list({p.pid: p for p in procs}.values())
+
+
+def cpu_seconds(procs: Sequence) -> float:
+    """User plus system CPU seconds the processes have used (those still alive)."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def _answers_health(url: str, timeout_s: float = 1.0) -> bool:

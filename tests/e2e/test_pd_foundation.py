@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.launch import cpu_seconds, process_tree
 
 from helpers import (
     assert_same,
@@ -268,35 +269,28 @@ def test_read_from_a_known_peer_runs_inside_the_computing_step(pd_cluster):
     assert metric_sum(d_url, "vllm:nixl_num_failed_transfers_total") == 0
 
 
-def _cluster_cpu_share(pd_cluster, window_s: float = 10.0) -> float:
-    """Cores' worth of CPU (1.0 = one core) that every process local_cluster.py
-    started (P, D, Redis, proxy, with their children) used over ``window_s``."""
-    procs = []
-    for pid in pd_cluster.descendants + [pd_cluster.launcher.pid]:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    for p in list(procs):
-        try:
-            procs.extend(p.children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    unique = {p.pid: p for p in procs}.values()
+def _engine_pid(url: str) -> int:
+    """The process listening on an engine's HTTP port (its API server)."""
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise AssertionError(f"no process listens on {url}")
 
-    def cpu_seconds() -> float:
-        total = 0.0
-        for p in unique:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
 
-    before = cpu_seconds()
+def _cpu_shares(groups: dict[str, list[psutil.Process]], window_s: float = 10.0
+                ) -> dict[str, float]:
+    """Cores' worth of CPU (1.0 = one core) that each group of processes used over
+    the same ``window_s``."""
+    before = {name: cpu_seconds(procs) for name, procs in groups.items()}
     time.sleep(window_s)
-    return (cpu_seconds() - before) / window_s
+    return {name: (cpu_seconds(procs) - before[name]) / window_s
+            for name, procs in groups.items()}
+
+
+def _cluster_procs(pd_cluster) -> list[psutil.Process]:
+    """Every process local_cluster.py started (P, D, Redis, proxy, with children)."""
+    return process_tree(pd_cluster.descendants + [pd_cluster.launcher.pid])
 
 
 def _wait_for_no_session_holds(cluster, timeout_s: float = 150.0) -> None:
@@ -315,7 +309,7 @@ def test_idle_cluster_uses_under_20_percent_of_a_core(pd_cluster):
     """Idle for 10 s, with no session lease held."""
     _wait_for_no_session_holds(pd_cluster)
     time.sleep(3.0)  # let in-flight work from earlier tests drain
-    used = _cluster_cpu_share(pd_cluster)
+    used = _cpu_shares({"cluster": _cluster_procs(pd_cluster)})["cluster"]
     print(f"idle 1P+1D cluster: {used * 100:.1f}% of one core over 10 s")
     assert used < 0.20, f"idle cluster uses {used * 100:.1f}% of one core"
 
@@ -323,7 +317,9 @@ def test_idle_cluster_uses_under_20_percent_of_a_core(pd_cluster):
 def test_cluster_holding_a_session_uses_under_half_a_core_and_still_serves_it(pd_cluster):
     """While D holds a session's blocks for the next turn, vLLM 0.32 steps D's engine
     back to back (about 1.4 cores on this machine); the connector paces those steps
-    (``holding_step_interval_s``).  The paced D must still hand the turn to P."""
+    (``holding_step_interval_s``) and caps its queues' spin while it only holds
+    (``engine_busy_poll_s``): the holding D under a quarter of a core, the cluster
+    under half.  The paced D must still hand the turn to P."""
     session = {"X-Session-ID": "holding-cpu"}
     history = [(5 * i + 2) % 900 + 20 for i in range(1000)]
     first = post(pd_cluster.proxy, "/v1/completions",
@@ -333,9 +329,14 @@ def test_cluster_holding_a_session_uses_under_half_a_core_and_still_serves_it(pd
     # D holds the turn for the next one, and says so.
     assert metric_sum(first.headers["x-sessionkv-decode-engine"],
                       "sessionkv_session_holds") == 1
-    used = _cluster_cpu_share(pd_cluster)
-    print(f"1P+1D cluster with D holding a session: {used * 100:.1f}% of one core over 10 s")
-    assert used < 0.50, f"a cluster holding one session uses {used * 100:.1f}% of one core"
+    d_url = first.headers["x-sessionkv-decode-engine"]
+    shares = _cpu_shares({"cluster": _cluster_procs(pd_cluster),
+                          "D": process_tree([_engine_pid(d_url)])})
+    print(f"1P+1D cluster with D holding a session: {shares['cluster'] * 100:.1f}% of one "
+          f"core over 10 s, the holding D {shares['D'] * 100:.1f}%")
+    assert shares["D"] < 0.25, f"a D holding one session uses {shares['D'] * 100:.1f}%"
+    assert shares["cluster"] < 0.50, \
+        f"a cluster holding one session uses {shares['cluster'] * 100:.1f}% of one core"
 
     prompt = history + first.token_ids + [(3 * i + 1) % 900 + 20 for i in range(60)]
     body = completion_body(pd_cluster.model, prompt, max_tokens=8)

@@ -269,8 +269,17 @@ def test_a_worker_spins_for_the_call_that_follows_execute_model():
     proc.rpc_broadcast_mq = types.SimpleNamespace(_spin_condition=reader)
     try:
         _vllm.limit_engine_busy_poll(0.002)
+        _vllm.set_engine_busy(False)   # a step that ran no model: nothing to sample
+        reader.record_read()
+        proc._execute_worker_rpc(("execute_model", (), {}, None))
+        started = time.monotonic()
+        reader.wait(timeout_ms=300)   # past the cap: sleeps
+        assert time.monotonic() - started > 0.005
+
+        _vllm.set_engine_busy(True)    # a step that ran the model
         reader.record_read()   # the execute_model message
         proc._execute_worker_rpc(("execute_model", (), {}, None))
+        _vllm.set_engine_busy(False)   # (so that the wait below is capped, not vLLM's)
         started = time.monotonic()
         reader.wait(timeout_ms=300)   # past the cap, yet it spins for the next call
         assert time.monotonic() - started < 0.002
@@ -280,8 +289,9 @@ def test_a_worker_spins_for_the_call_that_follows_execute_model():
         started = time.monotonic()
         reader.wait(timeout_ms=300)   # after any other call: sleeps, as before
         assert time.monotonic() - started > 0.005
-        assert calls == ["execute_model", "sample_tokens"]
+        assert calls == ["execute_model", "execute_model", "sample_tokens"]
     finally:
+        _vllm.set_engine_busy(False)
         ctx.destroy(linger=0)
 
 
