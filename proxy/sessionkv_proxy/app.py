@@ -376,7 +376,7 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
                 logger.warning("%s stream broke request_id=%s engine=%s: %r", role.value,
                                request_id, engine.url, exc)
             raise ConnectionResetError("stream ended early") from exc
-        request.end_stream()   # before the session is stored: the client is done
+        await request.end_stream()   # before the session is stored: the client is done
         request.stream_done = True
         return None, 200, None
     finally:
@@ -801,7 +801,8 @@ class ProxyApp:
              "/admin/reset": {"POST": bind(admin.reset)},
              "/health": {"GET": bind(health)},
              "/metrics": {"GET": bind(metrics)}},
-            error_response=_server_error, max_body_bytes=config.max_body_bytes)
+            error_response=_server_error, max_body_bytes=config.max_body_bytes,
+            limits=config.front)
 
     async def start(self) -> None:
         """Open the clients, the index consumer and the scraper, then listen."""
@@ -855,7 +856,7 @@ class ProxyApp:
         if state.http is not None:
             await state.http.close()
         if state.upstream is not None:
-            state.upstream.close()
+            await state.upstream.close()
         if state.early is not None:
             state.early.close()
         await state.index.close()

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from sessionkv_proxy.server import FrontLimits
+
 __all__ = ["ConfigError", "EngineConfig", "IndexConfig", "ProxyConfig", "Role",
            "RoutingConfig", "load_config", "parse_engine_spec"]
 
@@ -114,6 +116,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tokenizer: str = "engine"
     block_size: int = 32
     max_body_bytes: int = 8 * 1024 * 1024
+    # The front door's other limits: request line, header fields and count, the
+    # deadline for a request's head, keep-alive (server.FrontLimits).
+    front: FrontLimits = FrontLimits()
     max_session_id_chars: int = 256
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0

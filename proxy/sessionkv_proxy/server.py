@@ -1,43 +1,41 @@
-"""A lean HTTP/1.1 server for the proxy's front door, parsed with ``httptools``.
+"""The proxy's front door: aiohttp's low-level HTTP server, with explicit limits.
 
-aiohttp's server spent more CPU per proxied request than the routing itself: a
-request object, a payload stream, a case-insensitive multidict, a response object
-and a writer per request, each written for generality the proxy does not use.
-This server does what the OpenAI front needs and no more:
+Every client touches this, so it runs a well-kept parser (aiohttp's llhttp-based one)
+and states its limits instead of inheriting them:
 
-* requests are read whole (bodies are JSON, bounded by ``max_body_bytes``; chunked
-  request bodies are decoded by the parser; ``Expect: 100-continue`` is answered);
-* a handler answers with one :class:`Response` (one ``write`` with the head), or
-  streams: :meth:`Request.start_stream` then :meth:`Request.write` per chunk
-  (chunked transfer encoding, the bytes themselves untouched; writes wait while
-  the client's socket buffer is full);
-* keep-alive and pipelining, requests on one connection answered in order; idle
-  connections are closed after ``keepalive_timeout_s`` by one sweep, not a timer
-  per request;
-* a client that goes away mid-answer makes the next ``write`` raise
-  ``ConnectionResetError``, so the handler stops reading its upstream (which then
-  closes that connection, and vLLM aborts the request);
-* shutdown stops accepting, lets in-flight requests finish up to a deadline, then
-  closes what is left.
+* the request line (URL included) and each header field at most
+  :class:`FrontLimits` ``max_line_bytes`` / ``max_field_bytes`` (aiohttp's ``max_line_size``
+  and ``max_field_size``), at most ``max_headers`` header lines: past them, a 400
+  and a closed connection;
+* a request's head must arrive within ``header_timeout_s`` of its first byte (aiohttp
+  has no such deadline; :class:`_Protocol` adds it), and an idle keep-alive
+  connection is closed after ``keepalive_timeout_s``;
+* a body at most the config's ``max_body_bytes``, declared or chunked: a 413, the rest read and
+  dropped for at most ``lingering_s`` (so a client still sending reads the answer),
+  then a closed connection; ``Expect: 100-continue`` is answered.
 
-Errors the server itself finds (malformed HTTP, oversized body, unknown path or
-method, a handler that raised) are answered through ``error_response`` so they
-have the same body shape as the application's own.
+Handlers see a small :class:`Request` (method, path, query, lower-case headers, the
+whole body) and answer with one :class:`Response`, or stream:
+:meth:`Request.start_stream` then :meth:`Request.write` per chunk (chunked encoding;
+a write waits while the client's socket buffer is full) and :meth:`Request.end_stream`.
+A client that leaves mid-answer makes the next write raise ``ConnectionResetError``,
+so the handler stops reading its upstream.  Errors the server finds itself
+(malformed HTTP, limits, unknown path or method, a handler that raised) are answered
+through ``error_response``, so they have the same body shape as the application's.
+Stopping stops accepting, lets in-flight requests finish up to a deadline, then
+closes what is left.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import time
 from collections.abc import Awaitable, Callable
-from email.utils import formatdate
-from http import HTTPStatus
+import msgspec
+from aiohttp import web, web_protocol
+from aiohttp.http_parser import RawRequestMessage
 
-import httptools
-
-__all__ = ["HttpServer", "Request", "Response"]
+__all__ = ["FrontLimits", "HttpServer", "Request", "Response"]
 
 logger = logging.getLogger("sessionkv_proxy.server")
 
@@ -60,57 +58,61 @@ class Response:
 Handler = Callable[["Request"], Awaitable[Response | None]]
 ErrorResponder = Callable[[int, str], Response]
 
-_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-_date_cache: list = [0, b""]
+
+class FrontLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What one client may send the proxy (``front`` in the proxy's config; the body
+    limit is its ``max_body_bytes``).  aiohttp's own defaults are 8190 bytes per line
+    and field and 128 headers; stated here so that a change is ours."""
+
+    max_line_bytes: int = 8190
+    max_field_bytes: int = 8190
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    keepalive_timeout_s: float = 75.0
+    # After refusing a body (413), how long the rest of it is read and dropped before
+    # the connection closes, so that a client still sending can read the answer.
+    lingering_s: float = 2.0
+
+    def __post_init__(self):
+        for name in ("max_line_bytes", "max_field_bytes", "max_headers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"front.{name} must be >= 1")
+        for name in ("header_timeout_s", "keepalive_timeout_s", "lingering_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                raise ValueError(f"front.{name} must be within (0, 3600]")
 
 
-def _date_header() -> bytes:
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache[0] = now
-        _date_cache[1] = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
-    return _date_cache[1]
+def _text(value) -> str:
+    # Headers relayed from an engine arrive as bytes; the proxy's own are str.
+    return value.decode("latin-1") if value.__class__ is bytes else value
 
 
-def _head(status: int, headers: list[tuple[str, str]], version: bytes) -> list[bytes]:
-    parts = [version, b" ", str(status).encode(), b" ", _REASONS.get(status, b"Unknown"),
-             b"\r\n", _date_header()]
-    for name, value in headers:
-        # Headers relayed from an engine stay bytes; the proxy's own are str.
-        parts += [name if name.__class__ is bytes else name.encode("latin-1"), b": ",
-                  value if value.__class__ is bytes else value.encode("latin-1"), b"\r\n"]
-    return parts
+def _web_response(response: Response) -> web.Response:
+    out = web.Response(status=response.status, body=response.body)
+    for name, value in response.headers:
+        out.headers.add(_text(name), _text(value))
+    return out
 
 
-def _whole_answer(response: Response, version: bytes, keep_alive: bool) -> bytes:
-    parts = _head(response.status, response.headers, version)
-    parts += [b"Content-Length: ", str(len(response.body)).encode(), b"\r\n"]
-    if not keep_alive:
-        parts.append(b"Connection: close\r\n")
-    parts += [b"\r\n", response.body]
-    return b"".join(parts)
+class _RequestTooLarge(Exception):
+    pass
 
 
 class Request:
-    """One parsed request, and the means to answer it by streaming."""
+    """One request read whole, and the means to answer it by streaming."""
 
-    __slots__ = ("method", "path", "query", "headers", "body", "_conn", "_keep_alive",
-                 "_version", "_streaming", "_chunked", "_ended", "stream_done")
+    __slots__ = ("method", "path", "query", "headers", "body", "stream_done", "_raw",
+                 "_stream", "_ended")
 
-    def __init__(self, conn: _Connection, method: str, url: bytes,
-                 headers: dict[str, str], body: bytes, keep_alive: bool,
-                 version: str) -> None:
-        self._conn = conn
-        self.method = method
-        path, _, query = url.partition(b"?")
-        self.path = path.decode("latin-1")
-        self.query = query.decode("latin-1")
-        self.headers = headers          # lower-case names
+    def __init__(self, raw: web.BaseRequest, body: bytes) -> None:
+        self._raw = raw
+        self.method = raw.method
+        self.path = raw.raw_path.partition("?")[0]
+        self.query = raw.query_string
+        # Lower-case names; a repeated header keeps its last value.
+        self.headers = {k.lower(): v for k, v in raw.headers.items()}
         self.body = body
-        self._keep_alive = keep_alive
-        self._version = b"HTTP/1.1" if version == "1.1" else b"HTTP/1.0"
-        self._streaming = False
-        self._chunked = False
+        self._stream: web.StreamResponse | None = None
         self._ended = False
         # The handler relayed its whole stream (set by the handler): a client that
         # closes after the last chunk has its answer, not a broken one.
@@ -119,292 +121,210 @@ class Request:
     @property
     def peer_host(self) -> str | None:
         """The client's address (None when the transport has none)."""
-        transport = self._conn.transport
-        peer = transport.get_extra_info("peername") if transport is not None else None
-        return peer[0] if isinstance(peer, tuple) and peer else None
+        return self._raw.remote
 
     @property
     def client_gone(self) -> bool:
         """The client closed its connection (a stream to it can stop)."""
-        return self._conn.closed
+        transport = self._raw.transport
+        return transport is None or transport.is_closing()
 
-    # -- whole answers (the server calls this with the handler's Response)
-    def _send(self, response: Response) -> None:
-        self._conn.write(_whole_answer(response, self._version, self._keep_alive))
-
-    # -- streamed answers
     async def start_stream(self, status: int, headers: list[tuple[str, str]]) -> None:
         """Send the head of a streamed answer; the body follows in :meth:`write`."""
-        self._streaming = True
-        parts = _head(status, headers, self._version)
-        # An HTTP/1.0 client cannot read chunked encoding: it reads to the close.
-        self._chunked = self._version == b"HTTP/1.1"
-        if self._chunked:
-            parts.append(b"Transfer-Encoding: chunked\r\n")
+        stream = web.StreamResponse(status=status)
+        for name, value in headers:
+            stream.headers.add(_text(name), _text(value))
+        if self._raw.version >= (1, 1):
+            stream.enable_chunked_encoding()
         else:
-            self._keep_alive = False
-        if not self._keep_alive:
-            parts.append(b"Connection: close\r\n")
-        parts.append(b"\r\n")
-        self._conn.write(b"".join(parts))
-        await self._conn.drain()
+            stream.force_close()   # an HTTP/1.0 client reads to the close
+        self._stream = stream
+        await stream.prepare(self._raw)
 
     async def write(self, chunk: bytes) -> None:
-        if not chunk:
-            return
-        if self._chunked:
-            chunk = b"%x\r\n%b\r\n" % (len(chunk), chunk)
-        self._conn.write(chunk)
-        await self._conn.drain()
+        if chunk:
+            await self._stream.write(chunk)
 
-    def end_stream(self) -> None:
+    async def end_stream(self) -> None:
         """End a streamed answer (the server does it after the handler if not yet)."""
-        if self._ended:
+        if self._ended or self._stream is None:
             return
         self._ended = True
-        if self._chunked:
-            self._conn.write(b"0\r\n\r\n")
+        await self._stream.write_eof()
 
 
-class _Connection(asyncio.Protocol):
-    """One client connection: parse, queue, answer in order."""
+class _Protocol(web_protocol.RequestHandler):
+    """aiohttp's connection handler plus a deadline for a request's head: from the
+    first byte of a request until its handler starts (aiohttp bounds only the idle
+    time between requests, and that only while no byte has come)."""
 
-    def __init__(self, server: HttpServer) -> None:
-        self.server = server
-        # Cached: on Python <= 3.11 every get_running_loop() is a getpid() syscall.
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpRequestParser(self)
-        self.closed = False
-        self.last_active = time.monotonic()
-        self.pending: collections.deque[Request] = collections.deque()
-        self.task: asyncio.Task | None = None
-        self._write_paused = False
-        self._drain: asyncio.Future | None = None
-        self._reset_message()
-
-    def _reset_message(self) -> None:
-        self.url = b""
-        self.headers: dict[str, str] = {}
-        self.body_parts: list[bytes] = []
-        self.body_bytes = 0
-        self.rejected: int = 0       # a status already answered for this message
-
-    # -- asyncio.Protocol
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.server._connections.add(self)
+    def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.head_deadline: asyncio.TimerHandle | None = None
+        self.in_request = False
 
     def data_received(self, data: bytes) -> None:
-        self.last_active = time.monotonic()
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "protocol upgrades are not supported")
-        except httptools.HttpParserError as exc:
-            self._reject(400, f"malformed HTTP request: {exc}")
+        if not self.in_request and self.head_deadline is None and self.transport is not None:
+            self.head_deadline = asyncio.get_running_loop().call_later(
+                self.header_timeout_s, self._head_overdue)
+        super().data_received(data)
+        # A request aiohttp could not parse (a limit, garbage) is queued as an error
+        # to answer, but aiohttp keeps reading: each later chunk of a 64 MiB request
+        # line queued another error whose traceback held that chunk, about 15 MiB of
+        # cyclic garbage per such request.  The connection is done: read no more.
+        messages = self._messages
+        if messages and not isinstance(messages[-1][0], RawRequestMessage) \
+                and self.transport is not None:
+            self.transport.pause_reading()
+
+    def _head_overdue(self) -> None:
+        self.head_deadline = None
+        if not self.in_request:
+            logger.info("closing a connection whose request head took over %.0f s",
+                        self.header_timeout_s)
+            self.force_close()
+            if self.transport is not None:
+                self.transport.close()
+
+    def request_started(self) -> None:
+        self.in_request = True
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+    def request_ended(self) -> None:
+        self.in_request = False
 
     def connection_lost(self, exc) -> None:
-        self.closed = True
-        self.server._connections.discard(self)
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("client closed the connection"))
-            self._drain.exception()
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+        super().connection_lost(exc)
 
-    def pause_writing(self) -> None:
-        self._write_paused = True
+    def handle_error(self, request, status=500, exc=None, message=None):
+        # aiohttp's own errors (malformed HTTP, a limit) in the application's body shape.
+        super().handle_error(request, status, exc, message)   # logs; raises if sent
+        answer = _web_response(self._manager.error_response(
+            status, f"malformed or oversized HTTP request: {message or status}"))
+        answer.force_close()
+        return answer
 
-    def resume_writing(self) -> None:
-        self._write_paused = False
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
 
-    # -- httptools callbacks
-    def on_message_begin(self) -> None:
-        self._reset_message()
+class _Server(web.Server):
+    def __init__(self, handler, error_response: ErrorResponder, header_timeout_s: float,
+                 **kwargs) -> None:
+        super().__init__(handler, **kwargs)
+        self.error_response = error_response
+        self.header_timeout_s = header_timeout_s
 
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
-
-    def on_headers_complete(self) -> None:
-        length = self.headers.get("content-length")
-        limit = self.server.max_body_bytes
-        if length is not None and length.isdigit() and int(length) > limit:
-            self._refuse_body(length)
-        elif self.headers.get("expect", "").lower() == "100-continue":
-            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-
-    def on_body(self, body: bytes) -> None:
-        if self.rejected:
-            return
-        self.body_bytes += len(body)
-        if self.body_bytes > self.server.max_body_bytes:
-            self._refuse_body(None)
-            return
-        self.body_parts.append(body)
-
-    def on_message_complete(self) -> None:
-        if self.rejected:
-            self._close_after_writes()
-            return
-        parts = self.body_parts
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
-        request = Request(self, self.parser.get_method().decode("latin-1"), self.url,
-                          self.headers, body, self.parser.should_keep_alive(),
-                          self.parser.get_http_version())
-        self.pending.append(request)
-        if self.task is None:
-            self.task = self.loop.create_task(self._serve())
-        if len(self.pending) > 16:
-            self.transport.pause_reading()   # a client pipelining without reading
-
-    # -- answering
-    async def _serve(self) -> None:
-        server = self.server
-        try:
-            while self.pending and not self.closed:
-                request = self.pending.popleft()
-                if len(self.pending) == 16:
-                    self.transport.resume_reading()
-                server._in_flight += 1
-                try:
-                    await self._answer(request)
-                finally:
-                    server._in_flight -= 1
-                    self.last_active = time.monotonic()
-                if not request._keep_alive:
-                    self._close_after_writes()
-                    return
-        finally:
-            self.task = None
-            if server._in_flight == 0 and server._idle_waiter is not None \
-                    and not server._idle_waiter.done():
-                server._idle_waiter.set_result(None)
-
-    async def _answer(self, request: Request) -> None:
-        server = self.server
-        handler = server.routes.get(request.path)
-        if handler is None:
-            response = server.error_response(404, f"no route for {request.path}")
-        else:
-            handle = handler.get(request.method)
-            if handle is None:
-                response = server.error_response(
-                    405, f"method {request.method} not allowed on {request.path}")
-            else:
-                try:
-                    response = await handle(request)
-                except (ConnectionResetError, BrokenPipeError):
-                    self._abort()   # the client left mid-answer
-                    return
-                except Exception:
-                    logger.exception("handler for %s %s failed", request.method,
-                                     request.path)
-                    if request._streaming:
-                        self._abort()   # a stream cut short must not look complete
-                        return
-                    response = server.error_response(500, "internal proxy error")
-        if request._streaming:
-            request.end_stream()
-            if not request._keep_alive:
-                self._close_after_writes()
-        elif not self.closed:
-            if response is None:
-                logger.error("handler for %s %s returned no answer", request.method,
-                             request.path)
-                response = server.error_response(500, "internal proxy error")
-            request._send(response)
-
-    def write(self, data: bytes) -> None:
-        if self.closed:
-            raise ConnectionResetError("client closed the connection")
-        self.transport.write(data)
-
-    async def drain(self) -> None:
-        if self.closed:
-            raise ConnectionResetError("client closed the connection")
-        if self._write_paused:
-            self._drain = self.loop.create_future()
-            await self._drain
-
-    def _refuse_body(self, declared: str | None) -> None:
-        """Answer 413 at once, read and drop the rest of the body, then close."""
-        size = f"{declared} bytes" if declared else "more than that"
-        self._respond_now(413, f"request body too large ({size}; limit "
-                          f"{self.server.max_body_bytes} bytes)")
-        self.body_parts = []
-
-    def _reject(self, status: int, message: str) -> None:
-        if not self.rejected:
-            self._respond_now(status, message)
-        self._close_after_writes()
-
-    def _respond_now(self, status: int, message: str) -> None:
-        self.rejected = status
-        if self.closed:
-            return
-        self.transport.write(_whole_answer(self.server.error_response(status, message),
-                                           b"HTTP/1.1", keep_alive=False))
-
-    def _close_after_writes(self) -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.close()   # flushes what is buffered, then closes
-        self.closed = True
-
-    def _abort(self) -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.abort()
-        self.closed = True
+    def __call__(self) -> _Protocol:
+        return _Protocol(self, loop=self._loop, header_timeout_s=self.header_timeout_s,
+                         **self._kwargs)
 
 
 class HttpServer:
     """Routes ``{path: {method: handler}}`` served on one listening socket."""
 
     def __init__(self, routes: dict[str, dict[str, Handler]], error_response: ErrorResponder,
-                 max_body_bytes: int, keepalive_timeout_s: float = 75.0) -> None:
+                 max_body_bytes: int, limits: FrontLimits | None = None,
+                 keepalive_timeout_s: float | None = None) -> None:
+        limits = limits or FrontLimits()
+        if keepalive_timeout_s is not None:
+            limits = msgspec.structs.replace(limits, keepalive_timeout_s=keepalive_timeout_s)
         self.routes = routes
         self.error_response = error_response
         self.max_body_bytes = max_body_bytes
-        self.keepalive_timeout_s = keepalive_timeout_s
-        self._connections: set[_Connection] = set()
-        self._in_flight = 0
-        self._idle_waiter: asyncio.Future | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._sweeper: asyncio.Task | None = None
+        self.limits = limits
+        self._server: _Server | None = None
+        self._listener: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port,
-                                                reuse_address=True)
-        self._sweeper = loop.create_task(self._sweep_idle(), name="http-idle-sweep")
-
-    async def _sweep_idle(self) -> None:
-        interval = max(0.5, min(10.0, self.keepalive_timeout_s / 4))
-        while True:
-            await asyncio.sleep(interval)
-            cutoff = time.monotonic() - self.keepalive_timeout_s
-            for conn in list(self._connections):
-                if conn.task is None and not conn.pending and conn.last_active < cutoff:
-                    conn._close_after_writes()
+        limits = self.limits
+        self._server = _Server(
+            self._handle, self.error_response, limits.header_timeout_s,
+            keepalive_timeout=limits.keepalive_timeout_s,
+            max_line_size=limits.max_line_bytes, max_field_size=limits.max_field_bytes,
+            max_headers=limits.max_headers, lingering_time=limits.lingering_s,
+            access_log=None)
+        self._listener = await asyncio.get_running_loop().create_server(
+            self._server, host, port, reuse_address=True)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; wait up to ``grace_s`` for in-flight requests; close all."""
+        if self._listener is not None:
+            self._listener.close()
         if self._server is not None:
-            self._server.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        for conn in list(self._connections):
-            if conn.task is None and not conn.pending:
-                conn._close_after_writes()
-        if self._in_flight:
-            self._idle_waiter = asyncio.get_running_loop().create_future()
+            await self._server.shutdown(grace_s)
+
+    def _error(self, status: int, message: str, close: bool = False) -> web.Response:
+        answer = _web_response(self.error_response(status, message))
+        if close:
+            answer.force_close()
+        return answer
+
+    async def _read_body(self, raw: web.BaseRequest) -> bytes:
+        limit = self.max_body_bytes
+        if raw.content_length is not None and raw.content_length > limit:
+            raise _RequestTooLarge(f"{raw.content_length} bytes")
+        if raw.headers.get("Expect", "").lower() == "100-continue":
+            await raw.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        parts, size = [], 0
+        async for chunk in raw.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise _RequestTooLarge("more than that")
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _handle(self, raw: web.BaseRequest) -> web.StreamResponse:
+        protocol = raw.protocol
+        if isinstance(protocol, _Protocol):
+            protocol.request_started()
+        try:
+            return await self._answer(raw)
+        finally:
+            if isinstance(protocol, _Protocol):
+                protocol.request_ended()
+
+    async def _answer(self, raw: web.BaseRequest) -> web.StreamResponse:
+        path = raw.raw_path.partition("?")[0]
+        methods = self.routes.get(path)
+        if methods is None:
+            return self._error(404, f"no route for {path}")
+        handle = methods.get(raw.method)
+        if handle is None:
+            return self._error(405, f"method {raw.method} not allowed on {path}")
+        try:
+            body = await self._read_body(raw)
+        except _RequestTooLarge as exc:
+            return self._error(413, f"request body too large ({exc}; limit "
+                                    f"{self.max_body_bytes} bytes)", close=True)
+        request = Request(raw, body)
+        try:
+            response = await handle(request)
+        except (ConnectionResetError, BrokenPipeError):
+            self._abort(raw)   # the client left mid-answer
+            return request._stream or self._error(499, "client closed the connection", True)
+        except Exception:
+            logger.exception("handler for %s %s failed", raw.method, path)
+            if request._stream is not None:
+                self._abort(raw)   # a stream cut short must not look complete
+                return request._stream
+            return self._error(500, "internal proxy error")
+        if request._stream is not None:
             try:
-                await asyncio.wait_for(self._idle_waiter, grace_s)
-            except asyncio.TimeoutError:
-                logger.warning("shutdown: %d requests still in flight after %.0f s; "
-                               "closing their connections", self._in_flight, grace_s)
-        for conn in list(self._connections):
-            conn._close_after_writes()
+                await request.end_stream()
+            except ConnectionResetError:
+                pass
+            return request._stream
+        if response is None:
+            logger.error("handler for %s %s returned no answer", raw.method, path)
+            return self._error(500, "internal proxy error")
+        return _web_response(response)
+
+    @staticmethod
+    def _abort(raw: web.BaseRequest) -> None:
+        transport = raw.transport
+        if transport is not None:
+            transport.abort()

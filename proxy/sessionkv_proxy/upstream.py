@@ -1,43 +1,33 @@
-"""A lean HTTP/1.1 client for the request hot path: pooled keep-alive connections to
-each engine, parsed with ``httptools`` (llhttp, the parser uvicorn uses).
+"""The request hot path's HTTP client: one ``aiohttp.ClientSession`` with keep-alive
+connections to every engine.
 
-``aiohttp.ClientSession`` spends most of a proxied request's CPU on generality this
-path does not need (cookies, redirects, auth, compression, tracing, per-request
-timer objects).  The proxy sends two kinds of request upstream: a JSON body to an
-engine of its own pools, answered either as one JSON body or as a server-sent event
-stream.  This client does exactly that: it writes one pre-built request, reads the
-status and headers, then hands the body over whole or chunk by chunk as it arrives
-(chunked transfer decoded, the SSE bytes themselves untouched).
+The proxy sends two kinds of request upstream: a JSON body to an engine of its own
+pools, answered either as one JSON body or as a server-sent event stream.
+:meth:`UpstreamPool.post` returns once the status and headers are in; the body is then
+read whole or relayed chunk by chunk as it arrives (the bytes untouched: no
+decompression, no cookies, no redirects).
 
-A connection goes back to its engine's pool only after a complete response with
-keep-alive; anything else (error, timeout, a reader that stopped early) closes it,
-so a half-read response can never leak into the next request.
+A connection goes back to the pool only after a complete response; anything else
+(error, timeout, a reader that stopped early) closes it, so a half-read response can
+never leak into the next request.  Failures are sorted for the caller:
+:class:`UpstreamConnectError` when the request never reached the engine (safe to
+retry on another worker), ``asyncio.TimeoutError`` when the engine went silent for
+``request_timeout_s``, ``ConnectionResetError`` when a body broke off.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-import httptools
+import aiohttp
 
 __all__ = ["UpstreamConnectError", "UpstreamPool", "UpstreamResponse"]
 
-
-def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_exception(asyncio.TimeoutError())
-
-
-async def _wait(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, timeout_s: float):
-    # One timer handle instead of wait_for's task and shield per await.
-    timer = loop.call_later(timeout_s, _expire, fut)
-    try:
-        return await fut
-    finally:
-        timer.cancel()
+# vLLM's API server (uvicorn) closes a keep-alive connection after 5 s idle; closing
+# ours first keeps a request from landing on a connection the engine is closing.
+_IDLE_KEEPALIVE_S = 4.0
 
 
 class UpstreamConnectError(ConnectionError):
@@ -45,233 +35,113 @@ class UpstreamConnectError(ConnectionError):
     started, or connect timeout): safe to retry on another worker."""
 
 
-class _Conn(asyncio.Protocol):
-    """One keep-alive connection; one request at a time."""
-
-    def __init__(self) -> None:
-        # Cached: on Python <= 3.11 every get_running_loop() is a getpid() syscall.
-        self.loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.closed = False
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.headers_done: asyncio.Future[None] = self.loop.create_future()
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self.wakeup: asyncio.Future[None] | None = None
-        self.complete = False
-        self.keep_alive = False
-        self.error: BaseException | None = None
-        self.got_bytes = False
-
-    # -- asyncio.Protocol
-    def connection_made(self, transport) -> None:
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(exc)
-
-    def eof_received(self):
-        # An engine closing after a body without Content-Length ends that body.
-        if self.headers_done.done() and not self.complete:
-            try:
-                self.parser.feed_data(b"")
-            except httptools.HttpParserError:
-                pass
-        return False
-
-    def connection_lost(self, exc) -> None:
-        self.closed = True
-        if not self.complete:
-            self._fail(exc or ConnectionResetError("connection closed by engine"))
-
-    # -- httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
-        self.keep_alive = self.parser.should_keep_alive()
-        if not self.headers_done.done():
-            self.headers_done.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self._wake()
-
-    # -- helpers
-    def _wake(self) -> None:
-        if self.wakeup is not None and not self.wakeup.done():
-            self.wakeup.set_result(None)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        if not self.headers_done.done():
-            self.headers_done.set_exception(exc)
-            self.headers_done.exception()  # retrieved here; the caller re-raises
-        self._wake()
-        if self.transport is not None and not self.closed:
-            self.transport.close()
-
-    def close(self) -> None:
-        if self.transport is not None and not self.closed:
-            self.transport.close()
-        self.closed = True
-
-
 class UpstreamResponse:
     """Status and headers at once; the body read whole or streamed, exactly once."""
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int], conn: _Conn,
-                 timeout_s: float) -> None:
-        self._pool = pool
-        self._key = key
-        self._conn = conn
-        self._timeout_s = timeout_s
+    __slots__ = ("status", "_resp", "_released")
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self._resp = resp
         self._released = False
-        self.status = conn.status
+        self.status = resp.status
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
         """As the engine sent them: relayed without decoding."""
-        return self._conn.headers
+        return list(self._resp.raw_headers)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        conn = self._conn
-        loop = conn.loop
         try:
-            while True:
-                while conn.chunks:
-                    yield conn.chunks.popleft()
-                if conn.complete:
-                    return
-                if conn.error is not None:
-                    raise ConnectionResetError(f"engine stream broke: {conn.error!r}")
-                conn.wakeup = loop.create_future()
-                await _wait(loop, conn.wakeup, self._timeout_s)
+            async for chunk in self._resp.content.iter_any():
+                yield chunk
+        except aiohttp.ClientPayloadError as exc:
+            raise ConnectionResetError(f"engine stream broke: {exc!r}") from exc
+        except aiohttp.ServerTimeoutError as exc:
+            raise asyncio.TimeoutError(str(exc)) from exc
         finally:
             self.release()
 
     async def read(self) -> bytes:
-        conn = self._conn
-        if conn.complete:   # the usual case for a short answer: it came with the head
-            chunks = conn.chunks
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            chunks.clear()
+        try:
+            return await self._resp.read()
+        except aiohttp.ClientPayloadError as exc:
+            raise ConnectionResetError(f"engine answer broke: {exc!r}") from exc
+        except aiohttp.ServerTimeoutError as exc:
+            raise asyncio.TimeoutError(str(exc)) from exc
+        finally:
             self.release()
-            return data
-        parts = [chunk async for chunk in self.iter_chunks()]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def release(self) -> None:
-        """Return the connection to the pool if the response was read to its end."""
+        """Return the connection to the pool if the response was read to its end,
+        close it otherwise."""
         if self._released:
             return
         self._released = True
-        conn = self._conn
-        if conn.complete and conn.keep_alive and not conn.closed and conn.error is None:
-            self._pool._put(self._key, conn)
+        if self._resp.content.at_eof():
+            self._resp.release()
         else:
-            conn.close()
+            self._resp.close()
 
 
 class UpstreamPool:
-    """Keep-alive connections per (host, port), created on demand, kept up to
-    ``max_idle_per_host``."""
+    """Keep-alive connections to the engines, created on demand."""
 
-    def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
-                 max_idle_per_host: int = 64) -> None:
+    def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 600.0
+                 ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
-        self.max_idle_per_host = max_idle_per_host
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
-        self._targets: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._checked: set[str] = set()
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], bytes]:
-        cached = self._targets.get(base_url)
-        if cached is None:
-            parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ValueError(f"upstream URL must be http://host:port, got {base_url!r}")
-            port = parts.port or 80
-            host_header = f"{parts.hostname}:{port}".encode()
-            cached = ((parts.hostname, port), host_header)
-            self._targets[base_url] = cached
-        return cached
+    def _client(self) -> aiohttp.ClientSession:
+        # Built on first use, inside the running loop that serves the proxy.
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_IDLE_KEEPALIVE_S,
+                                               ttl_dns_cache=300),
+                # sock_read: the longest an engine may go without sending a byte.
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s,
+                                              connect=self.connect_timeout_s,
+                                              sock_read=self.request_timeout_s),
+                auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        return self._session
 
-    def _put(self, key: tuple[str, int], conn: _Conn) -> None:
-        idle = self._idle.setdefault(key, [])
-        if len(idle) >= self.max_idle_per_host:
-            conn.close()
-        else:
-            idle.append(conn)
-
-    async def _connect(self, key: tuple[str, int]) -> _Conn:
-        loop = asyncio.get_running_loop()
-        try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(_Conn, key[0], key[1]), self.connect_timeout_s)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise UpstreamConnectError(f"cannot connect to {key[0]}:{key[1]}: {exc!r}"
-                                       ) from exc
-        return conn
+    def check_url(self, base_url: str) -> None:
+        """Engines are addressed as ``http://host:port``; anything else is a config
+        error, raised as ``ValueError``."""
+        if base_url in self._checked:
+            return
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"upstream URL must be http://host:port, got {base_url!r}")
+        self._checked.add(base_url)
 
     async def post(self, base_url: str, path: str, body: bytes,
                    headers: dict[str, str] | None = None) -> UpstreamResponse:
         """POST ``body`` (JSON) and wait for the status line and headers."""
-        key, host_header = self._target(base_url)
-        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", host_header,
-                b"\r\nContent-Type: application/json\r\nContent-Length: ",
-                str(len(body)).encode(), b"\r\n"]
-        for name, value in (headers or {}).items():
-            head += [name.encode("latin-1"), b": ", value.encode("latin-1"), b"\r\n"]
-        head += (b"\r\n", body)
-        request = b"".join(head)
-        idle = self._idle.get(key)
-        # An idle connection may have been closed by the engine meanwhile; a request
-        # that got no byte back on a reused connection is retried once on a new one.
-        for reused in (True, False):
-            conn = None
-            while reused and idle:
-                candidate = idle.pop()
-                if not candidate.closed:
-                    conn = candidate
-                    break
-            if conn is None:
-                reused = False
-                conn = await self._connect(key)
-            conn._reset()
-            conn.transport.write(request)
+        self.check_url(base_url)
+        sent = {"Content-Type": "application/json", **(headers or {})}
+        # A keep-alive connection the engine closed meanwhile fails before any answer
+        # (ServerDisconnectedError): that request never ran, so it is sent once more.
+        for last_try in (False, True):
             try:
-                await _wait(conn.loop, conn.headers_done, self.request_timeout_s)
-            except asyncio.TimeoutError:
-                conn.close()
-                raise
-            except (OSError, httptools.HttpParserError) as exc:
-                conn.close()
-                if reused and not conn.got_bytes:
-                    continue
+                resp = await self._client().post(base_url + path, data=body, headers=sent,
+                                                 allow_redirects=False)
+            except aiohttp.ServerDisconnectedError as exc:
+                if last_try:
+                    raise UpstreamConnectError(f"{base_url}{path}: {exc!r}") from exc
+                continue
+            except aiohttp.ServerTimeoutError as exc:
+                if isinstance(exc, aiohttp.ConnectionTimeoutError):
+                    raise UpstreamConnectError(f"{base_url}{path}: {exc!r}") from exc
+                raise asyncio.TimeoutError(str(exc)) from exc
+            except (aiohttp.ClientConnectionError, OSError) as exc:
                 raise UpstreamConnectError(f"{base_url}{path}: {exc!r}") from exc
-            except asyncio.CancelledError:
-                conn.close()
-                raise
-            return UpstreamResponse(self, key, conn, self.request_timeout_s)
+            return UpstreamResponse(resp)
         raise AssertionError("unreachable")
 
-    def close(self) -> None:
-        for conns in self._idle.values():
-            for conn in conns:
-                conn.close()
-        self._idle.clear()
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -254,7 +254,7 @@ async def _router_token_ids(cluster, body: dict, is_chat: bool) -> list[int] | N
     try:
         return await router.prompt_token_ids(body, is_chat)
     finally:
-        upstream.close()
+        await upstream.close()
         await index.close()
 
 

@@ -56,14 +56,14 @@ async def test_only_placements_by_cost_are_counted_and_prefill_only_skips_d() ->
         assert router.recent.overlaps(request_keys(alone, BS), time.time()) == {P_URL: 40}
         assert placements() == {first.decode.url: 1, other.decode.url: 1}
     finally:
-        upstream.close()
+        await upstream.close()
 
 
 async def test_a_lone_healthy_decode_worker_is_chosen_without_reading_the_prompt() -> None:
     """No prefill pool and one healthy D: no choice to make, so no token ids, index
     lookup or policy (the upstream here is closed: a /tokenize call would fail)."""
     upstream = UpstreamPool(connect_timeout_s=0.2, request_timeout_s=0.2)
-    upstream.close()
+    await upstream.close()
     text = {"model": "m", "prompt": "x" * 300, "max_tokens": 4}
 
     def router_for(*decode_urls: str) -> Router:
@@ -122,5 +122,5 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
         loaded = await router.load_session("s", None)
         assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
     finally:
-        upstream.close()
+        await upstream.close()
 

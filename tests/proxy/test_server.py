@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from sessionkv_proxy.errors import ApiError, error_response
-from sessionkv_proxy.server import HttpServer, Request, Response, _Connection
+from sessionkv_proxy.server import HttpServer, Request, Response
 
 LIMIT = 64 * 1024
 
@@ -25,6 +25,7 @@ class App:
         self.stream_error: BaseException | None = None
         self.stream_done = asyncio.Event()
         self.slow_started = asyncio.Event()
+        self.written = 0    # chunks the stream handler's writes have returned from
 
     async def echo(self, request: Request) -> Response:
         out = {"path": request.path, "query": request.query, "len": len(request.body),
@@ -39,13 +40,14 @@ class App:
         try:
             for i in range(n):
                 await request.write(f"data: {i:06d} ".encode() + b"x" * size + b"\n\n")
+                self.written += 1
                 await asyncio.sleep(0)
         except ConnectionResetError as exc:
             self.stream_error = exc
             raise
         finally:
             self.stream_done.set()
-        request.end_stream()
+        await request.end_stream()
 
     async def slow(self, request: Request) -> Response:
         self.slow_started.set()
@@ -159,7 +161,8 @@ async def test_http_1_0_request_gets_an_answer_and_a_close(served):
     raw = await _raw(port, b"POST /echo HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi")
     head, body = _split(raw)
     assert head.startswith(b"HTTP/1.0 200"), head
-    assert b"Connection: close" in head
+    # _raw read to the end: the server closed (HTTP/1.0 closes unless kept alive).
+    assert b"keep-alive" not in head.lower()
     assert json.loads(body)["body"] == "hi"
 
 
@@ -197,7 +200,8 @@ async def test_malformed_request_gets_400_and_a_close(served):
     _, _, port = served
     raw = await _raw(port, b"NOT-HTTP garbage\r\n\r\n")
     _, body = _split(raw)
-    _assert_error_body(body, b"HTTP/1.1 400", raw)
+    # No version could be read, so the answer is in HTTP/1.0; _raw read to the close.
+    _assert_error_body(body, b"HTTP/1.0 400", raw)
 
 
 async def test_unknown_path_and_method_get_404_and_405(served):
@@ -245,27 +249,22 @@ async def test_stream_to_http_1_0_client_is_unchunked_and_closed(served):
     _, _, port = served
     raw = await _raw(port, b"GET /stream?n=3 HTTP/1.0\r\n\r\n")
     head, body = _split(raw)
-    assert b"Transfer-Encoding" not in head and b"Connection: close" in head
+    # Unchunked, and ended by the close _raw read to.
+    assert b"Transfer-Encoding" not in head and b"keep-alive" not in head.lower()
     assert body.count(b"data: ") == 3
 
 
-async def test_slow_reader_applies_back_pressure_and_loses_nothing(served, monkeypatch):
+async def test_slow_reader_applies_back_pressure_and_loses_nothing(served):
     """~16 MB streamed to a reader that pauses: the handler waits in write() instead
     of buffering without bound, and every byte arrives in order."""
-    _, _, port = served
-    waits = []
-    original_drain = _Connection.drain
-
-    async def counting_drain(self):
-        if self._write_paused:
-            waits.append(self.transport.get_write_buffer_size())
-        await original_drain(self)
-
-    monkeypatch.setattr(_Connection, "drain", counting_drain)
+    _, app, port = served
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2 ** 20)
     writer.write(b"GET /stream?n=2000 HTTP/1.1\r\nHost: x\r\nX-Chunk-Bytes: 8000\r\n"
                  b"Connection: close\r\n\r\n")
     await asyncio.sleep(0.5)    # the server fills the socket buffers and must wait
+    # Not read: what the handler got past write() is what the socket buffers hold,
+    # a few MB at most, not the 16 MB it has to send.
+    assert 0 < app.written < 1000, app.written
     data = await asyncio.wait_for(reader.read(), 60)
     writer.close()
     _, body = _split(data)
@@ -278,8 +277,6 @@ async def test_slow_reader_applies_back_pressure_and_loses_nothing(served, monke
         numbers.append(int(rest[:size].split()[1]))
         rest = rest[size + 2:]
     assert numbers == list(range(2000))
-    assert waits, "the handler never waited for the client to read"
-    assert max(waits) < 4 * 2 ** 20, "the server buffered without bound"
 
 
 async def test_client_leaving_mid_stream_stops_the_handler(served):

@@ -164,7 +164,7 @@ async def test_router_uses_local_ids_once_checked(tiny_model: Path) -> None:
                 == router.local_tokenizer.encode(body["prompt"], False))
         assert await router.prompt_token_ids({"prompt": [5, 6, 7]}, is_chat=False) == [5, 6, 7]
     finally:
-        upstream.close()
+        await upstream.close()
 
 
 def test_first_mismatch_names_the_first_differing_probe() -> None:

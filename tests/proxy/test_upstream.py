@@ -1,4 +1,4 @@
-"""The hot-path HTTP client against a real aiohttp server: bodies whole and streamed,
+"""The hot-path HTTP client (aiohttp) against a real aiohttp server: bodies whole and streamed,
 keep-alive reuse, engines that drop idle connections, refused and slow engines."""
 
 from __future__ import annotations
@@ -17,16 +17,19 @@ class Engine:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, bytes, str | None]] = []
+        self.client_ports: list[int] = []   # the proxy's side of each request's connection
 
     async def start(self, port: int, keepalive_timeout: float = 75.0) -> str:
         async def echo(request: web.Request):
             body = await request.read()
             self.seen.append((request.path, body, request.headers.get("X-Request-Id")))
+            self.client_ports.append(request.transport.get_extra_info("peername")[1])
             return web.Response(body=b'{"echo":' + body + b"}", content_type="application/json",
                                 headers={"X-Engine": "stub"})
 
         async def stream(request: web.Request):
             await request.read()
+            self.client_ports.append(request.transport.get_extra_info("peername")[1])
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(5):
@@ -37,6 +40,7 @@ class Engine:
             return resp
 
         async def slow(request: web.Request):
+            self.client_ports.append(request.transport.get_extra_info("peername")[1])
             await asyncio.sleep(2.0)
             return web.Response(text="late")
 
@@ -73,7 +77,7 @@ async def _engine_and_pool(port: int, keepalive_timeout: float = 75.0, **pool_kw
     try:
         yield engine, url, pool
     finally:
-        pool.close()
+        await pool.close()
         await engine.stop()
 
 
@@ -86,7 +90,7 @@ def test_json_body_keep_alive_and_headers(free_port):
                 assert (b"X-Engine", b"stub") in resp.headers
                 assert await resp.read() == b'{"echo":{"i":%d}}' % i
             # One connection served all three.
-            assert sum(len(v) for v in pool._idle.values()) == 1
+            assert len(set(engine.client_ports)) == 1, engine.client_ports
             assert [s[2] for s in engine.seen] == ["r0", "r1", "r2"]
 
     _run(main())
@@ -100,9 +104,10 @@ def test_stream_arrives_in_pieces_and_connection_is_reused(free_port):
             assert b"".join(pieces) == b"".join(f"data: {i}\n\n".encode() for i in range(5)) \
                 + b"data: [DONE]\n\n"
             assert len(pieces) > 1  # relayed as it came, not buffered to the end
-            assert sum(len(v) for v in pool._idle.values()) == 1
             resp = await pool.post(url, "/echo", b"1")
             assert await resp.read() == b'{"echo":1}'
+            # The stream's connection, read to its end, served the next request.
+            assert len(set(engine.client_ports)) == 1, engine.client_ports
 
     _run(main())
 
@@ -114,9 +119,10 @@ def test_abandoned_stream_closes_its_connection(free_port):
             agen = resp.iter_chunks()
             await agen.__anext__()
             await agen.aclose()  # a client that went away mid-stream
-            assert sum(len(v) for v in pool._idle.values()) == 0
             resp = await pool.post(url, "/echo", b"2")
             assert await resp.read() == b'{"echo":2}'
+            # The half-read stream's connection was closed, not reused.
+            assert len(set(engine.client_ports)) == 2, engine.client_ports
 
     _run(main())
 
@@ -143,22 +149,27 @@ def test_engine_closing_idle_connections_is_retried_on_a_new_one(free_port):
 def test_refused_connection_raises_connect_error(free_port):
     async def main():
         pool = UpstreamPool(connect_timeout_s=1.0)
-        with pytest.raises(UpstreamConnectError):
-            await pool.post(f"http://127.0.0.1:{free_port()}", "/echo", b"{}")
+        try:
+            with pytest.raises(UpstreamConnectError):
+                await pool.post(f"http://127.0.0.1:{free_port()}", "/echo", b"{}")
+        finally:
+            await pool.close()
 
     _run(main())
 
 
 def test_slow_engine_times_out_and_its_connection_is_dropped(free_port):
     async def main():
-        async with _engine_and_pool(free_port(), request_timeout_s=0.3) as (_, url, pool):
+        async with _engine_and_pool(free_port(), request_timeout_s=0.3) as (engine, url, pool):
             with pytest.raises(asyncio.TimeoutError):
                 await pool.post(url, "/slow", b"{}")
-            assert sum(len(v) for v in pool._idle.values()) == 0
+            assert await (await pool.post(url, "/echo", b"3")).read() == b'{"echo":3}'
+            # The timed-out connection was dropped: the next request came on another.
+            assert len(set(engine.client_ports)) == 2, engine.client_ports
 
     _run(main())
 
 
 def test_only_plain_http_urls():
     with pytest.raises(ValueError, match="http://host:port"):
-        UpstreamPool()._target("https://example.com")
+        UpstreamPool().check_url("https://example.com")
