@@ -40,6 +40,7 @@ from vllm.v1.executor import multiproc_executor as _multiproc_executor
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vllm_sessionkv.first_token import FirstTokenRequest
+from vllm_sessionkv.metadata import StepInstructions
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -594,3 +595,30 @@ def show_first_tokens_to_worker(scheduler_output: Any, first_tokens: dict[str, i
     for index, request_id in enumerate(cached.req_ids):
         if request_id in first_tokens:
             cached.num_output_tokens[index] -= 1
+
+
+# ---------------------------------------------------------------------------------
+# Added with the typed scheduler -> worker instructions; kept after the pacing code
+# above so that either can change without touching the other.
+
+__all__ += [  # noqa: PLE0605
+    "attach_step_instructions",
+    "step_instructions",
+]
+
+# The one attribute we add to NIXL's per-step metadata object.
+_STEP_INSTRUCTIONS_ATTR = "sessionkv"
+
+
+def attach_step_instructions(meta: Any, instructions: StepInstructions) -> None:
+    """Send our per-step instructions to the worker on NIXL's metadata object
+    (``NixlConnectorMetadata``, which vLLM hands from ``build_connector_meta`` to
+    every worker's ``start_load_kv``)."""
+    setattr(meta, _STEP_INSTRUCTIONS_ATTR, instructions)
+
+
+def step_instructions(meta: Any) -> StepInstructions:
+    """The instructions ``attach_step_instructions`` put on this step's metadata (none
+    when the metadata came from elsewhere, e.g. a dummy step)."""
+    instructions = getattr(meta, _STEP_INSTRUCTIONS_ATTR, None)
+    return instructions if isinstance(instructions, StepInstructions) else StepInstructions()

@@ -113,7 +113,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
         self._handle_refused = create_metric_per_engine(
             counter("sessionkv_handles_refused",
                     "Session handles not used at all: other tenant, hash settings "
-                    "differ, malformed."), per_engine_labelvalues)
+                    "differ, malformed, unknown protocol version."), per_engine_labelvalues)
         self._pull_failed = create_metric_per_engine(
             counter("sessionkv_pull_failures",
                     "Pulls that failed or expired and fell back to recompute."),

@@ -24,11 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
 from vllm_sessionkv.protocol import (
-    EARLY_DECODE_ID_KEY,
-    EARLY_DECODE_PUSH_KEY,
-    EARLY_DECODE_PUSHED_KEY,
-    FIRST_TOKEN_WANTED_KEY,
-    SESSIONKV_PARAMS_KEY,
+    EarlyDecodePush,
+    PayloadError,
+    SessionPayload,
+    handle_from_params,
+    payload_from_params,
+    with_payload,
 )
 
 from sessionkv_proxy import admin
@@ -241,14 +242,14 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
         p_body["max_completion_tokens"] = 1
     p_body["stream"] = False
     params = plan.prefill_params
-    ours: dict[str, Any] = {}
-    if early_push is not None:
-        ours[EARLY_DECODE_PUSH_KEY] = early_push
-    if not state.config.first_token_handoff:
-        ours[FIRST_TOKEN_WANTED_KEY] = False
-    if ours:
-        params = dict(params or {})
-        params[SESSIONKV_PARAMS_KEY] = {**(params.get(SESSIONKV_PARAMS_KEY) or {}), **ours}
+    if early_push is not None or not state.config.first_token_handoff:
+        # (The router's own parameters: a payload it wrote or a handle it read.)
+        ours = payload_from_params(params)
+        if early_push is not None:
+            ours = msgspec.structs.replace(ours, early_decode_push=EarlyDecodePush(**early_push))
+        if not state.config.first_token_handoff:
+            ours = msgspec.structs.replace(ours, first_token=False)
+        params = with_payload(params, ours)
     p_body["kv_transfer_params"] = params
     engine = plan.prefill
     assert engine is not None and state.router is not None
@@ -289,8 +290,11 @@ class _PassThrough(Exception):
 
 
 def _accounting_header(params: dict[str, Any] | None) -> str | None:
-    acct = ((params or {}).get(SESSIONKV_PARAMS_KEY) or {}).get("accounting")
-    return json.dumps(acct, separators=(",", ":")) if acct else None
+    try:
+        acct = payload_from_params(params).accounting
+    except PayloadError:
+        return None
+    return msgspec.json.encode(acct).decode() if acct is not None else None
 
 
 async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Role,
@@ -455,8 +459,8 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         else:
             if session_id and plan.mode == "decode_only":
                 # D keeps this turn for the next P pull only if it knows the session.
-                d_body["kv_transfer_params"] = {
-                    SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
+                d_body["kv_transfer_params"] = with_payload(
+                    None, SessionPayload(session_id=session_id))
             role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
             response, status, d_params = await _answer(
                 state, request, plan, role, path, d_body, request_id, extra_headers,
@@ -493,13 +497,11 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
     decode_task = None
     if endpoint:
         early_id = new_early_decode_id()
-        ours: dict[str, Any] = {EARLY_DECODE_ID_KEY: early_id}
-        if session_id:
-            ours["session_id"] = session_id
+        ours = SessionPayload(early_decode_id=early_id, session_id=session_id or None)
         prefill_done = asyncio.get_running_loop().create_future()
         decode_task = asyncio.ensure_future(_answer(
             state, request, plan, Role.DECODE, path,
-            {**d_body, "kv_transfer_params": {SESSIONKV_PARAMS_KEY: ours}}, request_id,
+            {**d_body, "kv_transfer_params": with_payload(None, ours)}, request_id,
             extra_headers, relay_after=prefill_done))
     started = time.perf_counter()
     try:
@@ -521,8 +523,7 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
         # P's connector pushed them itself when it could reach D; else push them here.
         # A retry may have moved the request to another D: push to the one holding it.
         holder = plan.decode.config.early_decode
-        pushed_by_p = holder == endpoint and bool(
-            (p_params.get(SESSIONKV_PARAMS_KEY) or {}).get(EARLY_DECODE_PUSHED_KEY))
+        pushed_by_p = holder == endpoint and _pushed_by_prefill(p_params)
         if decode_task.done() or pushed_by_p or (
                 holder and early.send(holder, early_id, p_params)):
             return (*await decode_task, prefill_s)
@@ -533,6 +534,13 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
                            extra_headers), prefill_s)
 
 
+def _pushed_by_prefill(p_params: dict[str, Any]) -> bool:
+    try:
+        return payload_from_params(p_params).early_decode_pushed
+    except PayloadError:
+        return False
+
+
 async def _cancel(task: asyncio.Future) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -541,14 +549,17 @@ async def _cancel(task: asyncio.Future) -> None:
 async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
                             body: dict[str, Any], d_params: dict[str, Any] | None) -> None:
     assert state.router is not None
+    handle = None
+    if d_params and d_params.get("do_remote_decode"):
+        try:
+            handle = handle_from_params(d_params)
+        except PayloadError as exc:   # a D speaking another protocol version
+            logger.warning("session %s: D's handle not stored: %s", session_id, exc)
     try:
         record = SessionRecord(
             session_id=session_id,
-            last_prefill=plan.prefill.url if plan.prefill else None,
             last_decode=plan.decode.url,
-            handle_params=d_params if d_params and d_params.get("do_remote_decode") else None,
-            handle_expires_at_unix_s=float(
-                ((d_params or {}).get(SESSIONKV_PARAMS_KEY) or {}).get("expires_at_unix_s", 0.0)),
+            handle=handle,
             prompt_keys=plan.prompt_keys,
             tenant=body.get("cache_salt"))
         await state.router.save_session(record)

@@ -23,11 +23,7 @@ from typing import Any
 import msgspec
 
 from vllm_sessionkv.hashing import request_keys
-from vllm_sessionkv.protocol import (
-    SESSIONKV_PARAMS_KEY,
-    published_handle_key,
-    session_store_key,
-)
+from vllm_sessionkv.protocol import SessionHandle, published_handle_key, session_store_key
 
 from sessionkv_proxy import policy
 from sessionkv_proxy.config import ProxyConfig, Role
@@ -39,11 +35,11 @@ from sessionkv_proxy.redis_link import RedisLink, RedisUnavailable
 from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
+    HandleUnreadable,
     SessionRecord,
     decode_published_handle,
     decode_record,
     encode_record,
-    handle_params_for_prefill,
 )
 
 __all__ = ["RoutePlan", "Router"]
@@ -164,7 +160,8 @@ class Router:
         await self.index.put_session(session_store_key(record.session_id, record.tenant),
                                      encode_record(record), self.config.session_ttl_s)
 
-    async def _published_handle(self, session_id: str, tenant: str | None) -> dict | None:
+    async def _published_handle(self, session_id: str, tenant: str | None
+                                ) -> SessionHandle | HandleUnreadable | None:
         if self.redis is None:
             return None
         key = published_handle_key(session_id, tenant)
@@ -172,37 +169,33 @@ class Router:
             raw = await self.redis.call("get_handle", lambda: self.redis.client.get(key))
         except RedisUnavailable:  # a handle is an optimisation; never fail the request
             return None
-        handle = decode_published_handle(raw)
-        if handle is None:
-            return None
-        params = dict(handle.nixl_params)
-        params.setdefault(SESSIONKV_PARAMS_KEY, {})["expires_at_unix_s"] = handle.expires_at_unix_s
-        return params
+        return decode_published_handle(raw)
 
     async def _usable_handle(self, record: SessionRecord | None, session_id: str | None,
-                             tenant: str | None) -> tuple[dict | None, str, str]:
-        """(params, outcome, source): the session's live handle, if any, and whether it
+                             tenant: str | None) -> tuple[SessionHandle | None, str, str]:
+        """(handle, outcome, source): the session's live handle, if any, and whether it
         came from the session record or from the engines' published copy."""
         if not session_id:
             return None, "none", ""
-        params, source = (record.handle_params if record else None), "record"
-        if params is None:
-            params, source = await self._published_handle(session_id, tenant), "published"
-        if params is None:
+        handle, source = (record.handle if record else None), "record"
+        if handle is None:
+            handle, source = await self._published_handle(session_id, tenant), "published"
+        if isinstance(handle, HandleUnreadable):
+            return None, handle.reason, ""
+        if handle is None:
             return None, "none", ""
-        ours = params.get(SESSIONKV_PARAMS_KEY) or {}
-        if ours.get("tenant") != tenant:
+        if handle.tenant != tenant:
             return None, "other_tenant", ""
-        holder = self.pool.get(ours.get("engine_url") or "")
+        holder = self.pool.get(handle.engine_url or "")
         if holder is not None and record is not None and \
                 holder.lost_at_unix_s > record.updated_at_unix_s:
             # The D that held it refused connections since this turn: if it is back,
             # it is a new process (P's read would fail against its new NIXL agent).
             return None, "engine_lost", ""
         # A margin, so P does not start a read D is about to release.
-        if float(ours.get("expires_at_unix_s", 0.0)) < time.time() + 2.0:
+        if handle.expires_at_unix_s < time.time() + 2.0:
             return None, "expired", ""
-        return params, "attached", source
+        return handle, "attached", source
 
     async def _consume_handle(self, record: SessionRecord | None, session_id: str,
                               tenant: str | None, source: str) -> bool:
@@ -214,7 +207,7 @@ class Router:
         released memory holds now).  Deleting the published copy is atomic across
         proxy replicas; a record-held handle is cleared before P is called."""
         if source == "record" and record is not None:
-            record.handle_params = None
+            record.handle = None
             await self.save_session(record)
         if self.redis is None:
             return True
@@ -284,8 +277,7 @@ class Router:
         peer_blocks = 0
         expires_at = None
         if handle is not None:
-            expires_at = float((handle.get(SESSIONKV_PARAMS_KEY) or {})
-                               .get("expires_at_unix_s", 0.0)) or None
+            expires_at = handle.expires_at_unix_s or None
             if record is not None and record.prompt_keys:
                 peer_blocks = _common_prefix(keys, record.prompt_keys)
         session_view = None
@@ -336,7 +328,7 @@ class Router:
             if handle is not None and not await self._consume_handle(record, session_id,
                                                                      tenant, source):
                 handle, outcome = None, "consumed_elsewhere"
-            prefill_params = (handle_params_for_prefill(handle) if handle is not None
+            prefill_params = (handle.prefill_params() if handle is not None
                               else _fresh_prefill_params())
         elif handle is not None:
             outcome = f"unused_{mode}"

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
+from vllm_sessionkv.protocol import PROTOCOL_VERSION
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [[1, 2]], "remote_engine_id": "p0",
@@ -246,4 +247,5 @@ async def test_p_is_asked_to_keep_its_token_only_when_the_handoff_is_off(free_po
     assert "first_token" not in on.p_sessionkv[0]
     status, body, _, _ = await _run(free_port, off, None, first_token_handoff=False)
     assert status == 200, body
-    assert off.p_sessionkv == [{"first_token": False}]
+    # Every payload the router writes names its protocol version.
+    assert off.p_sessionkv == [{"first_token": False, "version": PROTOCOL_VERSION}]

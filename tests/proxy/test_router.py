@@ -97,6 +97,7 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
     """A D that refused connections and came back is a new process: P's read of the
     old handle would fail against its new NIXL agent, so the router does not send it."""
     from sessionkv_proxy.sessions import SessionRecord
+    from vllm_sessionkv.protocol import handle_from_params
 
     config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
                                             {"url": D1, "role": "decode"}],
@@ -104,10 +105,11 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
     upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
     pool = EnginePool.from_configs(config.engines)
     router = Router(config, pool, MemoryIndex(), upstream)
-    handle = {"do_remote_decode": True, "remote_engine_id": "d1",
-              "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}}
+    handle = handle_from_params({
+        "do_remote_decode": True, "remote_engine_id": "d1",
+        "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}})
     try:
-        record = SessionRecord(session_id="s", last_decode=D1, handle_params=handle)
+        record = SessionRecord(session_id="s", last_decode=D1, handle=handle)
         await router.save_session(record)
         loaded = await router.load_session("s", None)
         assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
@@ -118,7 +120,7 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
         assert (await router._usable_handle(loaded, "s", None))[1] == "engine_lost"
         # A turn served after it came back leaves a usable handle again.
         await router.save_session(SessionRecord(session_id="s", last_decode=D1,
-                                                handle_params=handle))
+                                                handle=handle))
         loaded = await router.load_session("s", None)
         assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
     finally:
