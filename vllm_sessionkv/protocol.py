@@ -32,6 +32,7 @@ __all__ = [
     "EarlyDecodePush",
     "FIRST_TOKEN_KEY",
     "FIRST_TOKEN_WANTED_KEY",
+    "HANDLE_EXPIRY_MARGIN_S",
     "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
     "PayloadError",
@@ -49,6 +50,7 @@ __all__ = [
     "encode_handle",
     "encode_payload",
     "encode_prefill_done",
+    "handle_expired",
     "handle_from_params",
     "payload_from_params",
     "published_handle_key",
@@ -81,6 +83,21 @@ FIRST_TOKEN_WANTED_KEY = "first_token"
 
 # Redis key prefix under which engines publish each session's latest handle.
 HANDLE_KEY_PREFIX = "sessionkv:handle:"
+
+# A handle is not used once its lease has less than this long to run: D releases the
+# blocks at the lease's end and vLLM's reader declines a read within 5 s of it.  The
+# engine's default ``expiry_margin_s`` and the router's
+# ``routing.params.handle_expiry_margin_s``, so that the router never spends a
+# single-use handle that P would refuse.
+HANDLE_EXPIRY_MARGIN_S = 10.0
+
+
+def handle_expired(expires_at_unix_s: float, now_unix_s: float,
+                   margin_s: float = HANDLE_EXPIRY_MARGIN_S) -> bool:
+    """The one expiry rule, for the engine, the router and the policy: a handle whose
+    lease ends within ``margin_s`` of ``now_unix_s`` is not used.  An expiry of 0
+    means none is known, and never expires."""
+    return bool(expires_at_unix_s) and expires_at_unix_s < now_unix_s + margin_s
 
 
 def session_store_key(session_id: str, tenant: str | None) -> str:

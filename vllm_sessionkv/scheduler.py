@@ -55,6 +55,7 @@ from vllm_sessionkv.protocol import (
     TokenAccounting,
     UnsupportedVersion,
     encode_payload,
+    handle_expired,
     payload_from_params,
 )
 from vllm_sessionkv.publisher import HandlePublisher
@@ -265,7 +266,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                 max_loadable_tokens=max_loadable)
             verdict = verify_remote_kv(local, remote)
         expires_at = self._payload(params).expires_at_unix_s
-        if is_d_to_p and expires_at and expires_at < time.time() + self.config.expiry_margin_s:
+        if is_d_to_p and handle_expired(expires_at, time.time(), self.config.expiry_margin_s):
             # D's lease is over (or nearly): its blocks may already hold other KV.
             verdict = Verdict(verified_tokens=0,
                               refused_tokens=verdict.verified_tokens + verdict.refused_tokens,

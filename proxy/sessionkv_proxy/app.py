@@ -41,6 +41,7 @@ from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.redis_link import LinkState, RedisLink, make_redis_client
+from sessionkv_proxy.policy import Mode, RouteReason
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
@@ -424,12 +425,12 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     prefill_s = 0.0
     if plan.degraded:
         state.metrics.degraded.labels(plan.degraded).inc()
-    state.metrics.count_route(plan.mode, plan.reason, plan.handle_outcome,
+    state.metrics.count_route(plan.mode.value, plan.reason.value, plan.handle_outcome,
                               plan.terms.get("decision_s", 0.0), len(plan.prompt_keys))
     if debug:
         logger.debug(
             "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "
-            "handle=%s terms=%s", request_id, session_id, plan.mode, plan.reason,
+            "handle=%s terms=%s", request_id, session_id, plan.mode.value, plan.reason.value,
             plan.prefill.url if plan.prefill else "-", plan.decode.url, plan.handle_outcome,
             json.dumps(plan.terms, default=str, separators=(",", ":")))
 
@@ -437,14 +438,14 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     # Untouched (and not copied) when neither is there and the request goes to one
     # engine; P then D, or a session, get their own copy to add parameters to.
     body_unchanged = not session_id and "prompt_cache_key" not in body
-    if body_unchanged and plan.mode != "disaggregated":
+    if body_unchanged and plan.mode is not Mode.DISAGGREGATED:
         d_body = body
     else:
         d_body = dict(body)
         d_body.pop("prompt_cache_key", None)
         if session_id:
             d_body["session_id"] = session_id
-    extra_headers = {"x-sessionkv-route": plan.mode,
+    extra_headers = {"x-sessionkv-route": plan.mode.value,
                      "x-sessionkv-request-id": request_id}
     if session_id:
         extra_headers["x-sessionkv-handle"] = plan.handle_outcome
@@ -452,16 +453,16 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
     decode_started = time.perf_counter() if debug else 0.0
     try:
-        if plan.mode == "disaggregated":
+        if plan.mode is Mode.DISAGGREGATED:
             response, status, d_params, prefill_s = await _disaggregated(
                 state, request, plan, path, d_body, is_chat, request_id, session_id,
                 extra_headers)
         else:
-            if session_id and plan.mode == "decode_only":
+            if session_id and plan.mode is Mode.DECODE_ONLY:
                 # D keeps this turn for the next P pull only if it knows the session.
                 d_body["kv_transfer_params"] = with_payload(
                     None, SessionPayload(session_id=session_id))
-            role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
+            role = Role.PREFILL if plan.mode is Mode.PREFILL_ONLY else Role.DECODE
             response, status, d_params = await _answer(
                 state, request, plan, role, path, d_body, request_id, extra_headers,
                 body_unchanged=body_unchanged)
@@ -472,7 +473,7 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
 
     # A prefill-only turn leaves the session where it was: its D (and any handle
     # there) still serves the next turn, and P's copy is in the index.
-    if session_id and plan.mode != "prefill_only":
+    if session_id and plan.mode is not Mode.PREFILL_ONLY:
         await _remember_session(state, plan, session_id, body, d_params)
     if debug:
         done = time.perf_counter()
@@ -561,7 +562,7 @@ async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
             last_decode=plan.decode.url,
             handle=handle,
             prompt_keys=plan.prompt_keys,
-            tenant=body.get("cache_salt"))
+            tenant=plan.tenant)
         await state.router.save_session(record)
     except Exception as exc:  # the answer is already out; a lost record costs speed only
         state.metrics.errors.labels("session_store").inc()
@@ -619,7 +620,7 @@ async def forward_to_decode(state: ProxyState, request: Request) -> Response:
     engine = state.router.alternative(Role.DECODE, set())
     if engine is None:
         raise ApiError(503, "no decode engine available", type_="server_error")
-    plan = RoutePlan("decode_only", None, engine, "model_utility")
+    plan = RoutePlan(Mode.DECODE_ONLY, None, engine, RouteReason.MODEL_UTILITY)
     response, _, _ = await _answer(state, request, plan, Role.DECODE, request.path, {},
                                    _request_id(request), {}, body_unchanged=True)
     assert response is not None  # never streamed
