@@ -79,6 +79,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expiry_margin_s: float = HANDLE_EXPIRY_MARGIN_S
     # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
     require_hash_meta_match: bool = True
+    # Start under a vLLM release the connector was not tested with (_vllm.py,
+    # VLLM_VERSIONS_TESTED); by default the engine refuses to start.
+    allow_untested_vllm: bool = False
     # NIXL's UCX progress thread.  Its poll delay is hard-coded to zero, so it spins
     # (about a core per engine); vLLM drives progress every engine step anyway.
     # None = off on the CPU platform.

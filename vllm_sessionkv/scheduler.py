@@ -229,7 +229,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return None
         is_p_to_d = bool(params.get("do_remote_prefill"))
         is_d_to_p = bool(params.get("do_remote_decode")) and _names_remote_blocks(params)
-        if not (is_p_to_d or is_d_to_p) or params.get("_remote_blocks_processed"):
+        if not (is_p_to_d or is_d_to_p) or _vllm.remote_blocks_processed(params):
             return None
         cached = self._plans.get(request.request_id)
         if cached is not None and cached.local_hit_tokens == num_computed_tokens:
@@ -239,7 +239,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # past the verified prefix.
 
         prompt = request.prompt_token_ids or []
-        max_loadable = (self._get_remote_prefill_token_count(len(prompt)) if is_p_to_d
+        max_loadable = (_vllm.remote_prefill_token_count(self, len(prompt)) if is_p_to_d
                         else request.num_prompt_tokens)
         remote, refusal = self._remote_kv(params)
         if refusal is not None:
@@ -409,7 +409,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return None, False   # vLLM asks again at the next step; no blocks held
         self._early_push_connect(request)
         params = request.kv_transfer_params
-        if params and params.get("_remote_blocks_processed"):
+        if _vllm.remote_blocks_processed(params):
             # Asked again after a failed or declined load (vLLM resets the request to
             # recompute): stock code would claim the remote tokens once more and park
             # the request waiting for a read it never queues again.  Recompute.
@@ -483,7 +483,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             self._host_restored[request.request_id] = num_blocks * self.block_size
         plan = self._plans.get(request.request_id)
         params = request.kv_transfer_params
-        if plan is not None and params and not params.get("_remote_blocks_processed"):
+        if plan is not None and params and not _vllm.remote_blocks_processed(params):
             # Cut the remote list to the verified prefix *before* stock code queues the
             # read: vLLM pairs local and remote blocks from the end, so any unverified
             # remote tail would shift every pairing (vLLM issue #43094).
