@@ -37,6 +37,7 @@ class _Engines:
         self.d_bodies: list[dict] = []
         self.d_got_params: list[dict | None] = []
         self.d_cancelled = 0
+        self.d_in_flight = 0                 # D handlers not yet ended (or cancelled)
         self.d_arrived = asyncio.Event()
         self.inbox = (EarlyDecodeInbox(f"tcp://127.0.0.1:{early_port}", timeout_s=10.0)
                       if early_port else None)
@@ -73,6 +74,13 @@ class _Engines:
                                   "kv_transfer_params": params})
 
     async def decode(self, request):
+        self.d_in_flight += 1
+        try:
+            return await self._decode(request)
+        finally:
+            self.d_in_flight -= 1
+
+    async def _decode(self, request):
         body = await request.json()
         self.d_bodies.append(body)
         self.d_arrived.set()
@@ -153,7 +161,10 @@ async def _run(free_port, engines: _Engines, early_endpoint: str | None,
                                        "max_tokens": 8, "stream": stream}) as resp:
                 status, headers = resp.status, resp.headers
                 body = await (resp.text() if stream else resp.json())
-            await asyncio.sleep(0.05)   # a cancelled D handler finishes its unwinding
+            deadline = asyncio.get_running_loop().time() + 5
+            while engines.d_in_flight:   # a cancelled D handler finishes its unwinding
+                assert asyncio.get_running_loop().time() < deadline, "D handler never ended"
+                await asyncio.sleep(0.005)
             async with http.get(base + "/metrics") as resp:
                 text = await resp.text()
         if engines.inbox is not None:
