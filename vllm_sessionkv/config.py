@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
-from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX
+from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S, HANDLE_KEY_PREFIX
 
 __all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
 
@@ -74,10 +74,14 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (not at once: a pull of it may still be in flight).
     superseded_hold_grace_s: float = 10.0
     # A handle this close to its expiry is not pulled from (vLLM's worker declines
-    # reads within 5 s of D's deadline).
-    expiry_margin_s: float = 10.0
+    # reads within 5 s of D's deadline); protocol.handle_expired is the rule.  The
+    # router's routing.params.handle_expiry_margin_s must be at least this.
+    expiry_margin_s: float = HANDLE_EXPIRY_MARGIN_S
     # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
     require_hash_meta_match: bool = True
+    # Start under a vLLM release the connector was not tested with (_vllm.py,
+    # VLLM_VERSIONS_TESTED); by default the engine refuses to start.
+    allow_untested_vllm: bool = False
     # NIXL's UCX progress thread.  Its poll delay is hard-coded to zero, so it spins
     # (about a core per engine); vLLM drives progress every engine step anyway.
     # None = off on the CPU platform.

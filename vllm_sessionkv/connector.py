@@ -31,6 +31,7 @@ class SessionKVConnector(_vllm.NixlPullConnector):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         transfer_config = vllm_config.kv_transfer_config
         config = parse_config(transfer_config.kv_connector_extra_config)
+        _vllm.check_vllm_version(config.allow_untested_vllm)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("SessionKVConnector does not support "
                              "decode_context_parallel_size > 1 yet")

@@ -2,25 +2,22 @@
 
 vLLM calls ``register`` in every process it starts (entry point group
 ``vllm.general_plugins``), possibly more than once, so it must be idempotent and
-cheap: the connector module is only imported when a connector is created.  That is
-also why the one vLLM internal touched here lives here and not in ``_vllm`` (whose
-imports would cost the API server seconds at start-up).
+cheap: the connector module is only imported when a connector is created, and
+``_vllm`` (whose imports cost a process about a second) only when vLLM computes a
+compile-cache key, and then only to decide whether this engine uses the connector.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 __all__ = ["CONNECTOR_NAME", "PORT_ENV_VARS", "register"]
 
 CONNECTOR_NAME = "SessionKVConnector"
 
-# Listening ports of KV-transfer side channels.  vLLM 0.32 hashes every VLLM_* env
-# var not on its ignore list into the torch.compile cache key (envs.compile_factors);
-# it ignores VLLM_PORT and VLLM_DP_MASTER_PORT but not these.  Each P/D engine needs
-# its own side-channel port, so each got its own cache entry and every engine start
-# recompiled the model (45 s of a tiny model's 96 s start on 2 cores).  A port
-# cannot change a compiled graph.
+# Listening ports of KV-transfer side channels, which must not split vLLM's
+# torch.compile cache (see ``_vllm.compile_factors``).
 PORT_ENV_VARS = ("VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_P2P_SIDE_CHANNEL_PORT",
                  "VLLM_EC_SIDE_CHANNEL_PORT", "VLLM_MOONCAKE_BOOTSTRAP_PORT")
 
@@ -33,22 +30,26 @@ def register() -> None:
             CONNECTOR_NAME, "vllm_sessionkv.connector", "SessionKVConnector")
     except ValueError:
         pass  # already registered in this process
-    _share_compile_cache_across_ports()
+    _route_compile_factors_through_adapter()
 
 
-def _share_compile_cache_across_ports() -> None:
-    """Drop side-channel ports from the compile-cache key (written against vLLM 0.32.0)."""
+def _route_compile_factors_through_adapter() -> None:
+    """Have vLLM's compile-cache factors computed by ``_vllm.compile_factors``.
+
+    Installed here, in every vLLM process, because a worker compiles its model before
+    it builds its connector; the call goes to ``_vllm`` (imported then), which leaves
+    the factors unchanged unless the compiling engine is configured with
+    SessionKVConnector."""
     import vllm.envs as envs
 
-    compile_factors = getattr(envs, "compile_factors", None)
-    if compile_factors is None or hasattr(compile_factors, "__wrapped__"):
-        return  # not this vLLM's hashing, or wrapped already
+    original = getattr(envs, "compile_factors", None)
+    if original is None or hasattr(original, "__wrapped__"):
+        return  # not this vLLM's hashing, or routed already
 
-    @functools.wraps(compile_factors)
-    def compile_factors_without_ports() -> dict[str, object]:
-        factors = compile_factors()
-        for name in PORT_ENV_VARS:
-            factors.pop(name, None)
-        return factors
+    @functools.wraps(original)
+    def compile_factors() -> dict[str, object]:
+        from vllm_sessionkv import _vllm
 
-    envs.compile_factors = compile_factors_without_ports
+        return _vllm.compile_factors(original, sys._getframe(1))
+
+    envs.compile_factors = compile_factors

@@ -7,11 +7,21 @@ a newer connector's handle and the other way round.
 PROTOCOL_VERSION history:
   1: first release (SessionHandle, TokenAccounting).
      PrefillDone added later, with defaults only.
+     SessionPayload (what travels under ``kv_transfer_params["sessionkv"]``) typed
+     later: the same fields as the dict before it.  SessionHandle became NIXL's
+     parameters plus that payload (its copies of the payload's fields were never
+     read); engines and proxies of this version write and read only that form.
+
+A reader meets a version it does not know with :class:`UnsupportedVersion` (a
+:class:`PayloadError`, a ``ValueError``), never a ``KeyError`` half way through: the engine refuses such a
+handle (verdict ``unsupported_version``), the proxy does not use it.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -19,23 +29,38 @@ __all__ = [
     "EARLY_DECODE_ID_KEY",
     "EARLY_DECODE_PUSHED_KEY",
     "EARLY_DECODE_PUSH_KEY",
+    "EarlyDecodePush",
     "FIRST_TOKEN_KEY",
     "FIRST_TOKEN_WANTED_KEY",
+    "HANDLE_EXPIRY_MARGIN_S",
     "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
+    "PayloadError",
     "PrefillDone",
     "SESSIONKV_PARAMS_KEY",
+    "SUPPORTED_VERSIONS",
     "SessionHandle",
+    "SessionPayload",
     "TokenAccounting",
+    "UnsupportedVersion",
+    "check_version",
     "decode_handle",
+    "decode_payload",
     "decode_prefill_done",
     "encode_handle",
+    "encode_payload",
     "encode_prefill_done",
+    "handle_expired",
+    "handle_from_params",
+    "payload_from_params",
     "published_handle_key",
     "session_store_key",
+    "with_payload",
 ]
 
 PROTOCOL_VERSION = 1
+# Versions this reader understands; any other is refused (UnsupportedVersion).
+SUPPORTED_VERSIONS = frozenset({1})
 
 # Everything we add to vLLM's ``kv_transfer_params`` lives under this one key, so the
 # stock NIXL fields stay exactly as vLLM defines them.
@@ -59,6 +84,21 @@ FIRST_TOKEN_WANTED_KEY = "first_token"
 # Redis key prefix under which engines publish each session's latest handle.
 HANDLE_KEY_PREFIX = "sessionkv:handle:"
 
+# A handle is not used once its lease has less than this long to run: D releases the
+# blocks at the lease's end and vLLM's reader declines a read within 5 s of it.  The
+# engine's default ``expiry_margin_s`` and the router's
+# ``routing.params.handle_expiry_margin_s``, so that the router never spends a
+# single-use handle that P would refuse.
+HANDLE_EXPIRY_MARGIN_S = 10.0
+
+
+def handle_expired(expires_at_unix_s: float, now_unix_s: float,
+                   margin_s: float = HANDLE_EXPIRY_MARGIN_S) -> bool:
+    """The one expiry rule, for the engine, the router and the policy: a handle whose
+    lease ends within ``margin_s`` of ``now_unix_s`` is not used.  An expiry of 0
+    means none is known, and never expires."""
+    return bool(expires_at_unix_s) and expires_at_unix_s < now_unix_s + margin_s
+
 
 def session_store_key(session_id: str, tenant: str | None) -> str:
     """The one name of a session in every shared store (the proxy's session records,
@@ -76,38 +116,6 @@ def published_handle_key(session_id: str, tenant: str | None,
                          prefix: str = HANDLE_KEY_PREFIX) -> str:
     """The Redis key under which D publishes a session's latest handle."""
     return prefix + session_store_key(session_id, tenant)
-
-
-class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """Where a conversation's KV lives after a turn, and what it holds.
-
-    Published by D at the end of each turn: in the response's ``kv_transfer_params``
-    and out of band (Redis), because vLLM 0.32's streaming responses carry no
-    ``kv_transfer_params``.
-    """
-
-    session_id: str
-    engine_id: str
-    # NIXL side channel of the engine holding the blocks.
-    host: str
-    port: int
-    # Block ids per KV-cache group, in sequence order.
-    block_ids: list[list[int]]
-    # Tokens whose KV the blocks hold (prompt plus generated, minus the last sampled one).
-    num_tokens: int
-    block_size: int
-    # Engine block-hash chain of the full blocks, 8-byte tails, base64 (hashing.encode_chain).
-    hash_chain: str
-    hash_algo: str = "sha256"
-    # Tenant: vLLM's cache_salt.  A handle is never used across tenants.
-    tenant: str | None = None
-    # Wall-clock (unix seconds) expiry of D's lease on the blocks.
-    expires_at_unix_s: float = 0.0
-    # HTTP URL of the engine holding the blocks, when it advertises one.
-    engine_url: str | None = None
-    # The stock NIXL parameters D returned, kept verbatim for the next P request.
-    nixl_params: dict = msgspec.field(default_factory=dict)
-    version: int = PROTOCOL_VERSION
 
 
 class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -147,9 +155,179 @@ class PrefillDone(msgspec.Struct, omit_defaults=True, kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
+class PayloadError(ValueError):
+    """A ``kv_transfer_params["sessionkv"]`` value or a handle that cannot be used."""
+
+
+class UnsupportedVersion(PayloadError):
+    """A payload or handle written under a protocol version this reader does not know."""
+
+    def __init__(self, what: str, version: object) -> None:
+        super().__init__(f"{what} has protocol version {version!r}; this reader supports "
+                         f"{sorted(SUPPORTED_VERSIONS)}")
+        self.version = version
+
+
+def check_version(what: str, version: object) -> None:
+    """Raise :class:`UnsupportedVersion` unless ``version`` is one this reader knows."""
+    if isinstance(version, bool) or version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersion(what, version)
+
+
+class EarlyDecodePush(msgspec.Struct, kw_only=True):
+    """Where P's connector is to push its parameters (early decode): D's socket and
+    the id D holds the request under."""
+
+    endpoint: str
+    id: str
+
+
+class SessionPayload(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Everything of ours in a request's or an answer's ``kv_transfer_params``, under
+    the one key ``SESSIONKV_PARAMS_KEY`` (NIXL's own fields stay as vLLM defines them).
+
+    Written by the connector at the end of a turn (the KV claim, accounting, P's
+    token) and by the proxy on requests (session id, early decode, first-token
+    switch); read by the connector (P verifies the claim before it pulls) and the
+    proxy (it stores D's handle for the next turn).  Every field has a default, so a
+    writer sends only what it means; a reader ignores fields it does not know and
+    refuses versions it does not know (:func:`decode_payload`).
+    """
+
+    version: int = PROTOCOL_VERSION
+    session_id: str | None = None
+    # The KV claim of the engine that answered: the engine block-hash chain of its
+    # full blocks (8-byte tails, base64: hashing.encode_chain), the tokens of its
+    # partial last block, and the settings the hashes depend on.  None: no claim.
+    hash_chain: str | None = None
+    tail_token_ids: list[int] = msgspec.field(default_factory=list)
+    block_size: int = 0
+    hash_algo: str = ""
+    # Tenant: vLLM's cache_salt.  A claim is never used across tenants.
+    tenant: str | None = None
+    num_tokens: int = 0
+    # D only: wall-clock (unix seconds) end of its lease on the blocks; 0: none.
+    expires_at_unix_s: float = 0.0
+    # D only: HTTP URL of the engine holding the blocks, when it advertises one.
+    engine_url: str | None = None
+    # How this request's prompt tokens were obtained, on the engine that answered.
+    accounting: TokenAccounting | None = None
+    # P only: the token P sampled after the prompt (first_token.py), for D.
+    first_token_id: int | None = None
+    # P only: P pushed its parameters to the D holding the request (early decode).
+    early_decode_pushed: bool = False
+    # Request to D sent while P still prefills: the id P's parameters will come under.
+    early_decode_id: str | None = None
+    # Request to P: push your parameters to this D (early decode).
+    early_decode_push: EarlyDecodePush | None = None
+    # Request to P: false asks P not to export its token (a router's switch; P's own
+    # first_token_handoff still applies).
+    first_token: bool = True
+
+
+class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Where a conversation's KV lives after a turn, and what it holds: D's
+    end-of-turn ``kv_transfer_params``, typed.
+
+    Returned by D in the response and published out of band (Redis), because vLLM
+    0.32's streaming responses carry no ``kv_transfer_params``; stored by the proxy
+    for the session's next turn, whose P request it becomes (``prefill_params``).
+    """
+
+    # NIXL's own parameters as D returned them (remote_engine_id, remote_block_ids,
+    # remote_host, remote_port, remote_num_tokens, ...), without ours.
+    nixl_params: dict[str, Any]
+    payload: SessionPayload
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def session_id(self) -> str | None:
+        return self.payload.session_id
+
+    @property
+    def tenant(self) -> str | None:
+        return self.payload.tenant
+
+    @property
+    def expires_at_unix_s(self) -> float:
+        return self.payload.expires_at_unix_s
+
+    @property
+    def engine_url(self) -> str | None:
+        return self.payload.engine_url
+
+    def params(self) -> dict[str, Any]:
+        """The handle as ``kv_transfer_params`` again."""
+        return with_payload(self.nixl_params, self.payload)
+
+    def prefill_params(self) -> dict[str, Any]:
+        """The next turn's P request parameters: D's, asking P to pull from D."""
+        params = with_payload(self.nixl_params,
+                              msgspec.structs.replace(self.payload, accounting=None))
+        params["do_remote_decode"] = True
+        params["do_remote_prefill"] = False
+        return params
+
+
+_encoder = msgspec.json.Encoder()
 _handle_decoder = msgspec.json.Decoder(SessionHandle)
 _prefill_done_decoder = msgspec.json.Decoder(PrefillDone)
-_encoder = msgspec.json.Encoder()
+
+
+class _Versioned(msgspec.Struct):
+    """Any of our messages, read for its version only (before its other fields, whose
+    types a future version may change)."""
+
+    version: object = PROTOCOL_VERSION
+
+
+_versioned_decoder = msgspec.json.Decoder(_Versioned)
+
+
+def encode_payload(payload: SessionPayload) -> dict[str, Any]:
+    """The payload as the plain dict that travels in ``kv_transfer_params``; its
+    version is always written."""
+    out = msgspec.to_builtins(payload)
+    out["version"] = payload.version
+    return out
+
+
+def decode_payload(raw: object) -> SessionPayload:
+    """Read a ``kv_transfer_params["sessionkv"]`` value (None: an empty payload).
+
+    Raises :class:`UnsupportedVersion` for a version this reader does not know, and
+    :class:`PayloadError` naming the bad field for anything else malformed."""
+    if raw is None:
+        return SessionPayload()
+    if not isinstance(raw, Mapping):
+        raise PayloadError(f"expected an object, got {type(raw).__name__}")
+    check_version("session payload", raw.get("version", PROTOCOL_VERSION))
+    try:
+        return msgspec.convert(dict(raw), SessionPayload)
+    except msgspec.ValidationError as exc:
+        raise PayloadError(str(exc)) from None
+
+
+def payload_from_params(params: Mapping[str, Any] | None) -> SessionPayload:
+    """The payload of a request's or an answer's ``kv_transfer_params``
+    (:func:`decode_payload`'s errors)."""
+    return decode_payload((params or {}).get(SESSIONKV_PARAMS_KEY))
+
+
+def with_payload(params: Mapping[str, Any] | None, payload: SessionPayload
+                 ) -> dict[str, Any]:
+    """A copy of ``params`` carrying ``payload`` under ``SESSIONKV_PARAMS_KEY``."""
+    out = dict(params or {})
+    out[SESSIONKV_PARAMS_KEY] = encode_payload(payload)
+    return out
+
+
+def handle_from_params(params: Mapping[str, Any]) -> SessionHandle:
+    """D's end-of-turn ``kv_transfer_params`` as a handle (``decode_payload``'s
+    errors)."""
+    payload = payload_from_params(params)
+    nixl = {k: v for k, v in params.items() if k != SESSIONKV_PARAMS_KEY}
+    return SessionHandle(nixl_params=msgspec.to_builtins(nixl), payload=payload)
 
 
 def encode_handle(handle: SessionHandle) -> bytes:
@@ -157,8 +335,12 @@ def encode_handle(handle: SessionHandle) -> bytes:
 
 
 def decode_handle(raw: bytes | str) -> SessionHandle:
-    """Decode a handle; raises ``msgspec.ValidationError`` naming the bad field."""
-    return _handle_decoder.decode(raw)
+    """Decode a handle: :class:`UnsupportedVersion` for a version this reader does not
+    know, ``msgspec.DecodeError`` (incl. ``ValidationError``) naming a bad field."""
+    check_version("session handle", _versioned_decoder.decode(raw).version)
+    handle = _handle_decoder.decode(raw)
+    check_version("session payload", handle.payload.version)
+    return handle
 
 
 def encode_prefill_done(message: PrefillDone) -> bytes:

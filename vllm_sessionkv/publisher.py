@@ -13,41 +13,19 @@ import queue
 import threading
 from typing import Any
 
-import msgspec
-
 from vllm_sessionkv.protocol import (
-    SESSIONKV_PARAMS_KEY,
-    SessionHandle,
+    PayloadError,
     encode_handle,
+    handle_from_params,
     published_handle_key,
 )
 
-__all__ = ["HandlePublisher", "handle_from_params"]
+__all__ = ["HandlePublisher"]
 
 logger = logging.getLogger("vllm.sessionkv.publisher")
 
 # Bounded so a dead Redis cannot grow the engine's memory; overflow is counted.
 _MAX_PENDING = 10_000
-
-
-def handle_from_params(session_id: str, params: dict[str, Any]) -> SessionHandle:
-    """Build the published handle from D's end-of-turn ``kv_transfer_params``."""
-    ours = params.get(SESSIONKV_PARAMS_KEY) or {}
-    return SessionHandle(
-        session_id=session_id,
-        engine_id=str(params["remote_engine_id"]),
-        host=str(params["remote_host"]),
-        port=int(params["remote_port"]),
-        block_ids=[list(group) for group in params["remote_block_ids"]],
-        num_tokens=int(params.get("remote_num_tokens") or 0),
-        block_size=int(ours.get("block_size", 0)),
-        hash_chain=str(ours.get("hash_chain", "")),
-        hash_algo=str(ours.get("hash_algo", "")),
-        tenant=ours.get("tenant"),
-        expires_at_unix_s=float(ours.get("expires_at_unix_s", 0.0)),
-        engine_url=ours.get("engine_url"),
-        nixl_params=msgspec.to_builtins(params),
-    )
 
 
 class HandlePublisher:
@@ -72,11 +50,11 @@ class HandlePublisher:
         if not self.enabled:
             return False
         try:
-            handle = handle_from_params(session_id, params)
+            handle = handle_from_params(params)
             key = published_handle_key(session_id, handle.tenant, self.key_prefix)
             self._queue.put_nowait((key, encode_handle(handle), ttl_s))
             return True
-        except (queue.Full, KeyError, TypeError, ValueError) as exc:
+        except (queue.Full, PayloadError) as exc:
             logger.warning("sessionkv: handle for session %s not published: %r",
                            session_id, exc)
             self._count_failure()

@@ -46,15 +46,17 @@ from vllm_sessionkv.first_token import handoff_refusal
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.host_tier import HostTierManager
+from vllm_sessionkv.metadata import HostCopy, HostCopyKind, StepInstructions
 from vllm_sessionkv.protocol import (
-    EARLY_DECODE_ID_KEY,
-    EARLY_DECODE_PUSH_KEY,
     EARLY_DECODE_PUSHED_KEY,
-    FIRST_TOKEN_KEY,
-    FIRST_TOKEN_WANTED_KEY,
-    PROTOCOL_VERSION,
     SESSIONKV_PARAMS_KEY,
+    PayloadError,
+    SessionPayload,
     TokenAccounting,
+    UnsupportedVersion,
+    encode_payload,
+    handle_expired,
+    payload_from_params,
 )
 from vllm_sessionkv.publisher import HandlePublisher
 from vllm_sessionkv.stats import SessionKVStats
@@ -146,7 +148,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                    per_transfer_s=config.host_copy_per_transfer_s)
         # Ordered copy operations for the worker's next step, and slots pinned by
         # loads, released two metadata builds later (the worker may run a step behind).
-        self._host_ops: list[tuple[str, list[int], list[int]]] = []
+        self._host_ops: list[HostCopy] = []
         self._host_pins: list[list[list[int]]] = [[], []]
         self._host_counted = (0, 0, 0)
         # Host restores decided for a request: (start_block, num_blocks).
@@ -193,26 +195,33 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         _vllm.pace_holding_steps(config.holding_step_interval(_vllm.is_cpu_platform()))
 
     # ------------------------------------------------------------------ inputs
-    def _session_params(self, params: dict[str, Any] | None) -> dict[str, Any]:
-        raw = (params or {}).get(SESSIONKV_PARAMS_KEY)
-        return raw if isinstance(raw, dict) else {}
-
-    def _remote_kv(self, params: dict[str, Any]) -> RemoteKV | None:
-        """The remote's claim, or None when the params carry no verifiable chain."""
-        ours = self._session_params(params)
-        if "hash_chain" not in ours:
-            return None
+    @staticmethod
+    def _payload(params: dict[str, Any] | None) -> SessionPayload:
+        """Our part of a request's params; empty when absent or unreadable (a claim
+        in an unreadable payload is refused by ``_remote_kv``)."""
         try:
+            return payload_from_params(params)
+        except PayloadError:
+            return SessionPayload()
+
+    def _remote_kv(self, params: dict[str, Any]) -> tuple[RemoteKV | None, str | None]:
+        """(the remote's claim, None), (None, None) when the params carry no chain,
+        or (None, reason) when the payload is refused whole."""
+        try:
+            ours = payload_from_params(params)
+            if ours.hash_chain is None:
+                return None, None
             return RemoteKV(
                 num_tokens=int(params.get("remote_num_tokens") or 0),
-                block_size=int(ours.get("block_size", 0)),
-                hash_algo=str(ours.get("hash_algo", "")),
-                chain=decode_chain(str(ours["hash_chain"])),
-                tail_token_ids=[int(t) for t in ours.get("tail_token_ids", ())],
-                tenant=ours.get("tenant"))
-        except (TypeError, ValueError) as exc:
+                block_size=ours.block_size, hash_algo=ours.hash_algo,
+                chain=decode_chain(ours.hash_chain), tail_token_ids=ours.tail_token_ids,
+                tenant=ours.tenant), None
+        except UnsupportedVersion as exc:
+            logger.warning("sessionkv: handle not used: %s", exc)
+            return None, "unsupported_version"
+        except (PayloadError, TypeError, ValueError) as exc:
             logger.warning("sessionkv: malformed handle (%s); not used", exc)
-            return RemoteKV(num_tokens=0, block_size=0, hash_algo="malformed", chain=())
+            return None, "malformed_handle"
 
     def _plan(self, request: Request, num_computed_tokens: int) -> _Plan | None:
         params = request.kv_transfer_params
@@ -220,7 +229,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return None
         is_p_to_d = bool(params.get("do_remote_prefill"))
         is_d_to_p = bool(params.get("do_remote_decode")) and _names_remote_blocks(params)
-        if not (is_p_to_d or is_d_to_p) or params.get("_remote_blocks_processed"):
+        if not (is_p_to_d or is_d_to_p) or _vllm.remote_blocks_processed(params):
             return None
         cached = self._plans.get(request.request_id)
         if cached is not None and cached.local_hit_tokens == num_computed_tokens:
@@ -230,10 +239,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # past the verified prefix.
 
         prompt = request.prompt_token_ids or []
-        max_loadable = (self._get_remote_prefill_token_count(len(prompt)) if is_p_to_d
+        max_loadable = (_vllm.remote_prefill_token_count(self, len(prompt)) if is_p_to_d
                         else request.num_prompt_tokens)
-        remote = self._remote_kv(params)
-        if remote is None:
+        remote, refusal = self._remote_kv(params)
+        if refusal is not None:
+            verdict = Verdict(verified_tokens=0,
+                              refused_tokens=min(int(params.get("remote_num_tokens") or 0),
+                                                 max_loadable),
+                              reason=refusal)
+        elif remote is None:
             if is_d_to_p:
                 # A D->P handle without a hash chain cannot be verified: never attach it.
                 verdict = Verdict(verified_tokens=0,
@@ -251,8 +265,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                 tenant=_vllm.request_cache_salt(request),
                                 max_loadable_tokens=max_loadable)
             verdict = verify_remote_kv(local, remote)
-        expires_at = float(self._session_params(params).get("expires_at_unix_s") or 0.0)
-        if is_d_to_p and expires_at and expires_at < time.time() + self.config.expiry_margin_s:
+        expires_at = self._payload(params).expires_at_unix_s
+        if is_d_to_p and handle_expired(expires_at, time.time(), self.config.expiry_margin_s):
             # D's lease is over (or nearly): its blocks may already hold other KV.
             verdict = Verdict(verified_tokens=0,
                               refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
@@ -302,8 +316,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         """Continue from the token P sampled, if P sent one and the request allows
         (``first_token.handoff_refusal``); then every verified prompt token is
         loaded and D's first step starts at the token after P's."""
-        token_id = self._session_params(params).get(FIRST_TOKEN_KEY)
-        if not isinstance(token_id, int) or isinstance(token_id, bool):
+        token_id = self._payload(params).first_token_id
+        if token_id is None:
             return False
         refusal = "engine_unsupported" if self._first_token_unsupported else None
         if refusal is None:
@@ -353,16 +367,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
     # ------------------------------------------------------- scheduler hooks
     def _is_direct_session_turn(self, params: dict[str, Any]) -> bool:
         return (not params.get("do_remote_decode") and not params.get("do_remote_prefill")
-                and bool(self._session_params(params).get("session_id"))
+                and bool(self._payload(params).session_id)
                 and self.is_bidirectional_kv_xfer_enabled)
 
     def _early_decode_ready(self, request: Request) -> bool:
         """False while a D request sent before P finished still waits for P's
         parameters; once they are in (or will not come) the request carries exactly
         what it would have carried if sent after P, and goes on as such."""
-        params = request.kv_transfer_params
-        ours = self._session_params(params)
-        early_id = ours.get(EARLY_DECODE_ID_KEY)
+        ours = self._payload(request.kv_transfer_params)
+        early_id = ours.early_decode_id
         if not early_id:
             return True
         if self.early_decode is None:
@@ -371,7 +384,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                            "early_decode_port; computing the prompt here",
                            request.request_id)
         else:
-            result, p_params, waited_s = self.early_decode.poll(str(early_id))
+            result, p_params, waited_s = self.early_decode.poll(early_id)
             if result is Outcome.WAITING:
                 return False
             outcome = result.value
@@ -380,8 +393,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         else:
             # D alone: what is left is a plain turn (a session's id stays, so D still
             # holds the turn for the next one).
-            rest = {k: v for k, v in ours.items() if k != EARLY_DECODE_ID_KEY}
-            request.kv_transfer_params = {SESSIONKV_PARAMS_KEY: rest} if rest else None
+            rest = msgspec.structs.replace(ours, early_decode_id=None)
+            request.kv_transfer_params = ({SESSIONKV_PARAMS_KEY: encode_payload(rest)}
+                                          if rest != SessionPayload() else None)
         self.stats.record(f"early_decode_{outcome}")
         self.stats.record("early_decode_wait_s", waited_s)
         log = logger.debug if outcome == "ready" else logger.warning
@@ -395,7 +409,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return None, False   # vLLM asks again at the next step; no blocks held
         self._early_push_connect(request)
         params = request.kv_transfer_params
-        if params and params.get("_remote_blocks_processed"):
+        if _vllm.remote_blocks_processed(params):
             # Asked again after a failed or declined load (vLLM resets the request to
             # recompute): stock code would claim the remote tokens once more and park
             # the request waiting for a read it never queues again.  Recompute.
@@ -464,12 +478,12 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             start_block, num_blocks = host_plan
             slots = self.host.plan_load(request.block_hashes, start_block, num_blocks)
             dst = list(blocks.get_block_ids()[0][start_block:start_block + num_blocks])
-            self._host_ops.append(("load", list(slots), dst))
+            self._host_ops.append(HostCopy(kind=HostCopyKind.LOAD, src=list(slots), dst=dst))
             self._host_pins[-1].append(list(slots))
             self._host_restored[request.request_id] = num_blocks * self.block_size
         plan = self._plans.get(request.request_id)
         params = request.kv_transfer_params
-        if plan is not None and params and not params.get("_remote_blocks_processed"):
+        if plan is not None and params and not _vllm.remote_blocks_processed(params):
             # Cut the remote list to the verified prefix *before* stock code queues the
             # read: vLLM pairs local and remote blocks from the end, so any unverified
             # remote tail would shift every pairing (vLLM issue #43094).
@@ -575,13 +589,13 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
                      f":{plan.verdict.reason}")
 
-    def _attach_host_ops(self, meta) -> None:
-        meta.sessionkv_host_ops = self._host_ops
-        self._host_ops = []
+    def _take_host_ops(self) -> list[HostCopy]:
+        ops, self._host_ops = self._host_ops, []
         if self.host is not None:
             for slots in self._host_pins.pop(0):
                 self.host.release(slots)
             self._host_pins.append([])
+        return ops
 
     def take_events(self) -> list:
         if self.host is None:
@@ -596,14 +610,16 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
         _vllm.show_first_tokens_to_worker(scheduler_output, self._first_tokens)
         meta = super().build_connector_meta(scheduler_output)
-        self._attach_host_ops(meta)
-        self._attach_hold_releases(meta)
-        meta.sessionkv_sync_loads = self._sync_reads_next
+        instructions = StepInstructions(
+            host_copies=self._take_host_ops(), release_holds=self._take_hold_releases(),
+            sync_loads=self._sync_reads_next,
+            # The worker may wait for its reads only when it has no model to run.
+            idle_step=running == 0)
         self._sync_reads_in_step |= self._sync_reads_next
         self._sync_reads_next = set()
-        # The worker may wait for its reads only when it has no model to run, and
-        # this process and the worker spin on their queues only when it has one.
-        meta.sessionkv_idle_step = running == 0
+        _vllm.attach_step_instructions(meta, instructions)
+        # This process and the worker spin on their queues only when it has a model
+        # to run (the worker learns it from ``idle_step``).
         _vllm.set_engine_busy(running > 0)
         return meta
 
@@ -660,24 +676,21 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._live_requests.discard(request.request_id)
         if self._first_tokens.pop(request.request_id, None) is not None:
             _vllm.forget_first_token(request.request_id)
-        early_id = self._session_params(request.kv_transfer_params).get(EARLY_DECODE_ID_KEY)
-        if early_id and self.early_decode is not None:
-            self.early_decode.forget(str(early_id))   # aborted while waiting for P
-        plan = self._plans.pop(request.request_id, None)
-        had_local_hit = request.request_id in self._local_hits
-        if plan is not None or had_local_hit:
-            self._record_accounting(self.accounting(request, plan))
         params = request.kv_transfer_params
+        payload = self._payload(params)
+        if payload.early_decode_id and self.early_decode is not None:
+            self.early_decode.forget(payload.early_decode_id)   # aborted while waiting for P
+        plan = self._plans.pop(request.request_id, None)
+        accounting = None
+        if plan is not None or request.request_id in self._local_hits:
+            accounting = self.accounting(request, plan)
+            self._record_accounting(accounting)
         is_d_node = bool(params) and not params.get("do_remote_decode")
         delay_free, out = super().request_finished(request, block_ids)
         if out is None:
             self._forget(request.request_id)
             return delay_free, out
-        session_id = _vllm.request_session_id(request) or \
-            self._session_params(params).get("session_id")
-        ours: dict[str, Any] = {"version": PROTOCOL_VERSION}
-        if plan is not None or had_local_hit:
-            ours["accounting"] = msgspec.to_builtins(self.accounting(request, plan))
+        session_id = _vllm.request_session_id(request) or payload.session_id
         self._forget(request.request_id)
         if is_d_node:
             if not session_id or not delay_free:
@@ -685,7 +698,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 # (prefix caching still keeps them findable until evicted).
                 if delay_free:
                     _vllm.cancel_pending_send(self, request.request_id)
-                return False, {SESSIONKV_PARAMS_KEY: ours} if "accounting" in ours else None
+                return False, ({SESSIONKV_PARAMS_KEY: encode_payload(
+                    SessionPayload(accounting=accounting))} if accounting else None)
             lease_s = self.config.session_lease_s
             _vllm.set_pending_send_deadline(self, request.request_id,
                                             lease_s + _NIXL_EXPIRY_BACKSTOP_S)
@@ -695,35 +709,34 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                              superseded_until_s=now + self.config.superseded_hold_grace_s)
             self._offload_to_host(request, block_ids, out["remote_num_tokens"])
             out["remote_blocks_expiry_time"] = deadline
-            ours.update(self._chain_export(request, out["remote_num_tokens"]))
-            ours["session_id"] = session_id
-            ours["expires_at_unix_s"] = _vllm.pending_send_deadline_unix_s(deadline)
-            if self.config.advertise_url:
-                ours["engine_url"] = self.config.advertise_url
-            out[SESSIONKV_PARAMS_KEY] = ours
+            out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
+                **self._chain_export(request, out["remote_num_tokens"]),
+                session_id=session_id, accounting=accounting,
+                expires_at_unix_s=_vllm.pending_send_deadline_unix_s(deadline),
+                engine_url=self.config.advertise_url or None))
             if self._publisher.publish(session_id, out, self.config.session_lease_s):
                 self.stats.record("session_handles_published")
         else:
             # P end of turn: export the chain so D verifies what it pulls from us too,
             # and the token we sampled, for D to continue from.
-            ours.update(self._chain_export(request, out.get("remote_num_tokens") or 0))
-            if (self.config.first_token_handoff and request.output_token_ids
-                    and self._session_params(params).get(FIRST_TOKEN_WANTED_KEY, True)):
-                ours[FIRST_TOKEN_KEY] = request.output_token_ids[0]
-            if session_id:
-                ours["session_id"] = session_id
-            out[SESSIONKV_PARAMS_KEY] = ours
-            self._push_to_early_decode(params, out)
+            first_token_id = (request.output_token_ids[0]
+                              if (self.config.first_token_handoff
+                                  and request.output_token_ids and payload.first_token)
+                              else None)
+            out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
+                **self._chain_export(request, out.get("remote_num_tokens") or 0),
+                session_id=session_id or None, accounting=accounting,
+                first_token_id=first_token_id))
+            self._push_to_early_decode(payload, out)
         return delay_free, out
 
-    def _early_push_target(self, params: dict[str, Any] | None) -> tuple[str, str] | None:
+    def _early_push_target(self, payload: SessionPayload) -> tuple[str, str] | None:
         """(D's endpoint, id) a P request asks us to push our parameters to."""
-        push = self._session_params(params).get(EARLY_DECODE_PUSH_KEY)
-        if not isinstance(push, dict):
+        push = payload.early_decode_push
+        if push is None:
             return None
-        endpoint, early_id = push.get("endpoint"), push.get("id")
-        if not (isinstance(endpoint, str) and endpoint.startswith("tcp://")
-                and isinstance(early_id, str) and early_id):
+        endpoint, early_id = push.endpoint, push.id
+        if not (endpoint.startswith("tcp://") and early_id):
             return None
         if self._early_sender is None:
             self._early_sender = EarlyDecodeSender()
@@ -731,16 +744,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
 
     def _early_push_connect(self, request: Request) -> None:
         # While P prefills, so the push at the end finds the connection up.
-        target = self._early_push_target(request.kv_transfer_params)
+        target = self._early_push_target(self._payload(request.kv_transfer_params))
         if target is not None:
             self._early_sender.connect(target[0])
 
-    def _push_to_early_decode(self, params: dict[str, Any] | None,
-                              out: dict[str, Any]) -> None:
+    def _push_to_early_decode(self, payload: SessionPayload, out: dict[str, Any]) -> None:
         """Early decode: hand our parameters to the D holding the request now, not
         after they travel back through our API server and the proxy.  The proxy
         pushes them itself unless our answer says this push went out."""
-        target = self._early_push_target(params)
+        target = self._early_push_target(payload)
         if target is None:
             return
         endpoint, early_id = target
@@ -762,9 +774,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return
         group = list(block_ids[0])
         src = [group[position[h]] for h, _ in pairs]
-        self._host_ops.append(("store", src, [slot for _, slot in pairs]))
+        self._host_ops.append(HostCopy(kind=HostCopyKind.STORE, src=src,
+                                       dst=[slot for _, slot in pairs]))
 
-    def _attach_hold_releases(self, meta) -> None:
+    def _take_hold_releases(self) -> set[str]:
         """Holds the worker is to release in this step: those whose lease (or, once
         superseded, grace) ended, and those a reset dropped.
 
@@ -775,8 +788,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         for req_id, reason in due.items():
             logger.debug("sessionkv hold ends request_id=%s reason=%s", req_id, reason)
         self._holds_to_release.update(due)
-        meta.sessionkv_release_holds = self._holds_to_release
-        self._holds_to_release = set()
+        releases, self._holds_to_release = self._holds_to_release, set()
+        return releases
 
     def reset_cache(self) -> bool:
         """Drop every session hold (vLLM calls this for ``reset_prefix_cache`` with
@@ -797,7 +810,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         return True
 
     def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:
-        """Hash chain + partial-block tokens of the first ``num_tokens`` tokens."""
+        """Hash chain + partial-block tokens of the first ``num_tokens`` tokens, as
+        ``SessionPayload`` fields."""
         n_full = full_blocks(num_tokens, self.block_size)
         hashes = list(request.block_hashes[:n_full])
         # A hash may not exist yet for a block whose tokens all arrived this step.

@@ -19,7 +19,8 @@ __all__ = ["REFUSAL_REASONS", "LocalPrompt", "RemoteKV", "Verdict", "verify_remo
 
 # Reasons that reject a handle as a whole, before any block is compared.
 REFUSAL_REASONS = frozenset({"tenant_mismatch", "block_size_mismatch", "hash_algo_mismatch",
-                             "malformed_handle", "unverifiable_handle", "expired_handle"})
+                             "malformed_handle", "unverifiable_handle", "expired_handle",
+                             "unsupported_version"})
 
 
 class RemoteKV(msgspec.Struct, frozen=True, kw_only=True):

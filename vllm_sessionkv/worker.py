@@ -12,6 +12,7 @@ import time
 from vllm_sessionkv import _vllm
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.host_tier import HostBlockPool
+from vllm_sessionkv.metadata import HostCopyKind
 from vllm_sessionkv.stats import SessionKVStats
 
 __all__ = ["SessionKVWorker"]
@@ -59,27 +60,27 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
     def start_load_kv(self, metadata):
         # Host copies first, in the scheduler's order: a restore may read a slot a
         # store in the same step wrote.
-        for kind, first, second in getattr(metadata, "sessionkv_host_ops", None) or ():
+        ours = _vllm.step_instructions(metadata)
+        for copy in ours.host_copies:
             if self.host_pool is None:
                 continue
             started = time.perf_counter()
-            if kind == "store":
-                self.host_pool.store(first, second)
+            if copy.kind is HostCopyKind.STORE:
+                self.host_pool.store(copy.src, copy.dst)
                 self.xfer_stats.record("host_store_s", time.perf_counter() - started)
             else:
-                self.host_pool.load(first, second)
+                self.host_pool.load(copy.src, copy.dst)
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
-        self._idle_step = bool(getattr(metadata, "sessionkv_idle_step", False))
+        self._idle_step = ours.idle_step
         _vllm.set_engine_busy(not self._idle_step)
         super().start_load_kv(metadata)
         # After stock code has taken this step's held sends, which a reset in the
         # same step may already release.
-        for req_id in getattr(metadata, "sessionkv_release_holds", None) or ():
+        for req_id in ours.release_holds:
             if _vllm.release_pending_send(self, req_id):
                 self._released_holds.add(req_id)
-        sync_loads = getattr(metadata, "sessionkv_sync_loads", None)
-        if sync_loads:
-            self._finish_sync_loads(set(sync_loads))
+        if ours.sync_loads:
+            self._finish_sync_loads(set(ours.sync_loads))
 
     def _finish_sync_loads(self, pending: set[str]) -> None:
         """Wait for this step's synchronous reads before the forward that uses them.

@@ -24,11 +24,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
 from vllm_sessionkv.protocol import (
-    EARLY_DECODE_ID_KEY,
-    EARLY_DECODE_PUSH_KEY,
-    EARLY_DECODE_PUSHED_KEY,
-    FIRST_TOKEN_WANTED_KEY,
-    SESSIONKV_PARAMS_KEY,
+    EarlyDecodePush,
+    PayloadError,
+    SessionPayload,
+    handle_from_params,
+    payload_from_params,
+    with_payload,
 )
 
 from sessionkv_proxy import admin
@@ -40,6 +41,7 @@ from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.redis_link import LinkState, RedisLink, make_redis_client
+from sessionkv_proxy.policy import Mode, RouteReason
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
@@ -241,14 +243,14 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
         p_body["max_completion_tokens"] = 1
     p_body["stream"] = False
     params = plan.prefill_params
-    ours: dict[str, Any] = {}
-    if early_push is not None:
-        ours[EARLY_DECODE_PUSH_KEY] = early_push
-    if not state.config.first_token_handoff:
-        ours[FIRST_TOKEN_WANTED_KEY] = False
-    if ours:
-        params = dict(params or {})
-        params[SESSIONKV_PARAMS_KEY] = {**(params.get(SESSIONKV_PARAMS_KEY) or {}), **ours}
+    if early_push is not None or not state.config.first_token_handoff:
+        # (The router's own parameters: a payload it wrote or a handle it read.)
+        ours = payload_from_params(params)
+        if early_push is not None:
+            ours = msgspec.structs.replace(ours, early_decode_push=EarlyDecodePush(**early_push))
+        if not state.config.first_token_handoff:
+            ours = msgspec.structs.replace(ours, first_token=False)
+        params = with_payload(params, ours)
     p_body["kv_transfer_params"] = params
     engine = plan.prefill
     assert engine is not None and state.router is not None
@@ -289,8 +291,11 @@ class _PassThrough(Exception):
 
 
 def _accounting_header(params: dict[str, Any] | None) -> str | None:
-    acct = ((params or {}).get(SESSIONKV_PARAMS_KEY) or {}).get("accounting")
-    return json.dumps(acct, separators=(",", ":")) if acct else None
+    try:
+        acct = payload_from_params(params).accounting
+    except PayloadError:
+        return None
+    return msgspec.json.encode(acct).decode() if acct is not None else None
 
 
 async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Role,
@@ -420,12 +425,12 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     prefill_s = 0.0
     if plan.degraded:
         state.metrics.degraded.labels(plan.degraded).inc()
-    state.metrics.count_route(plan.mode, plan.reason, plan.handle_outcome,
+    state.metrics.count_route(plan.mode.value, plan.reason.value, plan.handle_outcome,
                               plan.terms.get("decision_s", 0.0), len(plan.prompt_keys))
     if debug:
         logger.debug(
             "route request_id=%s session_id=%s mode=%s reason=%s prefill=%s decode=%s "
-            "handle=%s terms=%s", request_id, session_id, plan.mode, plan.reason,
+            "handle=%s terms=%s", request_id, session_id, plan.mode.value, plan.reason.value,
             plan.prefill.url if plan.prefill else "-", plan.decode.url, plan.handle_outcome,
             json.dumps(plan.terms, default=str, separators=(",", ":")))
 
@@ -433,14 +438,14 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
     # Untouched (and not copied) when neither is there and the request goes to one
     # engine; P then D, or a session, get their own copy to add parameters to.
     body_unchanged = not session_id and "prompt_cache_key" not in body
-    if body_unchanged and plan.mode != "disaggregated":
+    if body_unchanged and plan.mode is not Mode.DISAGGREGATED:
         d_body = body
     else:
         d_body = dict(body)
         d_body.pop("prompt_cache_key", None)
         if session_id:
             d_body["session_id"] = session_id
-    extra_headers = {"x-sessionkv-route": plan.mode,
+    extra_headers = {"x-sessionkv-route": plan.mode.value,
                      "x-sessionkv-request-id": request_id}
     if session_id:
         extra_headers["x-sessionkv-handle"] = plan.handle_outcome
@@ -448,16 +453,16 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
     decode_started = time.perf_counter() if debug else 0.0
     try:
-        if plan.mode == "disaggregated":
+        if plan.mode is Mode.DISAGGREGATED:
             response, status, d_params, prefill_s = await _disaggregated(
                 state, request, plan, path, d_body, is_chat, request_id, session_id,
                 extra_headers)
         else:
-            if session_id and plan.mode == "decode_only":
+            if session_id and plan.mode is Mode.DECODE_ONLY:
                 # D keeps this turn for the next P pull only if it knows the session.
-                d_body["kv_transfer_params"] = {
-                    SESSIONKV_PARAMS_KEY: {"session_id": session_id}}
-            role = Role.PREFILL if plan.mode == "prefill_only" else Role.DECODE
+                d_body["kv_transfer_params"] = with_payload(
+                    None, SessionPayload(session_id=session_id))
+            role = Role.PREFILL if plan.mode is Mode.PREFILL_ONLY else Role.DECODE
             response, status, d_params = await _answer(
                 state, request, plan, role, path, d_body, request_id, extra_headers,
                 body_unchanged=body_unchanged)
@@ -468,7 +473,7 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
 
     # A prefill-only turn leaves the session where it was: its D (and any handle
     # there) still serves the next turn, and P's copy is in the index.
-    if session_id and plan.mode != "prefill_only":
+    if session_id and plan.mode is not Mode.PREFILL_ONLY:
         await _remember_session(state, plan, session_id, body, d_params)
     if debug:
         done = time.perf_counter()
@@ -493,13 +498,11 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
     decode_task = None
     if endpoint:
         early_id = new_early_decode_id()
-        ours: dict[str, Any] = {EARLY_DECODE_ID_KEY: early_id}
-        if session_id:
-            ours["session_id"] = session_id
+        ours = SessionPayload(early_decode_id=early_id, session_id=session_id or None)
         prefill_done = asyncio.get_running_loop().create_future()
         decode_task = asyncio.ensure_future(_answer(
             state, request, plan, Role.DECODE, path,
-            {**d_body, "kv_transfer_params": {SESSIONKV_PARAMS_KEY: ours}}, request_id,
+            {**d_body, "kv_transfer_params": with_payload(None, ours)}, request_id,
             extra_headers, relay_after=prefill_done))
     started = time.perf_counter()
     try:
@@ -521,8 +524,7 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
         # P's connector pushed them itself when it could reach D; else push them here.
         # A retry may have moved the request to another D: push to the one holding it.
         holder = plan.decode.config.early_decode
-        pushed_by_p = holder == endpoint and bool(
-            (p_params.get(SESSIONKV_PARAMS_KEY) or {}).get(EARLY_DECODE_PUSHED_KEY))
+        pushed_by_p = holder == endpoint and _pushed_by_prefill(p_params)
         if decode_task.done() or pushed_by_p or (
                 holder and early.send(holder, early_id, p_params)):
             return (*await decode_task, prefill_s)
@@ -533,6 +535,13 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
                            extra_headers), prefill_s)
 
 
+def _pushed_by_prefill(p_params: dict[str, Any]) -> bool:
+    try:
+        return payload_from_params(p_params).early_decode_pushed
+    except PayloadError:
+        return False
+
+
 async def _cancel(task: asyncio.Future) -> None:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -541,16 +550,19 @@ async def _cancel(task: asyncio.Future) -> None:
 async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
                             body: dict[str, Any], d_params: dict[str, Any] | None) -> None:
     assert state.router is not None
+    handle = None
+    if d_params and d_params.get("do_remote_decode"):
+        try:
+            handle = handle_from_params(d_params)
+        except PayloadError as exc:   # a D speaking another protocol version
+            logger.warning("session %s: D's handle not stored: %s", session_id, exc)
     try:
         record = SessionRecord(
             session_id=session_id,
-            last_prefill=plan.prefill.url if plan.prefill else None,
             last_decode=plan.decode.url,
-            handle_params=d_params if d_params and d_params.get("do_remote_decode") else None,
-            handle_expires_at_unix_s=float(
-                ((d_params or {}).get(SESSIONKV_PARAMS_KEY) or {}).get("expires_at_unix_s", 0.0)),
+            handle=handle,
             prompt_keys=plan.prompt_keys,
-            tenant=body.get("cache_salt"))
+            tenant=plan.tenant)
         await state.router.save_session(record)
     except Exception as exc:  # the answer is already out; a lost record costs speed only
         state.metrics.errors.labels("session_store").inc()
@@ -608,7 +620,7 @@ async def forward_to_decode(state: ProxyState, request: Request) -> Response:
     engine = state.router.alternative(Role.DECODE, set())
     if engine is None:
         raise ApiError(503, "no decode engine available", type_="server_error")
-    plan = RoutePlan("decode_only", None, engine, "model_utility")
+    plan = RoutePlan(Mode.DECODE_ONLY, None, engine, RouteReason.MODEL_UTILITY)
     response, _, _ = await _answer(state, request, plan, Role.DECODE, request.path, {},
                                    _request_id(request), {}, body_unchanged=True)
     assert response is not None  # never streamed

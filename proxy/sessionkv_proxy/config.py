@@ -6,13 +6,14 @@ exits before binding its port.
 
 from __future__ import annotations
 
-import enum
 import json
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+# The proxy's one role type (re-exported), defined with the policy that reasons about it.
+from sessionkv_proxy.policy import Role
 from sessionkv_proxy.server import FrontLimits
 
 __all__ = ["ConfigError", "EngineConfig", "IndexConfig", "ProxyConfig", "Role",
@@ -23,9 +24,6 @@ class ConfigError(ValueError):
     pass
 
 
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

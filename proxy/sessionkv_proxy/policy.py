@@ -104,7 +104,14 @@ from typing import Any
 import msgspec
 
 from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, PrefixMatch
-from vllm_sessionkv.cost import LinkModel, OverlapWeights, RecomputeModel, peer_credit_weight
+from vllm_sessionkv.cost import (
+    LinkModel,
+    OverlapWeights,
+    RecomputeModel,
+    overlap_credit_blocks,
+    peer_credit_weight,
+)
+from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S, handle_expired
 
 __all__ = [
     "DecodeTerms",
@@ -114,6 +121,7 @@ __all__ = [
     "Role",
     "RouteDecision",
     "RouteInput",
+    "RouteReason",
     "RoutingParams",
     "SessionView",
     "TierOverlap",
@@ -131,15 +139,33 @@ __all__ = [
 _TIE_RTOL = 1e-9
 
 
-class Role(enum.Enum):
+class Role(str, enum.Enum):
+    """An engine's pool; the proxy's one role type (``config.Role`` is this)."""
+
     PREFILL = "prefill"
     DECODE = "decode"
 
 
-class Mode(enum.Enum):
+class Mode(str, enum.Enum):
     DISAGGREGATED = "disaggregated"  # P prefills, D pulls the KV and decodes
     DECODE_ONLY = "decode_only"  # D prefills the uncached rest itself
     PREFILL_ONLY = "prefill_only"  # nothing to decode: P serves the whole request
+
+
+class RouteReason(str, enum.Enum):
+    """Why a request went where it did, as a bounded metrics label (the free-text
+    ``RouteDecision.reason`` carries the numbers)."""
+
+    COLOCATED = "colocated"  # decode only: the deployment has no prefill pool
+    NO_PREFILL_WORKER = "no_prefill_worker"  # decode only: no prefill worker is healthy
+    SMALL_INCREMENT = "small_increment"  # decode only: few uncached tokens, D has room
+    NO_DECODE = "no_decode"  # prefill only: at most one new token
+    INCREMENT_TOO_LARGE = "increment_too_large"  # disaggregated
+    DECODE_BUSY = "decode_busy"  # disaggregated: a small increment, but D has no room
+    # Decided by the router without the policy:
+    ROUND_ROBIN = "round_robin"
+    SINGLE_DECODE_WORKER = "single_decode_worker"
+    MODEL_UTILITY = "model_utility"  # tokenize, detokenize, ...: any D answers
 
 
 class NoWorkerAvailable(RuntimeError):
@@ -254,12 +280,16 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # transfer.  P then serves it whole, as a plain request.  False sends it P -> D.
     prefill_only_without_decode: bool = True
     temperature: float = 0.0  # 0: argmin; > 0: softmax over normalised costs
+    # A session handle this close to its expiry is not used, by the router (which
+    # then leaves it unconsumed) or here (``protocol.handle_expired``).  At least the
+    # engines' ``expiry_margin_s``, or the router spends handles P refuses.
+    handle_expiry_margin_s: float = HANDLE_EXPIRY_MARGIN_S
 
     def __post_init__(self) -> None:
         for name in ("prefill_load_scale", "decode_load_scale", "overlap_credit_decay",
                      "temperature", "decode_only_max_active_requests",
                      "decode_affinity_load_bound", "decode_affinity_load_slack",
-                     "decode_recent_weight"):
+                     "decode_recent_weight", "handle_expiry_margin_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingParams.{name} must be >= 0")
         for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage",
@@ -308,6 +338,7 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     prefill_url: str | None
     decode_url: str  # with PREFILL_ONLY: the D that would have decoded, not called
     reason: str
+    label: RouteReason
     uncached_tokens: int  # prompt tokens the chosen D does not hold on device
     prefill_candidates: tuple[PrefillTerms, ...] = ()
     decode_candidates: tuple[DecodeTerms, ...] = ()
@@ -345,13 +376,15 @@ def overlaps_from_match(match: PrefixMatch) -> dict[str, TierOverlap]:
     }
 
 
-def _live_session_holder(inp: RouteInput, healthy_decode: set[str]) -> str | None:
-    # The session's D counts only while its lease runs and it is up: after that its
-    # blocks may be freed, and a pull from it would fail.
+def _live_session_holder(inp: RouteInput, healthy_decode: set[str],
+                         params: RoutingParams) -> str | None:
+    # The session's D counts only while its handle is usable (protocol.handle_expired)
+    # and it is up: after that its blocks may be freed, and a pull from it would fail.
     s = inp.session
     if s is None or s.last_decode is None or s.last_decode not in healthy_decode:
         return None
-    if s.expires_at_s is not None and inp.now_s >= s.expires_at_s:
+    if s.expires_at_s is not None and handle_expired(s.expires_at_s, inp.now_s,
+                                                     params.handle_expiry_margin_s):
         return None
     return s.last_decode
 
@@ -365,7 +398,7 @@ def score_prefill(
     """Filter and score the P pool; one :class:`PrefillTerms` per healthy P, by URL."""
     prefill = sorted(healthy_workers(workers, Role.PREFILL), key=lambda w: w.url)
     healthy_decode = {w.url for w in workers if w.role is Role.DECODE and w.healthy}
-    holder = _live_session_holder(inp, healthy_decode)
+    holder = _live_session_holder(inp, healthy_decode, params)
     peer_total = min(max(0, inp.peer_pullable_blocks), inp.prompt_blocks) if holder else 0
     prompt_blocks = inp.prompt_blocks
     least_loaded = min(w.active_prefill_blocks for w in prefill)
@@ -384,8 +417,7 @@ def score_prefill(
             )
         else:
             peer_weight = params.weights.peer if peer else 0.0
-        raw_credit = (params.weights.device * device + params.weights.host * host
-                      + peer_weight * peer)
+        raw_credit = overlap_credit_blocks(device, host, peer, params.weights, peer_weight)
         excess = w.active_prefill_blocks - least_loaded
         decay = 1.0 / (1.0 + params.overlap_credit_decay * excess / max(1, prompt_blocks))
         credit = decay * raw_credit
@@ -408,7 +440,7 @@ def score_decode(
 ) -> tuple[DecodeTerms, ...]:
     """Filter and score the D pool; one :class:`DecodeTerms` per healthy D, by URL."""
     decode = sorted(healthy_workers(workers, Role.DECODE), key=lambda w: w.url)
-    holder = _live_session_holder(inp, {w.url for w in decode})
+    holder = _live_session_holder(inp, {w.url for w in decode}, params)
     prompt_blocks = inp.prompt_blocks
     fewest_placed = min(w.recent_placements for w in decode)
     out = []
@@ -530,6 +562,7 @@ def route(
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
             reason=f"{decode_reason}; decode only: {uncached} uncached tokens",
+            label=RouteReason.SMALL_INCREMENT,
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
@@ -543,11 +576,13 @@ def route(
         if not params.decode_only_without_prefill:
             raise
         # A deployment without P (co-located) is not one whose P are down.
-        why = ("no healthy prefill worker" if any(w.role is Role.PREFILL for w in workers)
-               else "co-located, no prefill pool")
+        has_prefill_pool = any(w.role is Role.PREFILL for w in workers)
+        why = "no healthy prefill worker" if has_prefill_pool else "co-located, no prefill pool"
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
             reason=f"{decode_reason}; decode only: {why}",
+            label=(RouteReason.NO_PREFILL_WORKER if has_prefill_pool
+                   else RouteReason.COLOCATED),
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
@@ -556,6 +591,7 @@ def route(
             mode=Mode.PREFILL_ONLY, prefill_url=prefill_url, decode_url=decode_url,
             reason=f"{decode_reason}; prefill only: at most {inp.max_output_tokens} new "
                    f"token, computed by the prefill ({uncached} tokens uncached on D)",
+            label=RouteReason.NO_DECODE,
             uncached_tokens=uncached, prefill_candidates=prefill_terms,
             decode_candidates=decode_terms,
         )
@@ -563,6 +599,7 @@ def route(
     return RouteDecision(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
         reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)",
+        label=RouteReason.INCREMENT_TOO_LARGE if not small else RouteReason.DECODE_BUSY,
         uncached_tokens=uncached, prefill_candidates=prefill_terms,
         decode_candidates=decode_terms,
     )

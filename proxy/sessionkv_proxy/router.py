@@ -24,13 +24,15 @@ import msgspec
 
 from vllm_sessionkv.hashing import request_keys
 from vllm_sessionkv.protocol import (
-    SESSIONKV_PARAMS_KEY,
+    SessionHandle,
+    handle_expired,
     published_handle_key,
     session_store_key,
 )
 
 from sessionkv_proxy import policy
-from sessionkv_proxy.config import ProxyConfig, Role
+from sessionkv_proxy.config import ProxyConfig
+from sessionkv_proxy.policy import Mode, Role, RouteReason
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex
@@ -39,14 +41,14 @@ from sessionkv_proxy.redis_link import RedisLink, RedisUnavailable
 from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
+    HandleUnreadable,
     SessionRecord,
     decode_published_handle,
     decode_record,
     encode_record,
-    handle_params_for_prefill,
 )
 
-__all__ = ["RoutePlan", "Router"]
+__all__ = ["RoutePlan", "Router", "request_tenant"]
 
 logger = logging.getLogger("sessionkv_proxy.router")
 
@@ -55,16 +57,18 @@ _json = msgspec.json.Encoder()
 
 @dataclass
 class RoutePlan:
-    mode: str                          # "disaggregated", "decode_only" or "prefill_only"
+    mode: Mode
     prefill: Engine | None
     decode: Engine
-    reason: str
+    reason: RouteReason
     prefill_params: dict[str, Any] | None = None   # kv_transfer_params for P
     prompt_keys: list[int] = field(default_factory=list)
     terms: dict[str, Any] = field(default_factory=dict)
     handle_outcome: str = "none"
     prompt_tokens: int = 0
     max_output_tokens: int | None = None  # the request's cap on new tokens, as vLLM reads it
+    # The request's tenant (vLLM's cache_salt): read once, here, for every store key.
+    tenant: str | None = None
     # Why this decision had less to go on than usual (e.g. Redis unavailable: the
     # index and sessions were read from this replica's own copy); None when not.
     degraded: str | None = None
@@ -164,7 +168,8 @@ class Router:
         await self.index.put_session(session_store_key(record.session_id, record.tenant),
                                      encode_record(record), self.config.session_ttl_s)
 
-    async def _published_handle(self, session_id: str, tenant: str | None) -> dict | None:
+    async def _published_handle(self, session_id: str, tenant: str | None
+                                ) -> SessionHandle | HandleUnreadable | None:
         if self.redis is None:
             return None
         key = published_handle_key(session_id, tenant)
@@ -172,37 +177,34 @@ class Router:
             raw = await self.redis.call("get_handle", lambda: self.redis.client.get(key))
         except RedisUnavailable:  # a handle is an optimisation; never fail the request
             return None
-        handle = decode_published_handle(raw)
-        if handle is None:
-            return None
-        params = dict(handle.nixl_params)
-        params.setdefault(SESSIONKV_PARAMS_KEY, {})["expires_at_unix_s"] = handle.expires_at_unix_s
-        return params
+        return decode_published_handle(raw)
 
     async def _usable_handle(self, record: SessionRecord | None, session_id: str | None,
-                             tenant: str | None) -> tuple[dict | None, str, str]:
-        """(params, outcome, source): the session's live handle, if any, and whether it
+                             tenant: str | None) -> tuple[SessionHandle | None, str, str]:
+        """(handle, outcome, source): the session's live handle, if any, and whether it
         came from the session record or from the engines' published copy."""
         if not session_id:
             return None, "none", ""
-        params, source = (record.handle_params if record else None), "record"
-        if params is None:
-            params, source = await self._published_handle(session_id, tenant), "published"
-        if params is None:
+        handle, source = (record.handle if record else None), "record"
+        if handle is None:
+            handle, source = await self._published_handle(session_id, tenant), "published"
+        if isinstance(handle, HandleUnreadable):
+            return None, handle.reason, ""
+        if handle is None:
             return None, "none", ""
-        ours = params.get(SESSIONKV_PARAMS_KEY) or {}
-        if ours.get("tenant") != tenant:
+        if handle.tenant != tenant:
             return None, "other_tenant", ""
-        holder = self.pool.get(ours.get("engine_url") or "")
+        holder = self.pool.get(handle.engine_url or "")
         if holder is not None and record is not None and \
                 holder.lost_at_unix_s > record.updated_at_unix_s:
             # The D that held it refused connections since this turn: if it is back,
             # it is a new process (P's read would fail against its new NIXL agent).
             return None, "engine_lost", ""
-        # A margin, so P does not start a read D is about to release.
-        if float(ours.get("expires_at_unix_s", 0.0)) < time.time() + 2.0:
+        # The engine's rule and margin: a handle P would refuse is left unconsumed.
+        if handle_expired(handle.expires_at_unix_s, time.time(),
+                          self.params.handle_expiry_margin_s):
             return None, "expired", ""
-        return params, "attached", source
+        return handle, "attached", source
 
     async def _consume_handle(self, record: SessionRecord | None, session_id: str,
                               tenant: str | None, source: str) -> bool:
@@ -214,7 +216,7 @@ class Router:
         released memory holds now).  Deleting the published copy is atomic across
         proxy replicas; a record-held handle is cleared before P is called."""
         if source == "record" and record is not None:
-            record.handle_params = None
+            record.handle = None
             await self.save_session(record)
         if self.redis is None:
             return True
@@ -244,18 +246,18 @@ class Router:
 
     async def plan(self, body: dict[str, Any], is_chat: bool, session_id: str | None
                    ) -> RoutePlan:
-        tenant = body.get("cache_salt")
+        tenant = request_tenant(body)
         max_output = _max_output_tokens(body, is_chat)
         has_prefill_pool = bool(self.pool.by_role(Role.PREFILL))
         if self.config.routing.policy == "round_robin":
             decode = self._next(Role.DECODE)
             if not has_prefill_pool:
-                return RoutePlan("decode_only", None, decode, "colocated",
-                                 max_output_tokens=max_output)
+                return RoutePlan(Mode.DECODE_ONLY, None, decode, RouteReason.COLOCATED,
+                                 max_output_tokens=max_output, tenant=tenant)
             prefill = self._next(Role.PREFILL)
-            return RoutePlan("disaggregated", prefill, decode, "round_robin",
+            return RoutePlan(Mode.DISAGGREGATED, prefill, decode, RouteReason.ROUND_ROBIN,
                              prefill_params=_fresh_prefill_params(),
-                             max_output_tokens=max_output)
+                             max_output_tokens=max_output, tenant=tenant)
 
         started = time.perf_counter()
         # Content (token ids, block keys, index overlap) and the policy only matter
@@ -265,7 +267,8 @@ class Router:
         if not has_prefill_pool:
             healthy = [e for e in self.pool.by_role(Role.DECODE) if e.available]
             if len(healthy) == 1:
-                return RoutePlan("decode_only", None, healthy[0], "single_decode_worker",
+                return RoutePlan(Mode.DECODE_ONLY, None, healthy[0],
+                                 RouteReason.SINGLE_DECODE_WORKER, tenant=tenant,
                                  terms={"decision_s": time.perf_counter() - started,
                                         "detail": "single decode worker; decode only"},
                                  prompt_tokens=_estimate_tokens(body, is_chat),
@@ -284,8 +287,7 @@ class Router:
         peer_blocks = 0
         expires_at = None
         if handle is not None:
-            expires_at = float((handle.get(SESSIONKV_PARAMS_KEY) or {})
-                               .get("expires_at_unix_s", 0.0)) or None
+            expires_at = handle.expires_at_unix_s or None
             if record is not None and record.prompt_keys:
                 peer_blocks = _common_prefix(keys, record.prompt_keys)
         session_view = None
@@ -299,7 +301,7 @@ class Router:
         # every D looks stalled, the D pool is tried anyway (slow beats a 503).
         any_decode = any(e.available for e in self.pool.by_role(Role.DECODE))
         workers = [policy.WorkerLoad(
-            url=e.url, role=policy.Role(e.role.value),
+            url=e.url, role=e.role,
             healthy=e.available or (e.healthy and not any_decode and e.role is Role.DECODE),
             active_requests=max(e.active_requests,
                                 int(e.running_requests + e.waiting_requests)),
@@ -330,16 +332,16 @@ class Router:
         self.recent.record(keys, sent_to, now_s)
         if decision.decode_placed:
             self.recent.record_placement(decision.decode_url, now_s)
-        mode = decision.mode.value
+        mode = decision.mode
         prefill_params = None
-        if mode == "disaggregated":
+        if mode is Mode.DISAGGREGATED:
             if handle is not None and not await self._consume_handle(record, session_id,
                                                                      tenant, source):
                 handle, outcome = None, "consumed_elsewhere"
-            prefill_params = (handle_params_for_prefill(handle) if handle is not None
+            prefill_params = (handle.prefill_params() if handle is not None
                               else _fresh_prefill_params())
         elif handle is not None:
-            outcome = f"unused_{mode}"
+            outcome = f"unused_{mode.value}"
         terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
                  "detail": decision.reason + (
@@ -347,11 +349,17 @@ class Router:
                      if degraded else ""),
                  "prefill": {t.url: round(t.cost, 3) for t in decision.prefill_candidates},
                  "decode": {t.url: round(t.cost, 3) for t in decision.decode_candidates}}
-        return RoutePlan(mode, prefill, decode, _reason_label(decision.reason),
+        return RoutePlan(mode, prefill, decode, decision.label,
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,
                          prompt_tokens=len(token_ids) if token_ids else num_tokens,
-                         max_output_tokens=max_output, degraded=degraded)
+                         max_output_tokens=max_output, degraded=degraded, tenant=tenant)
+
+
+def request_tenant(body: dict[str, Any]) -> str | None:
+    """A request's tenant: vLLM's ``cache_salt``, which the engines hash into every
+    block, so KV is never shared across tenants."""
+    return body.get("cache_salt")
 
 
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:
@@ -378,19 +386,6 @@ def _max_output_tokens(body: dict[str, Any], is_chat: bool) -> int | None:
     if value is None:
         value = body.get("max_tokens")
     return value if isinstance(value, int) else None
-
-
-def _reason_label(reason: str) -> str:
-    """A bounded label for metrics from the policy's free-text reason."""
-    for needle, label in (("no prefill pool", "colocated"),
-                          ("no healthy prefill", "no_prefill_worker"),
-                          ("decode only", "small_increment"),
-                          ("prefill only", "no_decode"),
-                          ("increment too large", "increment_too_large"),
-                          ("decode worker busy", "decode_busy")):
-        if needle in reason:
-            return label
-    return "other"
 
 
 def _fresh_prefill_params() -> dict[str, Any]:

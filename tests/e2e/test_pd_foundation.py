@@ -104,7 +104,8 @@ def test_one_token_request_is_served_by_prefill_alone(pd_cluster, path, stream):
 
     before = counts()
     got = post(pd_cluster.proxy, path, body)
-    time.sleep(0.5)  # vLLM counts a finished request after its answer is out
+    # vLLM counts a finished request after its answer is out.
+    wait_until(lambda: counts()[0] > before[0], 30, "P to count the finished request")
     after = counts()
     base = post(pd_cluster.colocated, path, dict(body, stream=False))
     assert_same(got, base, f"{path} stream={stream}, one token")
@@ -325,8 +326,10 @@ def test_cluster_holding_a_session_uses_under_half_a_core_and_still_serves_it(pd
     first = post(pd_cluster.proxy, "/v1/completions",
                  # D's output fills blocks that only D holds: turn 2 must pull them.
                  completion_body(pd_cluster.model, history, max_tokens=200), headers=session)
-    time.sleep(2.0)
     # D holds the turn for the next one, and says so.
+    wait_until(lambda: metric_sum(first.headers["x-sessionkv-decode-engine"],
+                                  "sessionkv_session_holds") >= 1, 30,
+               "D to report the session hold")
     assert metric_sum(first.headers["x-sessionkv-decode-engine"],
                       "sessionkv_session_holds") == 1
     d_url = first.headers["x-sessionkv-decode-engine"]

@@ -1,16 +1,23 @@
 """The private vLLM 0.32 surface the connector relies on, checked by name.
 
 ``_vllm.py`` is the only module that touches these; if vLLM moves one, this test names
-it, instead of a server failing at run time.
+it, instead of a server failing at run time.  With vLLM installed these tests fail,
+never skip: an ImportError here is the likeliest sign of a vLLM upgrade.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import logging
+from types import SimpleNamespace
 
 import pytest
 
-_vllm = pytest.importorskip("vllm_sessionkv._vllm")
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+from vllm_sessionkv import _vllm  # noqa: E402
 
 
 def test_pinned_version_is_installed():
@@ -317,28 +324,111 @@ def test_connector_loads_through_factory_and_plugin():
     assert KVConnectorFactory._registry[CONNECTOR_NAME]() is SessionKVConnector
 
 
+def _engine_config(connector: str, module_path: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_connector=connector, kv_connector_module_path=module_path))
+
+
 def test_side_channel_ports_do_not_split_the_compile_cache(monkeypatch):
-    """Two engines that differ only in their NIXL side-channel port share one
-    torch.compile cache key (vLLM 0.32 hashed the port into it)."""
+    """Two engines with SessionKVConnector that differ only in their NIXL side-channel
+    port share one torch.compile cache key (vLLM 0.32 hashed the port into it); an
+    engine without the connector keeps vLLM's own key."""
     import vllm.envs as envs
     from vllm.config.utils import hash_factors
 
     from vllm_sessionkv.plugin import register
 
-    def env_hash(port: str) -> str:
+    def env_hash(port: str, vllm_config=None) -> str:
+        # vLLM calls compile_factors with the compiling engine's config in a local
+        # named vllm_config (VllmBackend.__call__, aot_compile_hash_factors).
         monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", port)
         return hash_factors(envs.compile_factors())
 
+    ours = _engine_config("SessionKVConnector")
+    stock = _engine_config("NixlConnector")
     unwrapped = getattr(envs.compile_factors, "__wrapped__", envs.compile_factors)
     monkeypatch.setattr(envs, "compile_factors", unwrapped)  # restored after the test
-    assert env_hash("5600") != env_hash("5700")  # the vLLM behaviour this works around
+    assert env_hash("5600", ours) != env_hash("5700", ours)  # the vLLM behaviour
     register()
     register()  # wraps once
-    assert env_hash("5600") == env_hash("5700")
+    assert envs.compile_factors.__wrapped__ is unwrapped
+    assert env_hash("5600", ours) == env_hash("5700", ours)
+    by_path = _engine_config("SessionKVConnector", "vllm_sessionkv.connector")
+    assert env_hash("5600", by_path) == env_hash("5700", by_path)
+    # Not our connector, or no config known: vLLM's own key.
+    assert env_hash("5600", stock) != env_hash("5700", stock)
+    assert env_hash("5600") != env_hash("5700")
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
-    one_bind = env_hash("5600")
+    one_bind = env_hash("5600", ours)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    assert env_hash("5600") != one_bind  # every other factor still counts
+    assert env_hash("5600", ours) != one_bind  # every other factor still counts
+
+
+def test_vllm_computes_compile_factors_with_the_engine_config_at_hand():
+    """``_vllm.compile_factors`` reads the caller's ``vllm_config``: both of vLLM
+    0.32's callers have one."""
+    from vllm.compilation import backends, caching
+
+    call = inspect.getsource(backends.VllmBackend.__call__)
+    assert call.index("vllm_config = self.vllm_config") < call.index(
+        "envs.compile_factors()")
+    hash_factors = inspect.signature(caching.aot_compile_hash_factors)
+    assert "vllm_config" in hash_factors.parameters
+    assert "envs.compile_factors()" in inspect.getsource(caching.aot_compile_hash_factors)
+
+
+def test_the_tested_vllm_starts_and_an_untested_one_is_refused(caplog):
+    caplog.set_level(logging.INFO, logger="vllm.sessionkv")
+    _vllm.check_vllm_version(False)              # the installed one, pinned above
+    _vllm.check_vllm_version(False, "0.32.0+cpu")
+    for version in ("0.33.0", "0.32.1", "0.31.9"):
+        with pytest.raises(_vllm.UntestedVllmVersion, match="allow_untested_vllm"):
+            _vllm.check_vllm_version(False, version)
+    _vllm.check_vllm_version(True, "0.33.0")     # the override starts, with a warning
+    assert any(r.levelno == logging.WARNING and "0.33.0" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_engine_refuses_an_untested_vllm_without_the_override(monkeypatch):
+    """SessionKVConnector checks the version first thing, before it sets anything up."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from vllm_sessionkv.connector import SessionKVConnector
+
+    monkeypatch.setattr(_vllm, "vllm_version", lambda: "0.99.0")
+
+    def engine(extra):
+        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config=extra))
+
+    with pytest.raises(_vllm.UntestedVllmVersion, match="0.99.0"):
+        SessionKVConnector(engine({}), KVConnectorRole.SCHEDULER, None)
+    # With the override the version check passes; the fake config then fails further on.
+    with pytest.raises(AttributeError, match="parallel_config"):
+        SessionKVConnector(engine({"sessionkv": {"allow_untested_vllm": True}}),
+                           KVConnectorRole.SCHEDULER, None)
+
+
+def test_private_scheduler_helpers_read_stock_state():
+    assert not _vllm.remote_blocks_processed(None)
+    assert not _vllm.remote_blocks_processed({"do_remote_decode": True})
+    assert _vllm.remote_blocks_processed({"_remote_blocks_processed": True})
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        base_scheduler,
+        pull_scheduler,
+    )
+
+    src = inspect.getsource(base_scheduler) + inspect.getsource(pull_scheduler)
+    assert '"_remote_blocks_processed"' in src
+    assert callable(_vllm.NixlPullConnectorScheduler._get_remote_prefill_token_count)
+
+
+def test_prom_metric_classes_are_the_ones_vllm_chose():
+    from vllm.distributed.kv_transfer.kv_connector.v1 import metrics
+
+    init = inspect.getsource(metrics.KVConnectorPromMetrics.__init__)
+    for attr in ("_gauge_cls", "_counter_cls", "_histogram_cls"):
+        assert f"self.{attr}" in init, attr
 
 
 def test_entry_point_is_declared():

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
+from vllm_sessionkv.protocol import PROTOCOL_VERSION
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [[1, 2]], "remote_engine_id": "p0",
@@ -36,6 +37,7 @@ class _Engines:
         self.d_bodies: list[dict] = []
         self.d_got_params: list[dict | None] = []
         self.d_cancelled = 0
+        self.d_in_flight = 0                 # D handlers not yet ended (or cancelled)
         self.d_arrived = asyncio.Event()
         self.inbox = (EarlyDecodeInbox(f"tcp://127.0.0.1:{early_port}", timeout_s=10.0)
                       if early_port else None)
@@ -72,6 +74,13 @@ class _Engines:
                                   "kv_transfer_params": params})
 
     async def decode(self, request):
+        self.d_in_flight += 1
+        try:
+            return await self._decode(request)
+        finally:
+            self.d_in_flight -= 1
+
+    async def _decode(self, request):
         body = await request.json()
         self.d_bodies.append(body)
         self.d_arrived.set()
@@ -152,7 +161,10 @@ async def _run(free_port, engines: _Engines, early_endpoint: str | None,
                                        "max_tokens": 8, "stream": stream}) as resp:
                 status, headers = resp.status, resp.headers
                 body = await (resp.text() if stream else resp.json())
-            await asyncio.sleep(0.05)   # a cancelled D handler finishes its unwinding
+            deadline = asyncio.get_running_loop().time() + 5
+            while engines.d_in_flight:   # a cancelled D handler finishes its unwinding
+                assert asyncio.get_running_loop().time() < deadline, "D handler never ended"
+                await asyncio.sleep(0.005)
             async with http.get(base + "/metrics") as resp:
                 text = await resp.text()
         if engines.inbox is not None:
@@ -246,4 +258,5 @@ async def test_p_is_asked_to_keep_its_token_only_when_the_handoff_is_off(free_po
     assert "first_token" not in on.p_sessionkv[0]
     status, body, _, _ = await _run(free_port, off, None, first_token_handoff=False)
     assert status == 200, body
-    assert off.p_sessionkv == [{"first_token": False}]
+    # Every payload the router writes names its protocol version.
+    assert off.p_sessionkv == [{"first_token": False, "version": PROTOCOL_VERSION}]

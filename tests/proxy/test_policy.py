@@ -597,3 +597,40 @@ def test_pick_ignores_candidate_order():
         for seed in range(50):
             assert (pick(costs, temperature, random.Random(seed))
                     == pick(flipped, temperature, random.Random(seed)))
+
+
+def test_every_decision_names_its_reason_as_an_enum_label():
+    """The metrics label comes from the decision, not from matching its text."""
+    from sessionkv_proxy.policy import Mode, RouteReason
+
+    rng = random.Random(0)
+    small = policy.route(inp(40), [P("p"), D("d")], params(), rng)
+    assert (small.mode, small.label) == (Mode.DECODE_ONLY, RouteReason.SMALL_INCREMENT)
+    large = policy.route(inp(4000), [P("p"), D("d")], params(), rng)
+    assert (large.mode, large.label) == (Mode.DISAGGREGATED,
+                                         RouteReason.INCREMENT_TOO_LARGE)
+    busy = policy.route(inp(40), [P("p"), D("d", kv_usage=0.95)], params(), rng)
+    assert busy.label is RouteReason.DECODE_BUSY
+    alone = policy.route(inp(4000), [D("d")], params(), rng)
+    assert alone.label is RouteReason.COLOCATED
+    down = policy.route(inp(4000), [P("p", healthy=False), D("d")], params(), rng)
+    assert down.label is RouteReason.NO_PREFILL_WORKER
+    one = policy.route(inp(4000, max_output_tokens=1), [P("p"), D("d")], params(), rng)
+    assert (one.mode, one.label) == (Mode.PREFILL_ONLY, RouteReason.NO_DECODE)
+
+
+def test_the_prefill_credit_is_the_cost_model_s_formula():
+    from vllm_sessionkv.cost import overlap_credit_blocks
+
+    terms = policy.score_prefill(
+        inp(320, overlaps={"p": TierOverlap(device_blocks=5, host_blocks=9)}),
+        [P("p"), D("d")], params())
+    t = by_url(terms)["p"]
+    assert t.raw_credit_blocks == overlap_credit_blocks(
+        t.device_blocks, t.host_blocks, t.peer_blocks, params().weights, t.peer_weight)
+
+
+def test_one_role_enum():
+    from sessionkv_proxy import config
+
+    assert config.Role is policy.Role

@@ -97,6 +97,7 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
     """A D that refused connections and came back is a new process: P's read of the
     old handle would fail against its new NIXL agent, so the router does not send it."""
     from sessionkv_proxy.sessions import SessionRecord
+    from vllm_sessionkv.protocol import handle_from_params
 
     config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
                                             {"url": D1, "role": "decode"}],
@@ -104,10 +105,11 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
     upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
     pool = EnginePool.from_configs(config.engines)
     router = Router(config, pool, MemoryIndex(), upstream)
-    handle = {"do_remote_decode": True, "remote_engine_id": "d1",
-              "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}}
+    handle = handle_from_params({
+        "do_remote_decode": True, "remote_engine_id": "d1",
+        "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}})
     try:
-        record = SessionRecord(session_id="s", last_decode=D1, handle_params=handle)
+        record = SessionRecord(session_id="s", last_decode=D1, handle=handle)
         await router.save_session(record)
         loaded = await router.load_session("s", None)
         assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
@@ -118,9 +120,68 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
         assert (await router._usable_handle(loaded, "s", None))[1] == "engine_lost"
         # A turn served after it came back leaves a usable handle again.
         await router.save_session(SessionRecord(session_id="s", last_decode=D1,
-                                                handle_params=handle))
+                                                handle=handle))
         loaded = await router.load_session("s", None)
         assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
     finally:
         await upstream.close()
 
+
+
+@pytest.mark.parametrize("left_s, outcome", [(3.0, "expired"), (9.0, "expired"),
+                                             (30.0, "attached")])
+async def test_a_handle_in_its_last_seconds_is_not_consumed(left_s, outcome) -> None:
+    """The router applies the engine's expiry rule and margin: a handle P would refuse
+    (``expiry_margin_s``, 10 s) is neither sent to P nor consumed, so the turn goes
+    without reuse instead of spending the single-use handle on a refusal."""
+    from sessionkv_proxy.sessions import SessionRecord
+    from vllm_sessionkv.config import SessionKVConfig
+    from vllm_sessionkv.protocol import handle_expired, handle_from_params
+
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none",
+                                "routing": {"params": {
+                                    "decode_only_max_uncached_tokens": -1}}})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    router = Router(config, EnginePool.from_configs(config.engines), MemoryIndex(),
+                    upstream)
+    expires_at = time.time() + left_s
+    # What P's scheduler will decide about this handle, with the engine's defaults.
+    engine_refuses = handle_expired(expires_at, time.time(),
+                                    SessionKVConfig().expiry_margin_s)
+    handle = handle_from_params({
+        "do_remote_decode": True, "remote_engine_id": "d1", "remote_block_ids": [[1]],
+        "sessionkv": {"engine_url": D1, "expires_at_unix_s": expires_at,
+                      "hash_chain": ""}})
+    try:
+        await router.save_session(SessionRecord(session_id="s", last_decode=D1,
+                                                handle=handle, prompt_keys=[1]))
+        plan = await router.plan(_body(list(range(100, 164))), False, "s")
+        assert plan.mode == "disaggregated"
+        assert plan.handle_outcome == outcome
+        assert (outcome == "expired") == engine_refuses
+        stored = await router.load_session("s", None)
+        if outcome == "expired":
+            # No reuse this turn, and the handle is left where it was.
+            assert plan.prefill_params["remote_engine_id"] is None
+            assert "sessionkv" not in plan.prefill_params
+            assert stored.handle == handle
+        else:
+            assert plan.prefill_params["remote_engine_id"] == "d1"
+            assert stored.handle is None        # consumed: single use
+    finally:
+        await upstream.close()
+
+
+def test_router_policy_and_engine_share_one_expiry_margin() -> None:
+    from sessionkv_proxy.policy import RoutingParams
+    from vllm_sessionkv.config import SessionKVConfig
+    from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+    from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S, handle_expired
+
+    params = RoutingParams(recompute=DEFAULT_RECOMPUTE, link=DEFAULT_LINK)
+    assert params.handle_expiry_margin_s == SessionKVConfig().expiry_margin_s \
+        == HANDLE_EXPIRY_MARGIN_S
+    assert not handle_expired(0.0, 1e9)            # no expiry known
+    assert handle_expired(100.0, 95.0, 10.0) and not handle_expired(100.0, 89.0, 10.0)

@@ -91,7 +91,7 @@ def test_params_that_arrive_before_the_request_are_kept(pair):
     inbox, sender, endpoint, _ = pair
     early_id = new_early_decode_id()
     assert sender.send(endpoint, early_id, P_PARAMS)
-    time.sleep(0.05)
+    assert inbox.wait(5.0), "the params never reached the inbox"
     params, waited = _poll_until(inbox, early_id, Outcome.READY)
     assert params == P_PARAMS and waited == 0.0
 

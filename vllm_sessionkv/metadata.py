@@ -1,0 +1,43 @@
+"""What the connector's scheduler half tells its worker half for one step.
+
+vLLM moves connector metadata once per step, from ``build_connector_meta`` (engine
+core) to ``start_load_kv`` (each worker).  NIXL's own metadata object carries its
+reads and sends; ours rides on it as one typed value, attached and read only through
+``_vllm.attach_step_instructions`` / ``_vllm.step_instructions``.  Pure: standard
+library and msgspec only.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = ["HostCopy", "HostCopyKind", "StepInstructions"]
+
+
+class HostCopyKind(enum.Enum):
+    STORE = "store"   # device blocks -> host-tier slots
+    LOAD = "load"     # host-tier slots -> device blocks
+
+
+class HostCopy(msgspec.Struct, frozen=True, kw_only=True):
+    """One host-tier copy, run by the worker in the order the scheduler planned them
+    (a restore may read a slot a store in the same step wrote)."""
+
+    kind: HostCopyKind
+    # STORE: device block ids, then host slots; LOAD: host slots, then device block ids.
+    src: list[int]
+    dst: list[int]
+
+
+class StepInstructions(msgspec.Struct, kw_only=True):
+    """The scheduler's instructions to the worker for one step, beside NIXL's."""
+
+    host_copies: list[HostCopy] = msgspec.field(default_factory=list)
+    # Requests whose session hold ends this step (lease, superseded, reset).
+    release_holds: set[str] = msgspec.field(default_factory=set)
+    # Requests whose read runs inside this step, before the forward that uses it.
+    sync_loads: set[str] = msgspec.field(default_factory=set)
+    # No request is scheduled: the worker may wait for reads in flight.
+    idle_step: bool = False
