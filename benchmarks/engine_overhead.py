@@ -335,7 +335,21 @@ def verdict(rows: list[dict], concurrencies: list[int]) -> list[str]:
     return out
 
 
-def render_report(rows, concurrencies, args, settings: dict, verdicts, wall_s) -> str:
+def per_round(runs: list[list[dict]], concurrencies: list[int]) -> str:
+    """Each engine's TPOT in each round: how far one engine moves between runs here."""
+    lines = []
+    for name in [r["name"] for r in runs[0]]:
+        cells = []
+        for c in concurrencies:
+            values = [next(r for r in rnd if r["name"] == name)[f"c{c}"]["tpot_s"]
+                      for rnd in runs]
+            cells.append(f"c{c} " + " / ".join(_ms(v) for v in values))
+        lines.append(f"- {name}: " + "; ".join(cells) + " ms")
+    return "\n".join(lines)
+
+
+def render_report(rows, concurrencies, args, settings: dict, verdicts, wall_s,
+                  runs: list[list[dict]]) -> str:
     variants = "\n".join(f"- **{r['name']}**: {r['what']}" for r in rows)
     cores = "\n".join(f"- {r['name']}: {r['cores']}" for r in rows)
     env = ", ".join(f"`{k}={v}`" for k, v in settings["env"].items()) or "none set"
@@ -358,6 +372,12 @@ Ratios are to the plain engine of this run (medians over rounds).
 
 The engines:
 {variants}
+
+Decode time per output token in each round (round 1 / round 2): on this shared
+2-core machine one engine moves by up to half between rounds, so ratios within
+that spread say "no slower", not "faster".
+
+{per_round(runs, concurrencies)}
 
 Cores each engine's threads may run on (process:cores):
 {cores}
@@ -392,6 +412,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", help="engine names to run (plain is always run)")
     ap.add_argument("--out", default=str(REPORT), help="report path ('' to skip)")
     ap.add_argument("--log-dir", default=None)
+    ap.add_argument("--render", metavar="JSON",
+                    help="only write the report again from a run's JSON (no engines)")
     args = ap.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
@@ -400,8 +422,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def rerender(path: str, out: str) -> int:
+    saved = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**saved["args"])
+    rows = summarize(saved["rounds"], args.concurrency)
+    verdicts = verdict(rows, args.concurrency)
+    wall_s = saved.get("wall_s", 0.0)
+    Path(out).write_text(render_report(rows, args.concurrency, args, saved["settings"],
+                                       verdicts, wall_s, saved["rounds"]))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        return rerender(args.render, args.out)
     names = QUICK if args.quick else tuple(v.name for v in VARIANTS)
     if args.only:
         names = ("plain", *[n for n in args.only if n != "plain"])
@@ -446,9 +482,10 @@ def main(argv=None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(render_report(rows, args.concurrency, args, settings, verdicts,
-                                     time.monotonic() - started))
+                                     time.monotonic() - started, runs))
         out.with_suffix(".json").write_text(json.dumps(
-            {"settings": settings, "args": vars(args), "rounds": runs, "rows": rows},
+            {"settings": settings, "args": vars(args), "rounds": runs, "rows": rows,
+             "wall_s": time.monotonic() - started},
             indent=1))
         print(f"wrote {out}")
     return 0 if all(v.startswith("ok") for v in verdicts) else 1
