@@ -18,8 +18,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv import cost
-from vllm_sessionkv.cost import CachingRegime, Hardware, KVDtype, ModelShape, Workload
+from vllm_sessionkv import capacity
+from vllm_sessionkv.capacity import CachingRegime, Hardware, KVDtype, ModelShape, Workload
+from vllm_sessionkv.cost import transfer_time_s
 
 __all__ = ["build_plan", "main", "render_table"]
 
@@ -36,26 +37,26 @@ def build_plan(
     prompt_tokens: int,
 ) -> dict[str, Any]:
     """Every figure the planner reports, as plain data with unit-suffixed keys."""
-    per_token = cost.kv_bytes_per_token(shape, kv_dtype)
+    per_token = capacity.kv_bytes_per_token(shape, kv_dtype)
     prompt_bytes = prompt_tokens * per_token
-    linear_flops = cost.linear_prefill_flops(shape, prompt_tokens)
-    attn_flops = cost.attention_prefill_flops(shape, prompt_tokens)
-    linear_s = cost.prefill_time_s(linear_flops, hw)
-    full_s = cost.prefill_time_s(linear_flops + attn_flops, hw)
-    capacity = cost.kv_capacity_bytes_per_replica(shape, hw)
+    linear_flops = capacity.linear_prefill_flops(shape, prompt_tokens)
+    attn_flops = capacity.attention_prefill_flops(shape, prompt_tokens)
+    linear_s = capacity.prefill_time_s(linear_flops, hw)
+    full_s = capacity.prefill_time_s(linear_flops + attn_flops, hw)
+    kv_capacity = capacity.kv_capacity_bytes_per_replica(shape, hw)
     warnings: list[str] = []
-    if capacity <= 0:
+    if kv_capacity <= 0:
         usable = hw.gpus_per_replica * hw.hbm_bytes_per_gpu * hw.memory_utilisation
         warnings.append(
-            f"weights need {cost.weight_bytes(shape, hw) / _GB:.0f} GB but a replica has "
+            f"weights need {capacity.weight_bytes(shape, hw) / _GB:.0f} GB but a replica has "
             f"{usable / _GB:.0f} GB usable: raise --gpus-per-replica or --hbm-gb, or lower "
             "--weight-bytes-per-param; pool sizes are null"
         )
 
     handoff = []
-    for link in cost.LINKS:
-        line_s = cost.transfer_time_s(prompt_bytes, link.line_bytes_per_s)
-        eff_s = cost.transfer_time_s(prompt_bytes, link.effective_bytes_per_s)
+    for link in capacity.LINKS:
+        line_s = transfer_time_s(prompt_bytes, link.line_bytes_per_s)
+        eff_s = transfer_time_s(prompt_bytes, link.effective_bytes_per_s)
         handoff.append({
             "link": link.name,
             "line_bytes_per_s": link.line_bytes_per_s,
@@ -65,17 +66,17 @@ def build_plan(
             "share_of_linear_prefill_line_rate_pct": 100 * line_s / linear_s,
             "share_of_linear_prefill_pct": 100 * eff_s / linear_s,
             "share_of_prefill_with_attention_pct": 100 * eff_s / full_s,
-            "closed_form_share_ratio": cost.handoff_share_ratio(
+            "closed_form_share_ratio": capacity.handoff_share_ratio(
                 shape, kv_dtype, hw, link.effective_bytes_per_s
             ),
         })
 
     by_length = []
-    link = cost.LINK_400G
+    link = capacity.LINK_400G
     for tokens in sorted({*_SHARE_PROMPTS_TOKENS, prompt_tokens}):
-        handoff_s = cost.transfer_time_s(tokens * per_token, link.line_bytes_per_s)
-        lin_s = cost.prefill_time_s(cost.prefill_flops(shape, tokens, attention=False), hw)
-        att_s = cost.prefill_time_s(cost.prefill_flops(shape, tokens), hw)
+        handoff_s = transfer_time_s(tokens * per_token, link.line_bytes_per_s)
+        lin_s = capacity.prefill_time_s(capacity.prefill_flops(shape, tokens, attention=False), hw)
+        att_s = capacity.prefill_time_s(capacity.prefill_flops(shape, tokens), hw)
         by_length.append({
             "prompt_tokens": tokens,
             "handoff_line_rate_ms": handoff_s * 1e3,
@@ -85,24 +86,24 @@ def build_plan(
             "share_of_prefill_with_attention_pct": 100 * handoff_s / att_s,
         })
 
-    regimes = {r: cost.session_prefill_work(shape, workload, hw, r) for r in CachingRegime}
+    regimes = {r: capacity.session_prefill_work(shape, workload, hw, r) for r in CachingRegime}
     none_w, prefix_w, session_w = (regimes[r] for r in CachingRegime)
 
     # The host tier matters most at the last step, when the session history is longest.
-    history_tokens, _ = cost.step_new_tokens(workload, workload.steps, CachingRegime.PREFIX)
-    restore = cost.host_restore(
+    history_tokens, _ = capacity.step_new_tokens(workload, workload.steps, CachingRegime.PREFIX)
+    restore = capacity.host_restore(
         shape, kv_dtype, hw, history_tokens, workload.shared_prefix_tokens
     )
 
     dtypes = [kv_dtype] if kv_dtype is KVDtype.FP8 else [kv_dtype, KVDtype.FP8]
     residency = [
-        cost.decode_residency_pool(shape, d, hw, workload, prefix_dedup=dedup, retained=kept)
+        capacity.decode_residency_pool(shape, d, hw, workload, prefix_dedup=dedup, retained=kept)
         for kept in (True, False)
         for d in dtypes
         for dedup in (False, True)
     ]
-    bandwidth = [cost.decode_bandwidth_pool(shape, d, hw, workload) for d in dtypes]
-    if any(p.replicas is None for p in bandwidth) and capacity > 0:
+    bandwidth = [capacity.decode_bandwidth_pool(shape, d, hw, workload) for d in dtypes]
+    if any(p.replicas is None for p in bandwidth) and kv_capacity > 0:
         warnings.append(
             "reading the weights once takes longer than --tpot-ms: decode pool by bandwidth is null"
         )
@@ -123,12 +124,12 @@ def build_plan(
             "gpu_peak_flops_per_s": hw.gpu_peak_flops_per_s,
             "flops_utilisation_ratio": hw.flops_utilisation,
             "replica_gpus": hw.gpus_per_replica,
-            "replica_flops_per_s": cost.replica_flops_per_s(hw),
+            "replica_flops_per_s": capacity.replica_flops_per_s(hw),
             "hbm_bytes_per_gpu": hw.hbm_bytes_per_gpu,
             "hbm_bytes_per_s_per_gpu": hw.hbm_bytes_per_s_per_gpu,
-            "weight_bytes": cost.weight_bytes(shape, hw),
-            "kv_capacity_bytes_per_replica": capacity,
-            "kv_copies_per_replica": cost.kv_copies_per_replica(shape, hw),
+            "weight_bytes": capacity.weight_bytes(shape, hw),
+            "kv_capacity_bytes_per_replica": kv_capacity,
+            "kv_copies_per_replica": capacity.kv_copies_per_replica(shape, hw),
         },
         "workload": msgspec.to_builtins(workload),
         "kv": {
@@ -136,7 +137,7 @@ def build_plan(
             "prompt_tokens": prompt_tokens,
             "prompt_kv_bytes": prompt_bytes,
             "by_dtype": {
-                f"{d.value}_kv_bytes_per_token": cost.kv_bytes_per_token(shape, d) for d in KVDtype
+                f"{d.value}_kv_bytes_per_token": capacity.kv_bytes_per_token(shape, d) for d in KVDtype
             },
         },
         "prefill": {
@@ -170,8 +171,8 @@ def build_plan(
         },
         "pools": {
             "prefill_by_throughput": [
-                msgspec.to_builtins(cost.prefill_pool(shape, workload, hw, r)) for r in CachingRegime
-            ] if capacity > 0 else [],
+                msgspec.to_builtins(capacity.prefill_pool(shape, workload, hw, r)) for r in CachingRegime
+            ] if kv_capacity > 0 else [],
             "decode_by_residency": [msgspec.to_builtins(p) for p in residency],
             "decode_by_bandwidth": [msgspec.to_builtins(p) for p in bandwidth],
         },
@@ -344,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(config, dict):
         return _fail(f"{args.config}: expected a JSON object")
     try:
-        shape = cost.model_shape_from_hf_config(
+        shape = capacity.model_shape_from_hf_config(
             config,
             active_params=None if args.params_b is None else args.params_b * 1e9,
             total_params=None if args.total_params_b is None else args.total_params_b * 1e9,
@@ -372,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prompt_tokens < 1:
             raise ValueError("--prompt-tokens must be >= 1")
         plan = build_plan(shape, KVDtype(args.kv_dtype), hw, workload, args.prompt_tokens)
-    except cost.ConfigError as e:
+    except capacity.ConfigError as e:
         return _fail(f"{args.config}: {e}")
     except ValueError as e:
         return _fail(str(e))

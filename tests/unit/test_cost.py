@@ -8,18 +8,9 @@ import pathlib
 import msgspec
 import pytest
 
-from vllm_sessionkv import cost
-from vllm_sessionkv.cost import (
-    CachingRegime,
-    ConfigError,
-    Hardware,
-    KVDtype,
-    LinkModel,
-    PullQuote,
-    RecomputeModel,
-    SourceQuote,
-    Workload,
-)
+from vllm_sessionkv import capacity, cost
+from vllm_sessionkv.capacity import CachingRegime, ConfigError, Hardware, KVDtype, Workload
+from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 REL = 0.02  # the tolerance for published figures
@@ -29,8 +20,8 @@ def load(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-def shape(name: str, **kw) -> cost.ModelShape:
-    return cost.model_shape_from_hf_config(load(name), **kw)
+def shape(name: str, **kw) -> capacity.ModelShape:
+    return capacity.model_shape_from_hf_config(load(name), **kw)
 
 
 # The reference replica: 4 GPUs at 400 TFLOP/s effective each.
@@ -54,10 +45,11 @@ WORKLOAD = Workload(
 )
 
 
-def test_all_is_sorted_and_resolves():
-    assert cost.__all__ == sorted(cost.__all__)
-    for name in cost.__all__:
-        assert hasattr(cost, name), name
+@pytest.mark.parametrize("module", [cost, capacity])
+def test_all_is_sorted_and_resolves(module):
+    assert module.__all__ == sorted(module.__all__)
+    for name in module.__all__:
+        assert hasattr(module, name), name
 
 
 # --------------------------------------------------------------------- reference figures
@@ -66,59 +58,59 @@ def test_all_is_sorted_and_resolves():
 def test_llama_70b_kv_bytes_per_token():
     s = shape("llama-3.1-70b")
     assert (s.layers, s.kv_heads, s.kv_head_dim) == (80, 8, 128)
-    assert cost.kv_bytes_per_token(s, KVDtype.BF16) == 327_680
+    assert capacity.kv_bytes_per_token(s, KVDtype.BF16) == 327_680
 
 
 def test_llama_70b_8k_prompt_is_2_68_gb():
-    per_prompt = 8192 * cost.kv_bytes_per_token(shape("llama-3.1-70b"), KVDtype.BF16)
+    per_prompt = 8192 * capacity.kv_bytes_per_token(shape("llama-3.1-70b"), KVDtype.BF16)
     assert per_prompt == pytest.approx(2.68e9, rel=REL)
     assert round(per_prompt / 1e9, 2) == 2.68
 
 
 def test_70b_prefills_8k_in_717_ms_on_4_gpus_at_400_tflops():
     s = shape("llama-3.1-70b", active_params=70e9)  # "a 70B model"
-    t_s = cost.prefill_time_s(cost.prefill_flops(s, 8192, attention=False), REF_HW)
-    assert cost.replica_flops_per_s(REF_HW) == pytest.approx(1.6e15)
+    t_s = capacity.prefill_time_s(capacity.prefill_flops(s, 8192, attention=False), REF_HW)
+    assert capacity.replica_flops_per_s(REF_HW) == pytest.approx(1.6e15)
     assert t_s == pytest.approx(0.717, rel=REL)
     # The count estimated from config.json (70.55 B) lands within the tolerance too.
-    t_est_s = cost.prefill_time_s(cost.prefill_flops(shape("llama-3.1-70b"), 8192, attention=False), REF_HW)
+    t_est_s = capacity.prefill_time_s(capacity.prefill_flops(shape("llama-3.1-70b"), 8192, attention=False), REF_HW)
     assert t_est_s == pytest.approx(0.717, rel=REL)
 
 
 def test_400g_handoff_is_about_7_pct_of_prefill():
     s = shape("llama-3.1-70b", active_params=70e9)
-    handoff_s = cost.transfer_time_s(8192 * cost.kv_bytes_per_token(s, KVDtype.BF16),
-                                     cost.LINK_400G.line_bytes_per_s)
-    prefill_s = cost.prefill_time_s(cost.prefill_flops(s, 8192, attention=False), REF_HW)
+    handoff_s = cost.transfer_time_s(8192 * capacity.kv_bytes_per_token(s, KVDtype.BF16),
+                                     capacity.LINK_400G.line_bytes_per_s)
+    prefill_s = capacity.prefill_time_s(capacity.prefill_flops(s, 8192, attention=False), REF_HW)
     assert handoff_s == pytest.approx(0.0537, rel=REL)
     share = handoff_s / prefill_s
     assert share == pytest.approx(0.075, rel=REL)
     assert int(100 * share) == 7
-    assert cost.handoff_share_ratio(s, KVDtype.BF16, REF_HW, cost.LINK_400G.line_bytes_per_s) == (
+    assert capacity.handoff_share_ratio(s, KVDtype.BF16, REF_HW, capacity.LINK_400G.line_bytes_per_s) == (
         pytest.approx(share)
     )
 
 
 def test_llama_8b_is_128_kib_per_token():
-    assert cost.kv_bytes_per_token(shape("llama-3.1-8b"), KVDtype.BF16) == 128 * 1024
+    assert capacity.kv_bytes_per_token(shape("llama-3.1-8b"), KVDtype.BF16) == 128 * 1024
 
 
 @pytest.mark.parametrize("tokens", [512, 8192, 131072])
 def test_handoff_share_does_not_depend_on_prompt_length(tokens):
     s = shape("llama-3.1-70b")
-    per_token = cost.kv_bytes_per_token(s, KVDtype.BF16)
-    link_bps = cost.LINK_400G.line_bytes_per_s
-    share = cost.transfer_time_s(tokens * per_token, link_bps) / cost.prefill_time_s(
-        cost.prefill_flops(s, tokens, attention=False), REF_HW
+    per_token = capacity.kv_bytes_per_token(s, KVDtype.BF16)
+    link_bps = capacity.LINK_400G.line_bytes_per_s
+    share = cost.transfer_time_s(tokens * per_token, link_bps) / capacity.prefill_time_s(
+        capacity.prefill_flops(s, tokens, attention=False), REF_HW
     )
-    assert share == pytest.approx(cost.handoff_share_ratio(s, KVDtype.BF16, REF_HW, link_bps))
+    assert share == pytest.approx(capacity.handoff_share_ratio(s, KVDtype.BF16, REF_HW, link_bps))
 
 
 def test_attention_term_shrinks_the_share_at_long_prompts():
     s = shape("llama-3.1-70b")
-    per_token = cost.kv_bytes_per_token(s, KVDtype.BF16)
+    per_token = capacity.kv_bytes_per_token(s, KVDtype.BF16)
     shares = [
-        cost.transfer_time_s(n * per_token, 50e9) / cost.prefill_time_s(cost.prefill_flops(s, n), REF_HW)
+        cost.transfer_time_s(n * per_token, 50e9) / capacity.prefill_time_s(capacity.prefill_flops(s, n), REF_HW)
         for n in (1024, 8192, 131072)
     ]
     assert shares[0] > shares[1] > shares[2]
@@ -129,28 +121,28 @@ def test_attention_term_shrinks_the_share_at_long_prompts():
 
 def test_kv_dtypes():
     s = shape("llama-3.1-70b")
-    assert cost.kv_bytes_per_token(s, KVDtype.FP8) == 163_840
+    assert capacity.kv_bytes_per_token(s, KVDtype.FP8) == 163_840
     # NVFP4: 4 bits plus one FP8 scale per 16 values = 0.5625 bytes per value.
-    assert cost.kv_bytes_per_element(KVDtype.NVFP4) == 0.5625
-    assert cost.kv_bytes_per_token(s, KVDtype.NVFP4) == 163_840 * 0.5625 == 92_160
+    assert capacity.kv_bytes_per_element(KVDtype.NVFP4) == 0.5625
+    assert capacity.kv_bytes_per_token(s, KVDtype.NVFP4) == 163_840 * 0.5625 == 92_160
 
 
 def test_mla_stores_one_latent_per_layer_not_per_head():
     s = shape("deepseek-v3")
-    assert s.attention is cost.AttentionKind.MLA
+    assert s.attention is capacity.AttentionKind.MLA
     assert s.kv_elements_per_token == 61 * (512 + 64)
-    assert cost.kv_bytes_per_token(s, KVDtype.BF16) == 70_272
-    assert cost.kv_bytes_per_token(s, KVDtype.FP8) == 35_136
-    assert cost.kv_bytes_per_token(s, KVDtype.NVFP4) == pytest.approx(35_136 * 0.5625)
+    assert capacity.kv_bytes_per_token(s, KVDtype.BF16) == 70_272
+    assert capacity.kv_bytes_per_token(s, KVDtype.FP8) == 35_136
+    assert capacity.kv_bytes_per_token(s, KVDtype.NVFP4) == pytest.approx(35_136 * 0.5625)
     # vLLM keeps the whole latent on every TP rank.
-    assert cost.kv_copies_per_replica(s, REF_HW) == 4
+    assert capacity.kv_copies_per_replica(s, REF_HW) == 4
 
 
 def test_gqa_replicates_heads_once_tp_exceeds_them():
     s = shape("llama-3.1-8b")
-    assert cost.kv_copies_per_replica(s, REF_HW) == 1
+    assert capacity.kv_copies_per_replica(s, REF_HW) == 1
     hw16 = msgspec.structs.replace(REF_HW, gpus_per_replica=16)
-    assert cost.kv_copies_per_replica(s, hw16) == 2
+    assert capacity.kv_copies_per_replica(s, hw16) == 2
 
 
 @pytest.mark.parametrize(
@@ -170,7 +162,7 @@ def test_params_match_published_counts(name, total_b, active_b):
 
 def test_moe_prefill_uses_active_params():
     s = shape("mixtral-8x7b")
-    assert cost.linear_prefill_flops(s, 1000) == pytest.approx(2 * s.active_params * 1000)
+    assert capacity.linear_prefill_flops(s, 1000) == pytest.approx(2 * s.active_params * 1000)
     assert s.active_params < s.total_params / 3
 
 
@@ -185,7 +177,7 @@ def test_param_overrides():
 
 def test_head_dim_defaults_to_hidden_over_heads_and_text_config_is_read():
     cfg = {k: v for k, v in load("llama-3.1-8b").items() if k != "head_dim"}
-    assert cost.model_shape_from_hf_config({"text_config": cfg}).kv_head_dim == 4096 // 32
+    assert capacity.model_shape_from_hf_config({"text_config": cfg}).kv_head_dim == 4096 // 32
 
 
 @pytest.mark.parametrize(
@@ -201,13 +193,13 @@ def test_head_dim_defaults_to_hidden_over_heads_and_text_config_is_read():
 def test_missing_key_is_named(drop, source):
     cfg = {k: v for k, v in load(source).items() if k != drop}
     with pytest.raises(ConfigError, match=drop) as info:
-        cost.model_shape_from_hf_config(cfg)
+        capacity.model_shape_from_hf_config(cfg)
     assert info.value.key == drop
 
 
 def test_bad_value_is_named():
     with pytest.raises(ConfigError, match="num_key_value_heads"):
-        cost.model_shape_from_hf_config({**load("llama-3.1-8b"), "num_key_value_heads": 0})
+        capacity.model_shape_from_hf_config({**load("llama-3.1-8b"), "num_key_value_heads": 0})
 
 
 # --------------------------------------------------------------------- the connector
@@ -288,53 +280,11 @@ def test_models_validate_and_reject_unknown_fields():
 
 def test_recompute_model_from_hardware_matches_planner_prefill():
     s = shape("llama-3.1-70b")
-    model = cost.recompute_model_from_hardware(s, REF_HW)
+    model = capacity.recompute_model_from_hardware(s, REF_HW)
     for new, ctx in [(1, 0), (8192, 0), (500, 30_000)]:
         assert cost.recompute_time_s(new, ctx, model, 0.0) == pytest.approx(
-            cost.prefill_time_s(cost.prefill_flops(s, new, ctx), REF_HW)
+            capacity.prefill_time_s(capacity.prefill_flops(s, new, ctx), REF_HW)
         )
-
-
-HOST = SourceQuote("host", 4000, LinkModel(bytes_per_s=50e9, per_transfer_s=1e-3))
-PEER = SourceQuote("peer", 4000, LinkModel(bytes_per_s=5e9, per_transfer_s=5e-3))
-
-
-def choose(quotes, missing=4000, context=10_000, load=0.0, **kw):
-    return cost.choose_source(quotes, missing_tokens=missing, context_tokens=context,
-                              kv_bytes_per_token=KV_PER_TOKEN_BYTES, recompute=RECOMPUTE,
-                              engine_load=load, **kw)
-
-
-def test_choose_source_picks_host_when_cheaper_than_peer():
-    c = choose([PEER, HOST])
-    assert c.name == "host" and c.tokens == 4000
-    assert [p.name for p in c.prices] == ["recompute", "peer", "host"]
-    peer, host = c.prices[1], c.prices[2]
-    assert host.total_s < peer.total_s < c.prices[0].total_s
-
-
-def test_choose_source_prices_the_uncovered_rest():
-    short_host = msgspec.structs.replace(HOST, tokens=1000)
-    c = choose([short_host, PEER])
-    host = c.prices[1]
-    assert host.recompute_rest_s == pytest.approx(cost.recompute_time_s(3000, 11_000, RECOMPUTE, 0.0))
-    assert c.name == "peer"  # covering everything beats a fast partial hit here
-
-
-def test_choose_source_recomputes_when_links_are_slow_and_respects_floor():
-    slow = SourceQuote("peer", 4000, LinkModel(bytes_per_s=1e8, per_transfer_s=0.0))
-    assert choose([slow]).name == "recompute"
-    assert choose([HOST], min_pull_tokens=5000).name == "recompute"
-    assert not choose([HOST], min_pull_tokens=5000).prices[1].eligible
-    with pytest.raises(ValueError, match="reserved"):
-        choose([SourceQuote("recompute", 1, LINK)])
-
-
-def test_choose_source_agrees_with_decide_pull():
-    for ctx, load in [(0, 0.0), (100_000, 0.0), (0, 1.0)]:
-        d = cost.decide_pull(quote(32, ctx, load), RECOMPUTE, LINK)
-        c = choose([SourceQuote("peer", 32, LINK)], missing=32, context=ctx, load=load)
-        assert (c.name == "peer") == d.pull
 
 
 # --------------------------------------------------------------------- the router
@@ -361,7 +311,7 @@ def test_peer_credit_weight_follows_link_speed():
 
 def test_regime_token_counts():
     # Step k's prompt is 4096 + 512 + (k-1) * 1280.
-    tokens = {r: sum(cost.step_new_tokens(WORKLOAD, k, r)[0] for k in range(1, 21))
+    tokens = {r: sum(capacity.step_new_tokens(WORKLOAD, k, r)[0] for k in range(1, 21))
               for r in CachingRegime}
     assert tokens[CachingRegime.NONE] == 20 * 4608 + 1280 * 190 == 335_360
     assert tokens[CachingRegime.PREFIX] == 335_360 - 20 * 4096
@@ -370,7 +320,7 @@ def test_regime_token_counts():
 
 def test_regime_work_orders_and_ratio():
     s = shape("llama-3.1-70b")
-    work = {r: cost.session_prefill_work(s, WORKLOAD, REF_HW, r) for r in CachingRegime}
+    work = {r: capacity.session_prefill_work(s, WORKLOAD, REF_HW, r) for r in CachingRegime}
     none, prefix, session = (work[r].prefill_flops for r in CachingRegime)
     assert none > prefix > session
     assert none / session > 10
@@ -378,8 +328,8 @@ def test_regime_work_orders_and_ratio():
 
 def test_host_restore_beats_recompute_and_scales_with_bytes():
     s = shape("llama-3.1-70b")
-    r16 = cost.host_restore(s, KVDtype.BF16, REF_HW, 20_000, 4096)
-    r8 = cost.host_restore(s, KVDtype.FP8, REF_HW, 20_000, 4096)
+    r16 = capacity.host_restore(s, KVDtype.BF16, REF_HW, 20_000, 4096)
+    r8 = capacity.host_restore(s, KVDtype.FP8, REF_HW, 20_000, 4096)
     assert r16.restore_bytes == 20_000 * 327_680
     # Four GPUs, each over its own ~51 GB/s PCIe link.
     assert r16.restore_s == pytest.approx(r16.restore_bytes / (4 * 64e9 * 0.8))
@@ -390,7 +340,7 @@ def test_host_restore_beats_recompute_and_scales_with_bytes():
 def test_little_law_pools():
     s = shape("llama-3.1-70b")
     pools = {
-        (d, dedup): cost.decode_residency_pool(s, d, REF_HW, WORKLOAD, prefix_dedup=dedup)
+        (d, dedup): capacity.decode_residency_pool(s, d, REF_HW, WORKLOAD, prefix_dedup=dedup)
         for d in (KVDtype.BF16, KVDtype.FP8)
         for dedup in (False, True)
     }
@@ -403,25 +353,25 @@ def test_little_law_pools():
     # Hand check: 256 sessions x mean held tokens x 327,680 B over 146.9 GB of KV room.
     held_tokens = sum(4608 + (k - 1) * 1280 + 256 for k in range(1, 21)) / 20
     need = 256 * held_tokens * 327_680
-    assert bf16.replicas == -(-need // cost.kv_capacity_bytes_per_replica(s, REF_HW))
-    freed = cost.decode_residency_pool(s, KVDtype.BF16, REF_HW, WORKLOAD, prefix_dedup=False,
+    assert bf16.replicas == -(-need // capacity.kv_capacity_bytes_per_replica(s, REF_HW))
+    freed = capacity.decode_residency_pool(s, KVDtype.BF16, REF_HW, WORKLOAD, prefix_dedup=False,
                                        retained=False)
     assert freed.resident_sessions < WORKLOAD.concurrent_sessions
 
 
 def test_prefill_pool_caching_cuts_gpus():
     s = shape("llama-3.1-70b")
-    gpus = {r: cost.prefill_pool(s, WORKLOAD, REF_HW, r).gpus for r in CachingRegime}
+    gpus = {r: capacity.prefill_pool(s, WORKLOAD, REF_HW, r).gpus for r in CachingRegime}
     assert gpus[CachingRegime.NONE] > gpus[CachingRegime.PREFIX] > gpus[CachingRegime.SESSION]
-    p = cost.prefill_pool(s, WORKLOAD, REF_HW, CachingRegime.SESSION)
+    p = capacity.prefill_pool(s, WORKLOAD, REF_HW, CachingRegime.SESSION)
     assert p.steps_per_s == pytest.approx(256 / p.step_cycle_s)
 
 
 def test_pools_are_none_when_weights_do_not_fit():
     s = shape("deepseek-v3")
-    assert cost.kv_capacity_bytes_per_replica(s, REF_HW) < 0
-    assert cost.decode_residency_pool(s, KVDtype.FP8, REF_HW, WORKLOAD, prefix_dedup=True).replicas is None
-    assert cost.decode_bandwidth_pool(s, KVDtype.FP8, REF_HW, WORKLOAD).replicas is None
+    assert capacity.kv_capacity_bytes_per_replica(s, REF_HW) < 0
+    assert capacity.decode_residency_pool(s, KVDtype.FP8, REF_HW, WORKLOAD, prefix_dedup=True).replicas is None
+    assert capacity.decode_bandwidth_pool(s, KVDtype.FP8, REF_HW, WORKLOAD).replicas is None
 
 
 def test_workload_and_hardware_validate():
