@@ -43,7 +43,7 @@ import requests
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from vllm_sessionkv.launch import (  # noqa: E402
+from vllm_sessionkv.dev.launch import (  # noqa: E402
     EngineSpec,
     cpu_seconds,
     engine_command,
@@ -449,7 +449,7 @@ def main(argv=None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else tmp / "logs"
     model = args.model
     if model is None:
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
         model = str(tmp / "tiny-model")
         generate_tiny_model(model)
     bodies = {c: completion_bodies(model, args.requests, args.prompt_len, args.max_tokens,

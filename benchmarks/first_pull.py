@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_sessionkv.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy
+from vllm_sessionkv.dev.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy
 
 MODES = ("peer", "none")
 
@@ -81,7 +81,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     model = args.model
     if model is None:
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(work / "tiny-llama", seed=0))
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_sessionkv.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy
+from vllm_sessionkv.dev.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-host-bench-"))
     model = args.model
     if model is None:
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama"))
     lease_s = 0.5

@@ -33,7 +33,7 @@ Parts (all in one run; ``--skip-*`` drops one):
    between arms, and each arm's prompts start with its own tag so no arm can hit
    blocks (or router state) another arm left behind.
 3. **P/D path**: 1 prefill + 1 decode engine with SessionKVConnector
-   (``vllm_sessionkv.launch.LocalCluster``), concurrency 1, ~500-token prompts,
+   (``vllm_sessionkv.dev.launch.LocalCluster``), concurrency 1, ~500-token prompts,
    ``max_tokens`` 1, 2 and 16 (at 1 our proxy serves the request on P alone, since
    there is nothing to decode; 2 is the shortest request on the P -> D path); the
    arms take turns every ``--pd-chunk`` requests, so drift in the machine's speed
@@ -183,7 +183,7 @@ class Backend:
 class RouterProc:
     arm: str
     url: str
-    proc: object                  # vllm_sessionkv.launch.ManagedProcess
+    proc: object                  # vllm_sessionkv.dev.launch.ManagedProcess
     argv: list[str]
 
     @property
@@ -239,7 +239,7 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
 def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],
                   ports: PortPool, log_dir: Path, procs: list) -> dict[str, RouterProc]:
     """Start (arm, kind, decode, prefill) routers, wait until each /health is 200."""
-    from vllm_sessionkv.launch import start_process, wait_healthy
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
 
     out: dict[str, RouterProc] = {}
     for arm, kind, decode, prefill in specs:
@@ -462,7 +462,7 @@ def run_wrk(url: str, script: Path, seconds: float, connections: int) -> dict:
 
 # =========================================================================== part 1
 def part_overhead(args, ports: PortPool, log_dir: Path, results: dict) -> None:
-    from vllm_sessionkv.launch import start_process, stop_all, wait_healthy
+    from vllm_sessionkv.dev.launch import start_process, stop_all, wait_healthy
 
     rng = random.Random(args.seed)
     words = text_words(args.seed)
@@ -743,7 +743,7 @@ async def _run_affinity(items: list[WorkItem], target, model: str, concurrency: 
 
 
 def part_affinity(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> None:
-    from vllm_sessionkv.launch import EngineSpec, start_engine, stop_all, wait_healthy
+    from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 
     wait_for_no_other_vllm(args.max_wait_vllm_s)
     procs: list = []
@@ -922,7 +922,7 @@ def prompt_sources(url: str) -> dict[str, float]:
 
 
 def part_pd(args, ports: PortPool, log_dir: Path, model: str, results: dict) -> None:
-    from vllm_sessionkv.launch import (
+    from vllm_sessionkv.dev.launch import (
         ClusterSpec,
         LocalCluster,
         start_process,
@@ -1407,7 +1407,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"overhead part failed: {exc!r}")
     model = args.model
     if model is None and not (args.skip_affinity and args.skip_pd):
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama"))
     if not args.skip_affinity:

@@ -57,7 +57,7 @@ from sessionkv_proxy import policy  # noqa: E402
 from sessionkv_proxy.index import MemoryIndex  # noqa: E402
 from sessionkv_proxy.index.redis import RedisIndex  # noqa: E402
 from vllm_sessionkv.hashing import request_keys  # noqa: E402
-from vllm_sessionkv.launch import (  # noqa: E402
+from vllm_sessionkv.dev.launch import (  # noqa: E402
     ClusterSpec,
     LocalCluster,
     free_port,
@@ -65,7 +65,7 @@ from vllm_sessionkv.launch import (  # noqa: E402
     stop_all,
     wait_healthy,
 )
-from vllm_sessionkv.workload import new_tokens, system_prompt, user_message  # noqa: E402
+from vllm_sessionkv.dev.workload import new_tokens, system_prompt, user_message  # noqa: E402
 
 CHAT = "/v1/chat/completions"
 SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
@@ -293,7 +293,7 @@ def main() -> int:
     log_dir = Path(args.log_dir) if args.log_dir else workdir / "logs"
     model = args.model
     if model is None:
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama", seed=0))
     rng = random.Random(args.seed)

@@ -6,7 +6,7 @@ kills and restarts a D, restarts Redis and stops a P.
     python benchmarks/soak.py --sessions 8 --turns 4 --quick
     python benchmarks/soak.py --model /models/M --gpus 0,1,2,3,4   # GPU host
 
-It starts the cluster itself (``vllm_sessionkv.launch.LocalCluster``, supervised: a
+It starts the cluster itself (``vllm_sessionkv.dev.launch.LocalCluster``, supervised: a
 killed engine or Redis is restarted on its ports), plus a co-located plain vLLM
 server, and runs ``--sessions`` sessions of ``--turns`` turns each; every turn
 re-sends the whole history and is checked against the co-located server at
@@ -315,16 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sessions, args.turns, args.think_s, args.schedule_scale = 8, 8, 2.0, 0.5
 
-    from vllm_sessionkv.launch import ClusterSpec, LocalCluster
+    from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 
     # The supervisor's lines (exited, restarted, healthy) with their times.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
-    logging.getLogger("vllm_sessionkv.launch").setLevel(logging.INFO)
+    logging.getLogger("vllm_sessionkv.dev.launch").setLevel(logging.INFO)
 
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-soak-"))
     model = args.model
     if model is None:
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama", seed=0))
     spec = ClusterSpec(model=model, prefill=2, decode=2, colocated=True, redis=True,

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_sessionkv.launch import ChildExited, ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.launch import ChildExited, ClusterSpec, LocalCluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
     model = args.model
     if model is None:
-        from vllm_sessionkv.tiny_model import generate_tiny_model
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama"))
     spec = ClusterSpec(

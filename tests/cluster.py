@@ -259,7 +259,7 @@ class OwnRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        from vllm_sessionkv.launch import start_redis, wait_redis
+        from vllm_sessionkv.dev.launch import start_redis, wait_redis
 
         self.proc = start_redis(self.port, self.log_dir)
         wait_redis(self.port, timeout_s=10.0)
@@ -275,7 +275,7 @@ class OwnRedis:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
-        from vllm_sessionkv.launch import stop_all
+        from vllm_sessionkv.dev.launch import stop_all
 
         try:
             self.resume()

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from vllm_sessionkv.launch import (
+from vllm_sessionkv.dev.launch import (
     EngineSpec,
     ManagedProcess,
     start_engine,
@@ -31,14 +31,14 @@ from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from vllm_sessionkv.tiny_model import generate_tiny_model
+    from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
     return str(generate_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama", seed=0))
 
 
 @pytest.fixture(scope="session")
 def perturbed_model(tmp_path_factory) -> str:
-    from vllm_sessionkv.tiny_model import generate_tiny_model
+    from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
     return str(generate_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama-perturbed",
                                    seed=0, perturb=True))

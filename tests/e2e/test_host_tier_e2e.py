@@ -17,7 +17,7 @@ import zmq
 from cluster import TEST_KV_CACHE_GB, free_port_block
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
 from sessionkv_proxy.events import BlockRemoved, BlockStored, decode_batch
-from vllm_sessionkv.launch import EngineSpec, start_engine, stop_all, wait_healthy
+from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 
 pytestmark = pytest.mark.cluster
 
@@ -191,7 +191,7 @@ def test_real_event_stream_gives_same_answers_in_both_index_backends(host_engine
     from sessionkv_proxy.index.memory import MemoryIndex
     from sessionkv_proxy.index.redis import RedisIndex
     from vllm_sessionkv.hashing import request_keys
-    from vllm_sessionkv.launch import start_redis, wait_redis
+    from vllm_sessionkv.dev.launch import start_redis, wait_redis
 
     engine, _colocated, events = host_engine
     model = engine.model

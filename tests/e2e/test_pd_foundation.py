@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
-from vllm_sessionkv.launch import cpu_seconds, process_tree
+from vllm_sessionkv.dev.launch import cpu_seconds, process_tree
 
 from helpers import (
     assert_same,

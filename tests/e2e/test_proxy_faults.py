@@ -31,7 +31,7 @@ import requests
 from cluster import OwnRedis, free_port_block
 from helpers import assert_same, completion_body, metric_sum, post
 
-from vllm_sessionkv.launch import ManagedProcess, start_process, stop_all, wait_healthy
+from vllm_sessionkv.dev.launch import ManagedProcess, start_process, stop_all, wait_healthy
 
 pytestmark = pytest.mark.cluster
 

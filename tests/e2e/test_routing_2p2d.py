@@ -41,7 +41,7 @@ from cluster import (
 )
 from helpers import assert_same, chat_body, post
 
-from vllm_sessionkv.launch import (
+from vllm_sessionkv.dev.launch import (
     EngineSpec,
     ManagedProcess,
     start_engine,
@@ -49,7 +49,7 @@ from vllm_sessionkv.launch import (
     stop_all,
     wait_healthy,
 )
-from vllm_sessionkv.workload import new_tokens, system_prompt, user_message
+from vllm_sessionkv.dev.workload import new_tokens, system_prompt, user_message
 
 pytestmark = pytest.mark.cluster
 

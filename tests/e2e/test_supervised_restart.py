@@ -15,7 +15,7 @@ import requests
 from cluster import kill_engine, launcher_child, wait_engine_restarted, wait_proxy_sees
 from helpers import assert_same, chat_body, post
 
-from vllm_sessionkv.workload import new_tokens, system_prompt, user_message
+from vllm_sessionkv.dev.workload import new_tokens, system_prompt, user_message
 
 pytestmark = pytest.mark.cluster
 

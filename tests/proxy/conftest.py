@@ -45,7 +45,7 @@ def redis_server(tmp_path_factory, free_port) -> Iterator[str]:
 
     Tests share it; each index uses its own namespace, so they do not see each other.
     """
-    from vllm_sessionkv.launch import start_redis, stop_all, wait_redis
+    from vllm_sessionkv.dev.launch import start_redis, stop_all, wait_redis
 
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server not found on PATH (apt-get install redis-server)")

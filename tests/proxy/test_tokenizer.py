@@ -26,7 +26,7 @@ TEXTS = [*PROBES, "", " ", "a", "\n", "  \n  ", "ka to ri mu sen", "the user is 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     pytest.importorskip("torch")
-    from vllm_sessionkv.tiny_model import generate_tiny_model
+    from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
     return generate_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sessionkv.launch import EngineSpec, engine_command
+from vllm_sessionkv.dev.launch import EngineSpec, engine_command
 
 
 def _flag(argv: list[str], name: str) -> str | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from vllm_sessionkv.launch import (
+from vllm_sessionkv.dev.launch import (
     ChildExited,
     ClusterSpec,
     EventKind,
@@ -88,7 +88,7 @@ def test_killed_child_is_restarted_after_its_backoff_and_the_rest_keep_running(
     assert cluster.supervise_once(now_s=0.0) == []
     old_pid = _kill(victim)
 
-    caplog.set_level(logging.INFO, logger="vllm_sessionkv.launch")
+    caplog.set_level(logging.INFO, logger="vllm_sessionkv.dev.launch")
     events = cluster.supervise_once(now_s=10.0)
     assert _kinds(events) == [(EventKind.EXITED, "victim")]
     assert events[0].exit_code == -signal.SIGKILL and events[0].pid == old_pid
@@ -127,7 +127,7 @@ def test_restarts_are_bounded_in_a_window_then_the_child_is_given_up(make_cluste
     events = cluster.supervise_once(now_s=3.5)
     assert _kinds(events) == [(EventKind.RESTARTED, "crasher")] and events[0].attempt == 2
 
-    caplog.set_level(logging.INFO, logger="vllm_sessionkv.launch")
+    caplog.set_level(logging.INFO, logger="vllm_sessionkv.dev.launch")
     events = exited_at(4.0)
     assert _kinds(events) == [(EventKind.EXITED, "crasher"), (EventKind.GAVE_UP, "crasher")]
     assert events[0].exit_code == 3

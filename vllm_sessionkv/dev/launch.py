@@ -110,7 +110,7 @@ def kv_transfer_config(spec: EngineSpec) -> dict | None:
     if spec.connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": role,
                 "kv_load_failure_policy": "recompute",
-                "kv_connector_module_path": "vllm_sessionkv.stock_nixl",
+                "kv_connector_module_path": "vllm_sessionkv.dev.stock_nixl",
                 "kv_connector_extra_config": {"bidirectional_kv_xfer": True,
                                               "kv_recompute_threshold": 0, **spec.nixl_extra}}
     return {"kv_connector": "SessionKVConnector",
