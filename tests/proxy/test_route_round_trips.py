@@ -19,6 +19,7 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 from aiohttp import web
+from test_admin import StubEngine as AdminStub
 
 from vllm_sessionkv.protocol import encode_handle, handle_from_params, published_handle_key
 
@@ -104,17 +105,17 @@ class Monitor:
         await self._marker.aclose()
 
 
-class StubEngine:
-    """P or D answering ``/v1/completions``; P runs ``on_prefill`` first."""
+class StubEngine(AdminStub):
+    """P or D answering ``/v1/completions`` (and, as the admin test's stub, the
+    models and metrics the proxy asks for); P runs ``on_prefill`` first."""
 
     def __init__(self, role: str, on_prefill=None) -> None:
+        super().__init__((200, {"success": True}))
         self.role = role
         self.on_prefill = on_prefill
-        self.calls = 0
 
     async def completions(self, request: web.Request) -> web.Response:
         body = await request.json()
-        self.calls += 1
         if self.role == "prefill" and self.on_prefill is not None:
             await self.on_prefill(body)
         out = {"id": "x", "object": "text_completion", "model": "stub",
@@ -127,17 +128,9 @@ class StubEngine:
                                          "remote_host": "127.0.0.1", "remote_port": 1}
         return web.json_response(out)
 
-    async def models(self, _request):
-        return web.json_response({"object": "list", "data": [{"id": "stub"}]})
-
-    async def metrics(self, _request):
-        return web.Response(text="")
-
     def app(self) -> web.Application:
-        app = web.Application()
+        app = super().app()
         app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get("/metrics", self.metrics)
         return app
 
 
