@@ -152,6 +152,10 @@ def authorize(state: ProxyState, request: Request) -> None:
 
 async def withdraw_sessions(state: ProxyState) -> dict[str, int]:
     """Drop the session records and the published handles (see the module doc)."""
+    if state.router is not None:
+        # The writes behind earlier requests (records, handles given back) land
+        # first, so that they are withdrawn too.
+        await state.router.flush()
     try:
         records = await state.index.clear_sessions()
         handles = 0

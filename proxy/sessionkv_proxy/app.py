@@ -563,7 +563,7 @@ async def _remember_session(state: ProxyState, plan: RoutePlan, session_id: str,
             handle=handle,
             prompt_keys=plan.prompt_keys,
             tenant=plan.tenant)
-        await state.router.save_session(record)
+        state.router.save_session_later(record)   # behind the answer, not before it
     except Exception as exc:  # the answer is already out; a lost record costs speed only
         state.metrics.errors.labels("session_store").inc()
         logger.warning("session %s not stored: %r", session_id, exc)
@@ -827,7 +827,8 @@ class ProxyApp:
                                           sock_connect=config.connect_timeout_s))
         state.upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s,
                                       request_timeout_s=config.request_timeout_s)
-        state.router = Router(config, state.pool, state.index, state.upstream, state.redis)
+        state.router = Router(config, state.pool, state.index, state.upstream)
+        state.router.on_write_error = lambda kind: state.metrics.errors.labels(kind).inc()
         early_endpoints = [e.early_decode for e in config.decode if e.early_decode]
         if early_endpoints:
             state.early = EarlyDecodeSender(early_endpoints)
@@ -865,6 +866,11 @@ class ProxyApp:
         await asyncio.gather(*self._background, return_exceptions=True)
         if state.consumer is not None:
             await state.consumer.stop()
+        if state.router is not None:
+            try:   # the writes behind the last requests
+                await asyncio.wait_for(state.router.flush(), 10.0)
+            except asyncio.TimeoutError:
+                logger.warning("writes behind requests not finished at stop")
         if state.http is not None:
             await state.http.close()
         if state.upstream is not None:

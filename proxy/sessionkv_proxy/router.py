@@ -3,9 +3,12 @@
 The policy (``policy.py``) is a pure function of plain data.  This module does the
 I/O around it: token ids for the prompt (the engine's ``/tokenize``, or for
 completions text the same tokenizer in-process once it matched the engine's, so
-they equal vLLM's), the index lookup, the session record, the engines' load.  A
-wrong or stale answer here costs speed only: the connector verifies every block it
-attaches.
+they equal vLLM's), then the session record, the engines' published handle and the
+index lookup in one read (``KVIndex.route_read``: one Redis round trip, or none
+in-process), and the engines' load.  What the decision writes (a consumed handle
+cleared from the record, an unused published handle given back, the record after
+the answer) goes out behind the request.  A wrong or stale answer here costs speed
+only: the connector verifies every block it attaches.
 """
 
 from __future__ import annotations
@@ -35,9 +38,8 @@ from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.policy import Mode, Role, RouteReason
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
-from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex
+from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex, RouteRead
 from sessionkv_proxy.recent import RecentRoutes
-from sessionkv_proxy.redis_link import RedisLink, RedisUnavailable
 from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
@@ -76,13 +78,18 @@ class RoutePlan:
 
 class Router:
     def __init__(self, config: ProxyConfig, pool: EnginePool, index: KVIndex,
-                 upstream: UpstreamPool, redis: RedisLink | None = None,
-                 rng: random.Random | None = None):
+                 upstream: UpstreamPool, rng: random.Random | None = None):
         self.config = config
         self.upstream = upstream  # the hot path's client, also for /tokenize
         self.pool = pool
         self.index = index
-        self.redis = redis  # the engines' published handles live there
+        # The index reads the engines' published handles too (``route_read``).
+        # Writes behind the requests (session records, handles given back): the newest
+        # record per session key not yet written, its writer, and every such task.
+        self._unwritten: dict[str, bytes] = {}
+        self._writers: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
+        self.on_write_error: Callable[[str], None] = lambda kind: None
         self.rng = rng or random.Random()
         self.params = policy.routing_params_from_config(config.routing.params)
         # KV bytes per token of the served model, to price peer pulls; 0 = unknown,
@@ -154,40 +161,96 @@ class Router:
         return tokens if isinstance(tokens, list) else None
 
     # ------------------------------------------------------------ sessions
-    async def load_session(self, session_id: str | None, tenant: str | None
-                           ) -> SessionRecord | None:
-        if not session_id:
-            return None
-        raw = await self.index.get_session(session_store_key(session_id, tenant))
+    def _session_raw(self, key: str, stored: bytes | None) -> bytes | None:
+        """This replica's own newest record for ``key`` while its write is still on
+        the way (read your own writes), else what the store returned."""
+        return self._unwritten.get(key, stored)
+
+    def _record(self, raw: bytes | None, tenant: str | None) -> SessionRecord | None:
         record = decode_record(raw) if raw else None
         # A record stored under this key is this tenant's; the check guards old ones.
         return record if record is not None and record.tenant == tenant else None
 
-    async def save_session(self, record: SessionRecord) -> None:
-        record.updated_at_unix_s = time.time()
-        await self.index.put_session(session_store_key(record.session_id, record.tenant),
-                                     encode_record(record), self.config.session_ttl_s)
+    async def load_session(self, session_id: str | None, tenant: str | None
+                           ) -> SessionRecord | None:
+        if not session_id:
+            return None
+        key = session_store_key(session_id, tenant)
+        raw = self._unwritten.get(key)
+        if raw is None:
+            raw = await self.index.get_session(key)
+        return self._record(raw, tenant)
 
-    async def _published_handle(self, session_id: str, tenant: str | None
-                                ) -> SessionHandle | HandleUnreadable | None:
-        if self.redis is None:
-            return None
-        key = published_handle_key(session_id, tenant)
+    def save_session_later(self, record: SessionRecord) -> None:
+        """Write ``record`` behind the request: it is readable by this replica at once
+        (``_unwritten``), and written to the store by one writer per session, newest
+        last, so the request never waits for the store.  A failed write is counted
+        (``on_write_error``) and costs the next turn's reuse, never the request."""
+        record.updated_at_unix_s = time.time()
+        key = session_store_key(record.session_id, record.tenant)
+        self._unwritten[key] = encode_record(record)
+        if key not in self._writers:
+            self._writers[key] = self._spawn(self._write_session(key))
+
+    async def save_session(self, record: SessionRecord) -> None:
+        """``save_session_later``, waiting for the write."""
+        self.save_session_later(record)
+        writer = self._writers.get(session_store_key(record.session_id, record.tenant))
+        if writer is not None:
+            await asyncio.shield(writer)
+
+    async def _write_session(self, key: str) -> None:
         try:
-            raw = await self.redis.call("get_handle", lambda: self.redis.client.get(key))
-        except RedisUnavailable:  # a handle is an optimisation; never fail the request
-            return None
-        return decode_published_handle(raw)
+            while (raw := self._unwritten.get(key)) is not None:
+                try:
+                    await self.index.put_session(key, raw, self.config.session_ttl_s)
+                except Exception as exc:
+                    self._write_failed("session_store", key, exc)
+                if self._unwritten.get(key) is raw:   # else a newer one: write it next
+                    del self._unwritten[key]
+        finally:
+            self._writers.pop(key, None)
+
+    def _give_back(self, read: RouteRead, session_id: str | None, tenant: str | None
+                   ) -> None:
+        """A published handle ``route_read`` took and no P request will use goes back,
+        behind the request (unless a newer one was published meanwhile)."""
+        if read.handle_taken and read.handle is not None and session_id:
+            self._spawn(self._return_handle(published_handle_key(session_id, tenant),
+                                            read.handle, read.handle_ttl_ms))
+
+    async def _return_handle(self, key: str, raw: bytes, ttl_ms: int) -> None:
+        try:
+            await self.index.return_handle(key, raw, ttl_ms)
+        except Exception as exc:
+            self._write_failed("handle_return", key, exc)
+
+    def _write_failed(self, kind: str, key: str, exc: BaseException) -> None:
+        self.on_write_error(kind)
+        logger.warning("%s for %s failed: %r", kind, key, exc)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def flush(self) -> None:
+        """Wait until the writes behind earlier requests are done (tests, stop)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def _usable_handle(self, record: SessionRecord | None, session_id: str | None,
-                             tenant: str | None) -> tuple[SessionHandle | None, str, str]:
+                             tenant: str | None, published: bytes | None = None
+                             ) -> tuple[SessionHandle | None, str, str]:
         """(handle, outcome, source): the session's live handle, if any, and whether it
-        came from the session record or from the engines' published copy."""
+        came from the session record or from the engines' published copy (its bytes,
+        ``published``, as ``route_read`` returned them)."""
         if not session_id:
             return None, "none", ""
         handle, source = (record.handle if record else None), "record"
         if handle is None:
-            handle, source = await self._published_handle(session_id, tenant), "published"
+            handle, source = decode_published_handle(published), "published"
         if isinstance(handle, HandleUnreadable):
             return None, handle.reason, ""
         if handle is None:
@@ -205,29 +268,6 @@ class Router:
                           self.params.handle_expiry_margin_s):
             return None, "expired", ""
         return handle, "attached", source
-
-    async def _consume_handle(self, record: SessionRecord | None, session_id: str,
-                              tenant: str | None, source: str) -> bool:
-        """Take a handle for one P request; False if another request already took it.
-
-        A handle is single-use: P's read tells D to release the blocks, after which
-        they may be reused, so a second read of the same handle could fetch someone
-        else's KV (the connector's hash check covers what the handle claims, not what
-        released memory holds now).  Deleting the published copy is atomic across
-        proxy replicas; a record-held handle is cleared before P is called."""
-        if source == "record" and record is not None:
-            record.handle = None
-            await self.save_session(record)
-        if self.redis is None:
-            return True
-        key = published_handle_key(session_id, tenant)
-        try:
-            deleted = await self.redis.call("consume_handle",
-                                            lambda: self.redis.client.delete(key))
-        except RedisUnavailable:
-            # A published handle cannot be taken atomically now: leave it to D's lease.
-            return source == "record"
-        return source == "record" or deleted == 1
 
     # ------------------------------------------------------------ decision
     def _next(self, role: Role, exclude: set[str] = frozenset()) -> Engine:
@@ -276,9 +316,18 @@ class Router:
         token_ids = await self.prompt_token_ids(body, is_chat)
         keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
                 if token_ids else [])
-        record = await self.load_session(session_id, tenant)
-        handle, outcome, source = await self._usable_handle(record, session_id, tenant)
-        matches = await self.index.lookup(keys) if keys else {}
+        # Everything the decision reads from the store, in one round trip.  Only a P
+        # request can use the session's handle, so only then is the published copy
+        # taken: atomically, so that of several replicas one gets it (single use).
+        session_key = session_store_key(session_id, tenant) if session_id else None
+        read = await self.index.route_read(
+            session_key, published_handle_key(session_id, tenant) if session_id else None,
+            keys, take_handle=bool(session_id) and has_prefill_pool)
+        record = self._record(self._session_raw(session_key, read.record)
+                              if session_key else None, tenant)
+        handle, outcome, source = await self._usable_handle(record, session_id, tenant,
+                                                            read.handle)
+        matches = read.matches
         degraded = "redis_unavailable" if getattr(self.index, "degraded", False) else None
         now_s = time.time()
         for engine, depth in self.recent.overlaps(keys, now_s).items():
@@ -322,6 +371,7 @@ class Router:
                                   max_output_tokens=max_output),
                 workers, self.params, self.rng)
         except policy.NoWorkerAvailable as exc:
+            self._give_back(read, session_id, tenant)
             raise ApiError(503, str(exc), type_="server_error") from None
         decode = self.pool.get(decision.decode_url)
         prefill = self.pool.get(decision.prefill_url) if decision.prefill_url else None
@@ -334,14 +384,22 @@ class Router:
             self.recent.record_placement(decision.decode_url, now_s)
         mode = decision.mode
         prefill_params = None
+        used = mode is Mode.DISAGGREGATED and handle is not None
         if mode is Mode.DISAGGREGATED:
-            if handle is not None and not await self._consume_handle(record, session_id,
-                                                                     tenant, source):
-                handle, outcome = None, "consumed_elsewhere"
             prefill_params = (handle.prefill_params() if handle is not None
                               else _fresh_prefill_params())
         elif handle is not None:
             outcome = f"unused_{mode.value}"
+        # After the decision, behind the request.  A handle is single use: P's read
+        # tells D to release the blocks, so a second read could fetch reused memory.
+        # The published copy was taken by the read itself (one replica gets it); a
+        # record-held one leaves this replica's view now (``_unwritten``) and the
+        # store with the write behind.
+        if used and source == "record" and record is not None:
+            record.handle = None
+            self.save_session_later(record)
+        if not used:
+            self._give_back(read, session_id, tenant)
         terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
                  "detail": decision.reason + (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 
 import pytest
 
@@ -69,6 +70,12 @@ class IndexContract:
     @pytest.fixture
     async def index(self, index_factory) -> KVIndex:
         return await index_factory()
+
+    @pytest.fixture
+    def publish_handle(self):
+        """``async (index, key, raw, ttl_ms)``: what an engine's connector does to
+        publish a handle where this backend reads it; None where it reads none."""
+        return None
 
     # -- lookups ----------------------------------------------------------------
 
@@ -204,6 +211,49 @@ class IndexContract:
         assert await index.lookup([100]) == {"e": {TIER_DEVICE: 1}}
         await index.put_session("s1", b"c", ttl_s=30)
         assert await index.get_session("s1") == b"c"
+
+    # -- the routing read -------------------------------------------------------
+
+    async def test_route_read_is_the_record_and_the_lookup_in_one(self, index):
+        await index.store("a", TIER_DEVICE, [(1, 100), (2, 101), (3, 102)])
+        await index.store("b", TIER_HOST, [(1, 100)])
+        await index.put_session("s1", b"rec", ttl_s=30)
+        prompt = keys(100, 101, 102, 103)
+        read = await index.route_read("s1", f"h:{uuid.uuid4().hex}", prompt)
+        assert read.record == b"rec" and read.handle is None and not read.handle_taken
+        assert read.matches == await index.lookup(prompt) == {"a": {GPU: 3}, "b": {CPU: 1}}
+        read = await index.route_read(None, None, prompt, take_handle=True)
+        assert read.record is None and read.matches == {"a": {GPU: 3}, "b": {CPU: 1}}
+        read = await index.route_read("nobody", None, [])
+        assert read.record is None and read.matches == {}
+
+    async def test_a_taken_handle_is_single_use_until_given_back(self, index,
+                                                                  publish_handle):
+        # Not under the engines' prefix: the admin test counts those on the shared server.
+        key = f"test-handle:{uuid.uuid4().hex}"
+        if publish_handle is None:   # this backend holds no published handles
+            read = await index.route_read("s", key, [], take_handle=True)
+            assert read.handle is None and not read.handle_taken
+            await index.return_handle(key, b"h1", 1000)   # a no-op
+            assert (await index.route_read("s", key, [])).handle is None
+            return
+        await publish_handle(index, key, b"h1", 60_000)
+        assert (await index.route_read("s", key, [])).handle == b"h1"   # read only
+        # Of many readers at once, exactly one takes it.
+        reads = await asyncio.gather(*(index.route_read("s", key, [], take_handle=True)
+                                       for _ in range(20)))
+        taken = [r for r in reads if r.handle_taken]
+        assert len(taken) == 1 and taken[0].handle == b"h1"
+        assert all(r.handle is None for r in reads if not r.handle_taken)
+        assert 0 < taken[0].handle_ttl_ms <= 60_000
+        # Given back with what was left of its time, it can be taken again.
+        await index.return_handle(key, b"h1", taken[0].handle_ttl_ms)
+        again = await index.route_read("s", key, [], take_handle=True)
+        assert again.handle == b"h1" and 0 < again.handle_ttl_ms <= taken[0].handle_ttl_ms
+        # A handle published meanwhile (a newer turn) is not overwritten by it.
+        await publish_handle(index, key, b"h2", 60_000)
+        await index.return_handle(key, b"h1", again.handle_ttl_ms)
+        assert (await index.route_read("s", key, [])).handle == b"h2"
 
     # -- against the reference model -------------------------------------------
 

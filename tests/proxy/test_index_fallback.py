@@ -35,4 +35,8 @@ async def index_factory(redis_server):
 
 
 class TestFallbackIndex(IndexContract):
-    pass
+    @pytest.fixture
+    def publish_handle(self):
+        async def publish(index: FallbackIndex, key: str, raw: bytes, ttl_ms: int) -> None:
+            await index.link.client.set(key, raw, px=ttl_ms)
+        return publish

@@ -31,7 +31,11 @@ async def index_factory(redis_server):
 
 
 class TestRedisIndex(IndexContract):
-    pass
+    @pytest.fixture
+    def publish_handle(self):
+        async def publish(index: RedisIndex, key: str, raw: bytes, ttl_ms: int) -> None:
+            await index._client.set(key, raw, px=ttl_ms)
+        return publish
 
 
 async def test_replicas_sharing_a_namespace_see_each_others_writes(index_factory):

@@ -5,7 +5,8 @@ several proxy replicas sharing one index, is imported from ``.redis`` explicitly
 that the redis client is only needed when that backend is chosen.
 """
 
-from .base import TIER_DEVICE, TIER_HOST, TIER_STORAGE, EngineHash, KVIndex, PrefixMatch
+from .base import (TIER_DEVICE, TIER_HOST, TIER_STORAGE, EngineHash, KVIndex, PrefixMatch,
+                   RouteRead)
 from .memory import MemoryIndex
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "KVIndex",
     "MemoryIndex",
     "PrefixMatch",
+    "RouteRead",
 ]

@@ -22,6 +22,7 @@ prompt does each engine hold on each tier", and the router decides what that is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from vllm_sessionkv.hashing import RequestKey
@@ -33,6 +34,7 @@ __all__ = [
     "EngineHash",
     "KVIndex",
     "PrefixMatch",
+    "RouteRead",
 ]
 
 # Tiers are vLLM's ``medium`` strings, kept verbatim so new media need no code change.
@@ -48,6 +50,19 @@ EngineHash = int | bytes
 
 # engine -> tier -> number of leading prompt blocks held there (only entries > 0).
 PrefixMatch = dict[str, dict[str, int]]
+
+
+@dataclass(slots=True)
+class RouteRead:
+    """What one routing decision reads from the shared store, all in one go."""
+
+    record: bytes | None = None   # the session record (opaque bytes), if any
+    handle: bytes | None = None   # the engines' published handle, if any
+    # True when ``handle`` was deleted from the store by this read (``take_handle``):
+    # the caller now owns it and must ``return_handle`` it if it does not use it.
+    handle_taken: bool = False
+    handle_ttl_ms: int = -1       # its remaining time when taken; -1: no expiry
+    matches: PrefixMatch = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -87,6 +102,26 @@ class KVIndex(Protocol):
         that tier and not ``request_keys[n]``.  Pairs holding no leading block are
         left out, so an empty dict means "nobody has any of it".
         """
+        ...
+
+    async def route_read(self, session_key: str | None, handle_key: str | None,
+                         request_keys: Sequence[RequestKey], take_handle: bool = False
+                         ) -> RouteRead:
+        """Everything a routing decision reads, in one step (one round trip for a
+        shared store): the session record under ``session_key``, the engines'
+        published handle under ``handle_key`` (None for either: not read), and
+        ``lookup(request_keys)``.
+
+        ``take_handle`` deletes the published handle in the same atomic step, so that
+        of several readers (proxy replicas) exactly one gets it: a handle is single
+        use.  The reader hands it back with :meth:`return_handle` if its decision
+        does not use it.  A backend without published handles answers None.
+        """
+        ...
+
+    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+        """Put back a handle ``route_read`` took and the decision did not use, with
+        what was left of its time (-1: none), unless a newer one was published since."""
         ...
 
     async def size(self) -> int:

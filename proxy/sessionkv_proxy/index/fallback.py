@@ -24,7 +24,7 @@ from vllm_sessionkv.hashing import RequestKey
 
 from sessionkv_proxy.redis_link import LinkState, RedisLink, RedisUnavailable
 
-from .base import EngineHash, PrefixMatch
+from .base import EngineHash, PrefixMatch, RouteRead
 from .memory import MemoryIndex
 from .redis import RedisIndex
 
@@ -124,6 +124,31 @@ class FallbackIndex:
         # None from Redis but a record here: Redis lost it (a restart the re-publish
         # has not covered yet); this replica's copy still helps.
         return record if record is not None else await self.local.get_session(session_id)
+
+    async def route_read(self, session_key: str | None, handle_key: str | None,
+                         request_keys: Sequence[RequestKey], take_handle: bool = False
+                         ) -> RouteRead:
+        """Redis's answer in one round trip; while Redis is down, this replica's copy
+        (no published handle then: only Redis holds those)."""
+        try:
+            read = await self.link.call("route_read", lambda: self.remote.route_read(
+                session_key, handle_key, request_keys, take_handle))
+        except RedisUnavailable:
+            self._on_fallback("route_read")
+            return await self.local.route_read(session_key, None, request_keys)
+        if read.record is None and session_key:
+            # As in get_session: Redis lost a record this replica still holds.
+            read.record = await self.local.get_session(session_key)
+        return read
+
+    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+        # Not a write of ours to re-publish: a handle lost to an outage costs one
+        # turn's reuse, never correctness.
+        try:
+            await self.link.call("return_handle",
+                                 lambda: self.remote.return_handle(handle_key, handle, ttl_ms))
+        except RedisUnavailable:
+            pass
 
     async def size(self) -> int:
         try:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from vllm_sessionkv.hashing import RequestKey
 
-from .base import EngineHash, PrefixMatch
+from .base import EngineHash, PrefixMatch, RouteRead
 
 __all__ = ["MemoryIndex"]
 
@@ -139,6 +139,20 @@ class MemoryIndex:
         return None
 
     async def lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
+        return self._lookup(request_keys)
+
+    async def route_read(self, session_key: str | None, handle_key: str | None,
+                         request_keys: Sequence[RequestKey], take_handle: bool = False
+                         ) -> RouteRead:
+        # No I/O and no await: engines publish handles to Redis only, so there is
+        # none here, and the read is atomic on the event loop.
+        return RouteRead(record=self._get_session(session_key) if session_key else None,
+                         matches=self._lookup(request_keys) if request_keys else {})
+
+    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+        return None   # never takes one
+
+    def _lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
         holders = self._holders
         matched: dict[int, int] = {}  # slot -> prefix blocks
         active = -1  # all ones: every slot is still in the running
@@ -181,6 +195,9 @@ class MemoryIndex:
                 del self._sessions[sid]
 
     async def get_session(self, session_id: str) -> bytes | None:
+        return self._get_session(session_id)
+
+    def _get_session(self, session_id: str) -> bytes | None:
         item = self._sessions.get(session_id)
         if item is None:
             return None

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 
 from vllm_sessionkv.hashing import RequestKey
 
-from .base import EngineHash, PrefixMatch
+from .base import EngineHash, PrefixMatch, RouteRead
 
 __all__ = ["DEFAULT_MAX_BLOCKS_PER_SLOT", "RedisIndex", "delete_matching"]
 
@@ -131,28 +131,53 @@ end
 return false
 """
 
-# ARGV: rk_prefix, rk1, rk2, ...   Returns a flat list slot, blocks, slot, blocks...
-_LOOKUP = """
-local prefix = ARGV[1]
-local active, count, n_active = nil, {}, 0
-for i = 2, #ARGV do
-  local fields = redis.call('HKEYS', prefix .. ARGV[i])
-  if active == nil then
-    active = {}
-    for _, f in ipairs(fields) do active[f] = true; count[f] = 1; n_active = n_active + 1 end
-  else
-    local present = {}
-    for _, f in ipairs(fields) do present[f] = true end
-    for f in pairs(active) do
-      if present[f] then count[f] = count[f] + 1
-      else active[f] = nil; n_active = n_active - 1 end
+# prefix_match(prefix, rks, first): the longest held prefix of rks[first..] per slot,
+# as a flat list slot, blocks, slot, blocks...
+_PREFIX_MATCH = """
+local function prefix_match(prefix, rks, first)
+  local active, count, n_active = nil, {}, 0
+  for i = first, #rks do
+    local fields = redis.call('HKEYS', prefix .. rks[i])
+    if active == nil then
+      active = {}
+      for _, f in ipairs(fields) do active[f] = true; count[f] = 1; n_active = n_active + 1 end
+    else
+      local present = {}
+      for _, f in ipairs(fields) do present[f] = true end
+      for f in pairs(active) do
+        if present[f] then count[f] = count[f] + 1
+        else active[f] = nil; n_active = n_active - 1 end
+      end
     end
+    if n_active == 0 then break end
   end
-  if n_active == 0 then break end
+  local out = {}
+  for f, c in pairs(count) do out[#out + 1] = f; out[#out + 1] = c end
+  return out
 end
-local out = {}
-for f, c in pairs(count) do out[#out + 1] = f; out[#out + 1] = c end
-return out
+"""
+
+# ARGV: rk_prefix, rk1, rk2, ...
+_LOOKUP = _PREFIX_MATCH + """
+return prefix_match(ARGV[1], ARGV, 2)
+"""
+
+# A routing decision's whole read, one round trip.  KEYS: the session record and the
+# published handle, each optional (the record first).  ARGV: rk_prefix, take ('1': delete the handle as
+# it is read), rk1, rk2, ...  Returns {record|nil, handle|nil, handle's PTTL when
+# taken (-2: not taken), {slot, blocks, ...}}.  The handle key is the engines' (no
+# hash tag): on Redis Cluster this script would need it on the index's shard.
+_ROUTE_READ = _PREFIX_MATCH + """
+local record, handle, ttl = false, false, -2
+if #KEYS >= 1 then record = redis.call('GET', KEYS[1]) end
+if #KEYS == 2 then
+  handle = redis.call('GET', KEYS[2])
+  if handle and ARGV[2] == '1' then
+    ttl = redis.call('PTTL', KEYS[2])
+    redis.call('DEL', KEYS[2])
+  end
+end
+return {record, handle, ttl, prefix_match(ARGV[1], ARGV, 3)}
 """
 
 # KEYS: engines.  ARGV: prefix
@@ -179,6 +204,14 @@ async def delete_matching(client: aioredis.Redis, pattern: str, batch: int = 500
     if keys:
         deleted += await client.unlink(*keys)
     return deleted
+
+
+def _prefix_match(flat: list) -> PrefixMatch:
+    result: PrefixMatch = {}
+    for i in range(0, len(flat), 2):
+        engine, _, tier = flat[i].decode().partition("\0")
+        result.setdefault(engine, {})[tier] = int(flat[i + 1])
+    return result
 
 
 def _eh_str(engine_hash: EngineHash) -> str:
@@ -220,6 +253,7 @@ class RedisIndex:
         self._clear = client.register_script(_CLEAR)
         self._request_key = client.register_script(_REQUEST_KEY)
         self._lookup = client.register_script(_LOOKUP)
+        self._route_read = client.register_script(_ROUTE_READ)
         self._size = client.register_script(_SIZE)
 
     @classmethod
@@ -265,11 +299,31 @@ class RedisIndex:
             return {}
         flat = await self._lookup(keys=[], args=[self._rk_prefix,
                                                  *(_rk_str(k) for k in request_keys)])
-        result: PrefixMatch = {}
-        for i in range(0, len(flat), 2):
-            engine, _, tier = flat[i].decode().partition("\0")
-            result.setdefault(engine, {})[tier] = int(flat[i + 1])
-        return result
+        return _prefix_match(flat)
+
+    async def route_read(self, session_key: str | None, handle_key: str | None,
+                         request_keys: Sequence[RequestKey], take_handle: bool = False
+                         ) -> RouteRead:
+        """One script, so one round trip: the record, the handle (taken atomically
+        with ``take_handle``) and the lookup."""
+        keys = [f"{self._prefix}sess:{session_key}"] if session_key else []
+        if session_key and handle_key:
+            keys.append(handle_key)
+        record, handle, ttl_ms, flat = await self._route_read(
+            keys=keys, args=[self._rk_prefix, "1" if take_handle else "0",
+                             *(_rk_str(k) for k in request_keys)])
+        taken = handle is not None and int(ttl_ms) != -2
+        return RouteRead(record=record, handle=handle, handle_taken=taken,
+                         handle_ttl_ms=int(ttl_ms) if taken else -1,
+                         matches=_prefix_match(flat))
+
+    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+        # NX: a handle published since (a newer turn) is not overwritten.  A ttl of
+        # 0 or less than a millisecond left: it ran out meanwhile, nothing to return.
+        if ttl_ms == -1:
+            await self._client.set(handle_key, handle, nx=True)
+        elif ttl_ms > 0:
+            await self._client.set(handle_key, handle, nx=True, px=ttl_ms)
 
     async def size(self) -> int:
         return int(await self._size(keys=[self._prefix + "engines"], args=[self._prefix]))
