@@ -14,8 +14,9 @@ P's verification refuses them and P computes those tokens itself.
 Per turn it prints the route (P then D, or D only) and, from P's token accounting:
 prompt tokens, tokens computed, tokens reused from P's own prefix cache, tokens
 pulled from D, and D's tokens refused by verification; then what D pulled back from
-P and whether D continued from the token P sampled (first-token handoff; ``-`` when
-streaming, where D's accounting is not sent).
+P, whether D continued from the token P sampled (first-token handoff; ``-`` when
+streaming, where D's accounting is not sent), and P's decision for the blocks only
+D held, with its priced pull and recompute times.
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ def _post(url: str, body: dict) -> tuple[dict, dict[str, str]]:
     return {"choices": [{"token_ids": token_ids}]}, headers
 
 
+def _decision(prefill: dict) -> str:
+    """P's choice for the blocks only D held (``d_to_p:pull:ok`` -> ``pull``), with
+    the prices behind it; ``-`` when D held nothing P lacked."""
+    decision = prefill.get("decision", "")
+    if not decision.startswith("d_to_p:"):
+        return "-"
+    choice = decision.split(":")[1]
+    pull, recompute = prefill.get("priced_pull_ms"), prefill.get("priced_recompute_ms")
+    if pull is None or recompute is None:
+        return choice
+    return f"{choice} ({pull:.1f}/{recompute:.1f} ms)"
+
+
 def _tokenize(proxy: str, model: str, text: str) -> list[int]:
     out, _ = _post(proxy + "/tokenize", {"model": model, "prompt": text,
                                           "add_special_tokens": False})
@@ -71,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         model = json.loads(resp.read())["data"][0]["id"]
     history = _tokenize(args.proxy, model, " ".join(rng.choices(_WORDS, k=120)))
     print(f"{'turn':>4} {'route':<14} {'prompt':>6} {'computed':>8} {'local':>6} "
-          f"{'from D':>6} {'refused':>7} {'D pulled':>8} {'D from P token':>14}  (tokens)")
+          f"{'from D':>6} {'refused':>7} {'D pulled':>8} {'D from P token':>14} "
+          f"{'P decision':<16} (tokens)")
     last_output: list[int] = []
     pulled_turns = refused_turns = 0
     for turn in range(1, args.turns + 1):
@@ -95,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{first.get('prompt_tokens', 0):>6} {first.get('recomputed_tokens', 0):>8} "
               f"{first.get('local_hit_tokens', 0):>6} {from_d:>6} {refused:>7} "
               f"{decode.get('pulled_from_peer_tokens', '-') if prefill and decode else '-':>8} "
-              f"{('yes' if decode.get('first_token_from_prefill') else 'no') if decode else '-':>14}"
-              + ("   <- previous output stripped" if stripped else ""))
+              f"{('yes' if decode.get('first_token_from_prefill') else 'no') if decode else '-':>14} "
+              f"{_decision(prefill):<16}"
+              + ("  <- previous output stripped" if stripped else ""))
         last_output = out["choices"][0]["token_ids"]
         history = history + last_output
     print(f"P pulled D's blocks on {pulled_turns} turn(s); verification refused D's "
