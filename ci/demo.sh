@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install, start a local 1P+1D cluster (tiny generated model, CPU), run a 6-turn
-# chat through the proxy, print where each turn's prompt KV came from, and stop.
+# Install, start a local 1P+1D cluster (tiny generated model, CPU), run a 6-turn agent
+# session through the proxy (token ids; the last turn strips the previous output),
+# print where each turn's prompt KV came from, and stop.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh
