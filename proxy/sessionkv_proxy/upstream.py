@@ -51,9 +51,14 @@ class UpstreamResponse:
         return list(self._resp.raw_headers)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as the engine chunked it: one server-sent event per chunk from
+        vLLM.  Not ``iter_any``, which hands over all that is buffered at once: a
+        stream read late (D ran ahead while the proxy waited for P) then went to the
+        client in one write, and a client that had left was not noticed."""
         try:
-            async for chunk in self._resp.content.iter_any():
-                yield chunk
+            async for chunk, _ in self._resp.content.iter_chunks():
+                if chunk:
+                    yield chunk
         except aiohttp.ClientPayloadError as exc:
             raise ConnectionResetError(f"engine stream broke: {exc!r}") from exc
         except aiohttp.ServerTimeoutError as exc:
