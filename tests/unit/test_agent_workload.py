@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from agentload.workload import (  # noqa: E402
+from agentload.workload import (
     AgentConfig,
     Session,
     Step,
