@@ -137,7 +137,7 @@ class RouterProc:
 def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 prefill: list[Backend] | None = None) -> list[str]:
     """The command line of one router.  ``kind``: ours, ours-notok, toy,
-    vr:<policy>, vr-pd, bare (the no-logic relay floor, one backend)."""
+    vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend)."""
     urls = [b.url for b in decode]
     if kind in ("ours", "ours-notok"):
         argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
@@ -168,8 +168,10 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
               "--prometheus-port", str(ports.take())]
     if kind.startswith("vr:"):
         return common + ["--policy", kind[3:], "--worker-urls", *urls]
-    if kind == "vr-pd":
-        argv = common + ["--vllm-pd-disaggregation", "--policy", "round_robin",
+    if kind == "vr-pd" or kind.startswith("vr-pd:"):
+        # vr-pd:<policy> picks vllm-router's policy (round_robin by default).
+        policy = kind.split(":", 1)[1] if ":" in kind else "round_robin"
+        argv = common + ["--vllm-pd-disaggregation", "--policy", policy,
                          "--kv-connector", "nixl"]
         for b in prefill or []:
             argv += ["--prefill", b.url]

@@ -384,3 +384,14 @@ def mooncake_file_ceiling(lines: Iterable[str], max_requests: int | None = None)
         if max_requests and n >= max_requests:
             break
     return hits / blocks if blocks else 0.0
+
+
+def without_waits(workload: Workload) -> Workload:
+    """The same workload with no start offsets and no tool delays (the reference run
+    needs only the answers, not the timing)."""
+    import dataclasses
+
+    sessions = [dataclasses.replace(s, start_s=0.0, steps=tuple(
+        dataclasses.replace(st, delay_s=0.0) for st in s.steps)) for s in workload.sessions]
+    return Workload(name=workload.name, sessions=sessions, block_size=workload.block_size,
+                    think_open=workload.think_open, description=workload.description)
