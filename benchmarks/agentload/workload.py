@@ -324,22 +324,30 @@ def multi_turn_workload(conversations: list[dict], tokenize: Callable[[str], lis
 def mooncake_workload(lines: Iterable[str], block_size: int = 32, trace_block_tokens: int = 512,
                       time_scale: float = 1.0, max_requests: int | None = None,
                       max_output_tokens: int = 16, vocab_lo: int = 16, vocab_hi: int = 1000,
-                      name: str = "mooncake") -> Workload:
+                      max_prompt_tokens: int | None = None, name: str = "mooncake") -> Workload:
     """Mooncake trace JSONL (``timestamp`` ms, ``input_length``, ``output_length``,
     ``hash_ids``).  One hash id is one block of identical content: here one block of
     ``block_size`` tokens drawn from a generator seeded by the id, so blocks the trace
     shares are shared token for token.  Lengths shrink by ``block_size /
     trace_block_tokens`` (the trace's blocks are 512 tokens); send times are the
-    trace's timestamps times ``time_scale``, from the first request of the slice."""
+    trace's timestamps times ``time_scale``, from the first request of the slice.
+    Requests longer than ``max_prompt_tokens`` after scaling are left out (counted in
+    the description)."""
     scale = block_size / trace_block_tokens
     sessions = []
     t0 = None
+    too_long = 0
     for line in lines:
         if not line.strip():
             continue
         rec = json.loads(line)
         ids = list(rec["hash_ids"])
         if not ids:
+            continue
+        if max_requests and len(sessions) + too_long >= max_requests:
+            break
+        if max_prompt_tokens and len(ids) * block_size > max_prompt_tokens:
+            too_long += 1
             continue
         t0 = rec["timestamp"] if t0 is None else t0
         prompt: list[int] = []
@@ -354,11 +362,11 @@ def mooncake_workload(lines: Iterable[str], block_size: int = 32, trace_block_to
         sessions.append(Session(sid=f"{name}-{len(sessions)}", head=tuple(prompt),
                                 steps=(Step(new_tokens=(), max_tokens=out),),
                                 start_s=round((rec["timestamp"] - t0) / 1000 * time_scale, 3)))
-        if max_requests and len(sessions) >= max_requests:
-            break
     return Workload(name=name, sessions=sessions, block_size=block_size, think_open=None,
-                    description=f"Mooncake trace replay: {len(sessions)} requests, one hash "
-                                f"id = {block_size} tokens, time x{time_scale:g}")
+                    description=f"Mooncake trace replay: {len(sessions)} requests"
+                                + (f" ({too_long} longer than {max_prompt_tokens} tokens left "
+                                   "out)" if too_long else "")
+                                + f", one hash id = {block_size} tokens, time x{time_scale:g}")
 
 
 def mooncake_file_ceiling(lines: Iterable[str], max_requests: int | None = None) -> float:
