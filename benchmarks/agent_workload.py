@@ -70,9 +70,11 @@ from bench_common import (  # noqa: E402
 
 DEFAULT_MOONCAKE = BENCH_DIR / "data" / "mooncake_conversation_5300_60.jsonl"
 
-# Full run: P holds 6,144 tokens, D 24,576, each co-located engine their mean.
+# Full run: P holds 6,144 tokens, D 24,576, each co-located engine their mean.  vLLM
+# refuses to start an engine whose KV cannot hold one max_model_len request, so P's
+# blocks cap max_model_len.
 FULL = {
-    "p_blocks": 192, "d_blocks": 768, "max_model_len": 8192,
+    "p_blocks": 192, "d_blocks": 768, "max_model_len": 4096,
     "r1": AgentConfig(sessions=4, steps=5, prefix_tokens=512, task_tokens=48,
                       tool_output_tokens=160, output_tokens=24, think_tokens=8,
                       tool_delay_s=0.5, strip_share=0.3, subagent_share=0.25,
@@ -88,7 +90,7 @@ FULL = {
     "probe_steps": 8, "mooncake_requests": 60,
 }
 QUICK = {
-    "p_blocks": 64, "d_blocks": 256, "max_model_len": 4096,
+    "p_blocks": 72, "d_blocks": 256, "max_model_len": 2048,
     "r1": AgentConfig(sessions=2, steps=3, prefix_tokens=256, task_tokens=32,
                       tool_output_tokens=96, output_tokens=12, think_tokens=4,
                       tool_delay_s=0.2, strip_share=0.5, subagent_share=0.5,
@@ -121,9 +123,10 @@ def _override(cfg: AgentConfig, text: str | None) -> AgentConfig:
     return dataclasses.replace(cfg, **kw)
 
 
-def probe_config(cfg: AgentConfig, steps: int) -> AgentConfig:
+def probe_config(cfg: AgentConfig, steps: int, strip_share: float = 0.0) -> AgentConfig:
     return dataclasses.replace(cfg, sessions=1, steps=steps, subagent_share=0.0,
-                               strip_share=0.0, skew=0.0, seed=cfg.seed + 100)
+                               strip_share=strip_share, skew=0.0,
+                               seed=cfg.seed + (200 if strip_share else 100))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -151,6 +154,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="CPU KV space per engine (the block counts cap it)")
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES, one per engine")
+    p.add_argument("--dtype", default="float32",
+                   help="engines' --dtype.  float32 by default: in bfloat16 on this CPU "
+                        "build, answers depend on which requests share a batch and on where "
+                        "a prefix-cache hit splits the prompt, by up to 0.4 in logprob, so "
+                        "a comparison with the reference could not tell wrong KV from noise")
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="arm and cluster order")
     p.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"),
@@ -184,6 +192,11 @@ def build_workloads(args, tokenizer_dir: str) -> dict[str, tuple[Workload, list[
             out[f"probe-{name}"] = (agent_workload(probe_config(args.cfg[name],
                                                                 args.probe_steps),
                                                    name=f"probe-{name}"), regime_arms)
+            if name == "r1":
+                # Every step after the first strips the previous step's reasoning.
+                out["probe-strip"] = (agent_workload(probe_config(args.cfg[name],
+                                                                  args.probe_steps, 1.0),
+                                                     name="probe-strip"), regime_arms)
     if "skew" in args.workload_names:
         out["skew"] = (agent_workload(args.cfg["skew"], name="skew"),
                        [k for k in SKEW_ARMS if k in selected])
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.model or "bench model (vllm_sessionkv.tiny_model.BENCH_MODEL_SIZE)"),
             "p_blocks": args.p_blocks, "d_blocks": args.d_blocks,
             "coloc_blocks": (args.p_blocks + args.d_blocks) // 2, "block_size": 32,
-            "max_model_len": args.max_model_len,
+            "max_model_len": args.max_model_len, "dtype": args.dtype,
             "workloads": {n: w.description for n, (w, _) in workloads.items()},
             "workload_arms": {n: a for n, (_, a) in workloads.items()},
             "configs": {k: dataclasses.asdict(v) for k, v in args.cfg.items()}}
@@ -265,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                                 p_blocks=args.p_blocks, d_blocks=args.d_blocks,
                                 coloc_blocks=(args.p_blocks + args.d_blocks) // 2,
                                 kv_cache_gb=args.kv_cache_gb,
-                                gpus=args.gpus.split(",") if args.gpus else None)
+                                gpus=args.gpus.split(",") if args.gpus else None,
+                                extra_args=["--enable-prompt-tokens-details",
+                                            "--dtype", args.dtype])
     ports = PortPool(31000, 31899)
     reference: dict[str, dict] = {}
     ref_outputs: dict[str, dict] = {}
