@@ -298,12 +298,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             try:
                 results["commands"].update(run.commands)
-                armlib.warm_up(run, model)
+                for key, why in armlib.warm_up(run, model).items():
+                    failures.append(f"arm {key} dropped: {why}"[:600])
+                    log(failures[-1])
                 if cname == "coloc":
                     reference_phase(run, model, workloads, reference, ref_outputs, results,
                                     opts, args)
                 for wname, (workload, wl_arms) in workloads.items():
-                    keys = [a for a in arms_here if a.key in wl_arms]
+                    keys = [a for a in arms_here if a.key in wl_arms and a.key in run.routers]
                     rng.shuffle(keys)
                     for arm in keys:
                         try:

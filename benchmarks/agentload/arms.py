@@ -241,23 +241,31 @@ def engine_counters(run: Running) -> list[dict[str, float]]:
     return [scrape(url) for _, url in run.engines]
 
 
-def warm_up(run: Running, model: str) -> None:
+def warm_up(run: Running, model: str) -> dict[str, str]:
     """First requests of a fresh engine pay compilation and NIXL wiring: a few short
-    requests through every router of the cluster."""
+    requests through every router of the cluster.  A router that cannot serve them is
+    dropped from ``run.routers``; returns arm key -> why."""
     import random
 
     import requests
 
     rng = random.Random(7)
-    for key, url in run.routers.items():
+    failed: dict[str, str] = {}
+    for key, url in list(run.routers.items()):
         for n in (300, 40):
             body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n)],
                     "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            resp = requests.post(url + "/v1/completions", json=body,
-                                 headers={"X-Session-ID": f"warm-{key}-{n}"}, timeout=600)
-            if resp.status_code != 200:
-                raise RuntimeError(f"warm-up through {key} failed: {resp.status_code} "
-                                   f"{resp.text[:300]}")
+            try:
+                resp = requests.post(url + "/v1/completions", json=body,
+                                     headers={"X-Session-ID": f"warm-{key}-{n}"}, timeout=600)
+                ok, why = resp.status_code == 200, f"{resp.status_code} {resp.text[:300]}"
+            except requests.RequestException as exc:
+                ok, why = False, repr(exc)[:300]
+            if not ok:
+                failed[key] = f"warm-up request failed: {why}"
+                del run.routers[key]
+                break
+    return failed
 
 
 def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int = 3) -> dict:
