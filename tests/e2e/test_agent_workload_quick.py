@@ -23,6 +23,11 @@ def test_agent_workload_quick(tmp_path):
         capture_output=True, text=True, timeout=1450, check=False)
     tail = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:])
     assert proc.returncode == 0, tail
+    check_quick_report(out_dir)
+
+
+def check_quick_report(out_dir: Path) -> None:
+    """The checks, on a finished ``--quick`` run's output directory."""
     data = json.loads((out_dir / "agent_workload_quick.json").read_text())
     assert not data["failures"], data["failures"]
     runs = data["runs"]
