@@ -164,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"),
                    help="agent_workload.md, .json and the PNG plots go here")
     p.add_argument("--log-dir", help="engine and router logs (default: a temp dir)")
+    p.add_argument("--render-only", metavar="JSON",
+                   help="write the report and plots of an earlier run's JSON, run nothing")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
     args.p_blocks = args.p_blocks or base["p_blocks"]
@@ -220,8 +222,35 @@ def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def write_report(results: dict, out_dir: Path, stem: str, have_side: bool) -> list[str]:
+    """The JSON, the markdown report (also printed) and the plots; returns failures."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = out_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(results, indent=1, default=str))
+    text = report.render(results)
+    print(text)
+    (out_dir / f"{stem}.md").write_text(text + "\n")
+    if not have_side:
+        return []
+    out = subprocess.run([str(SIDE_PY), "-c",
+                          "import sys; sys.path.insert(0, sys.argv[1]); "
+                          "from agentload import report; "
+                          "report.plot(sys.argv[2], sys.argv[3], sys.argv[4])",
+                          str(BENCH_DIR), str(json_path), str(out_dir), stem],
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        log(f"plots failed: {out.stderr[-1500:]}")
+        return ["plots failed"]
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render_only:
+        path = Path(args.render_only)
+        results = json.loads(path.read_text())
+        write_report(results, Path(args.out_dir), path.stem, SIDE_PY.exists())
+        return 0
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)
     armlib.env_for_bench()
@@ -320,24 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         failures.append("interrupted")
     results["meta"]["wall_s"] = time.perf_counter() - started
     out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     stem = "agent_workload_quick" if args.quick else "agent_workload"
-    json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(results, indent=1, default=str))
-    text = report.render(results)
-    print(text)
-    (out_dir / f"{stem}.md").write_text(text + "\n")
-    if have_side:
-        out = subprocess.run([str(SIDE_PY), "-c",
-                              "import sys; sys.path.insert(0, sys.argv[1]); "
-                              "from agentload import report; "
-                              "report.plot(sys.argv[2], sys.argv[3], sys.argv[4])",
-                              str(BENCH_DIR), str(json_path), str(out_dir), stem],
-                             capture_output=True, text=True, check=False)
-        if out.returncode:
-            log(f"plots failed: {out.stderr[-1500:]}")
-            failures.append("plots failed")
-    log(f"report in {out_dir / (stem + '.md')}, data in {json_path}, wall "
+    failures += write_report(results, out_dir, stem, have_side)
+    log(f"report in {out_dir / (stem + '.md')}, data in {out_dir / (stem + '.json')}, wall "
         f"{results['meta']['wall_s']:.0f} s")
     for f in failures:
         print(f"FAILED: {f}")
