@@ -51,8 +51,10 @@ def check_quick_report(out_dir: Path) -> None:
             assert 0 < s["computed_tokens"] <= 2 * s["prompt_tokens"], what
             assert s["reuse_factor"] == pytest.approx(s["prompt_tokens"] / s["computed_tokens"])
             assert s["computed_per_step"] == pytest.approx(s["computed_tokens"] / s["ok"])
-            if s["share_of_max"] is not None:
+            if s["share_of_max"] is not None and arm != "4-nixl-bidi":
                 # At least the tokens no earlier request computed are computed again.
+                # Not for arm 4: stock bidirectional attaches D's blocks unverified, so
+                # it can "reuse" blocks whose tokens differ (its mismatches show it).
                 assert s["share_of_max"] <= 1.0 + 1e-9, what
             assert s["ttft_p50_s"] <= s["ttft_p99_s"], what
             assert s["itl_p50_s"] is None or s["itl_p50_s"] <= s["itl_p99_s"], what
