@@ -246,7 +246,12 @@ def must_shows(results: dict) -> list[str]:
         steps = per_arm.get("4-nixl-bidi")
         if steps and len(steps) > 2:
             bidi.append(f"{w} {steps[1]['bytes'] / 1e3:.0f} -> {steps[-1]['bytes'] / 1e3:.0f} KB")
-    out.append("3. ours' KV bytes, second step -> last step: "
+    zero = sum(st["bytes"] == 0 for per_arm in results.get("probes", {}).values()
+               for st in per_arm.get("7-ours", [])[1:])
+    total = sum(len(per_arm.get("7-ours", [])[1:])
+                for per_arm in results.get("probes", {}).values())
+    out.append(f"3. ours' KV bytes ({zero} of {total} probe steps after the first moved "
+               "none: served on D alone), second step -> last step: "
                + "; ".join(f"{w} {b1 / 1e3:.0f} -> {bl / 1e3:.0f} KB" for w, b1, bl, _ in flat)
                + f" (last within 1.5x of the second): {verdict(all(f[3] for f in flat) if flat else None)}"
                + f"; arm 4: {'; '.join(bidi) or 'not measured'}")
@@ -348,12 +353,13 @@ def render(results: dict) -> str:
               "the whole request.",
               "- mismatches (concurrent runs): steps whose token ids (tok) or only top-5 "
               "logprobs (lp, beyond 2e-3) differ from the co-located reference at temperature"
-              " 0; in brackets the steps that stripped the previous reasoning. On this CPU "
-              "build the numerics depend on which requests share a batch (bf16, no "
-              "batch-invariant kernels on CPU): arm 1, plain co-located vLLM with no KV "
-              "transfer, differs from the reference too, and that is the noise floor of "
-              "these columns. The strict check is the probe sessions: one request at a "
-              "time, as in the e2e tests, where every step must be equal.",
+              " 0; in brackets the steps that stripped the previous reasoning. The engines "
+              "run in float32 (`--dtype`): in bfloat16 on this CPU build the answers moved "
+              "with batch composition and with where a prefix-cache hit split the prompt (up"
+              " to 0.38 in logprob for plain co-located vLLM against its own reference), "
+              "which would hide wrong KV in noise; arm 1 (plain co-located vLLM, no KV "
+              "transfer) is the noise floor of these columns. The probe sessions are the "
+              "strict check: one request at a time, as in the e2e tests.",
               "- KV MB moved: `vllm:nixl_bytes_transferred_sum` deltas on both engines.",
               "- requests per engine: `vllm:request_success_total` deltas (a P/D request "
               "counts on P and on D; a request ours serves on one engine counts once)."]
@@ -402,7 +408,8 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
                    label=label)
         ax.set_xticks([i + 0.2 for i in x], [k for k in keys], rotation=45, fontsize=7,
                       ha="right")
-        ax.set_ylabel("TTFT (s)")
+        ax.set_ylabel("TTFT (s, log scale)")
+        ax.set_yscale("log")
         ax.set_title(wname)
         ax.legend(fontsize=7)
     fig.tight_layout()
