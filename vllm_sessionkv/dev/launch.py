@@ -345,6 +345,8 @@ class ClusterSpec:
     max_model_len: int = 4096
     kv_cache_space_gb: float = 1.0  # KV cache per engine on CPU
     num_gpu_blocks_override: int | None = None
+    # P engines only, when set (e.g. a P pool with less KV than D's).
+    prefill_num_gpu_blocks_override: int | None = None
     connector: str = "sessionkv"
     sessionkv: dict = field(default_factory=dict)
     nixl_extra: dict = field(default_factory=dict)
@@ -458,7 +460,10 @@ class LocalCluster:
                           kv_events_replay_port=self._port(), block_size=spec.block_size,
                           max_model_len=spec.max_model_len,
                           kv_cache_space_gb=spec.kv_cache_space_gb,
-                          num_gpu_blocks_override=spec.num_gpu_blocks_override,
+                          num_gpu_blocks_override=(
+                              spec.prefill_num_gpu_blocks_override
+                              if role == "prefill" and spec.prefill_num_gpu_blocks_override
+                              else spec.num_gpu_blocks_override),
                           connector=spec.connector, sessionkv=sessionkv,
                           nixl_extra=dict(spec.nixl_extra), extra_args=list(spec.engine_extra_args), gpus=gpus)
 

@@ -20,7 +20,7 @@ import os
 import random
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "generate_tiny_model", "main"]
+__all__ = ["BENCH_MODEL_SIZE", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "generate_tiny_model", "main"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,20 @@ def _train_tokenizer(seed: int, vocab_size: int):
     return tok
 
 
+# The agent benchmark's model: the same tokenizer and init, wider and deeper, so that
+# prefill compute (not per-request overhead) dominates on a 2-core CPU.  3,072 KV
+# bytes per token in bfloat16 (6 layers x 2 KV heads x 64 x K and V x 2 bytes).
+BENCH_MODEL_SIZE = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6,
+                    "num_attention_heads": 6, "num_key_value_heads": 2}
+
+
 def generate_tiny_model(out_dir: str | os.PathLike, seed: int = 0, perturb: bool = False,
-                        vocab_size: int = 1024, max_position_embeddings: int = 8192) -> Path:
-    """Write an HF model directory vLLM can load; returns its path."""
+                        vocab_size: int = 1024, max_position_embeddings: int = 8192,
+                        hidden_size: int = 128, intermediate_size: int = 256,
+                        num_hidden_layers: int = 2, num_attention_heads: int = 2,
+                        num_key_value_heads: int = 2) -> Path:
+    """Write an HF model directory vLLM can load; returns its path.  The defaults are
+    the tests' tiny model; ``**BENCH_MODEL_SIZE`` gives the benchmark's."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -83,8 +94,10 @@ def generate_tiny_model(out_dir: str | os.PathLike, seed: int = 0, perturb: bool
     hf_tok.save_pretrained(out)
 
     config = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+        vocab_size=tok.get_vocab_size(), hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        head_dim=64,
         max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
         # A wider init than the default 0.02 keeps the random model's next-token
         # distribution from being nearly flat, so greedy outputs vary with the prompt.
@@ -100,7 +113,8 @@ def generate_tiny_model(out_dir: str | os.PathLike, seed: int = 0, perturb: bool
                 layer.self_attn.v_proj.weight.mul_(-3.0)
     model.save_pretrained(out, safe_serialization=True)
     (out / "sessionkv_tiny_model.json").write_text(
-        json.dumps({"seed": seed, "perturbed": perturb, "vocab_size": vocab_size}))
+        json.dumps({"seed": seed, "perturbed": perturb, "vocab_size": vocab_size,
+                    "hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers}))
     logger.info("tiny model written to %s (seed=%d perturbed=%s)", out, seed, perturb)
     return out
 
@@ -110,11 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench", action="store_true",
+                        help="the agent benchmark's larger model (BENCH_MODEL_SIZE)")
     parser.add_argument("--perturb", action="store_true",
                         help="scale k_proj/v_proj by -3 (negative control)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    generate_tiny_model(args.out_dir, seed=args.seed, perturb=args.perturb)
+    generate_tiny_model(args.out_dir, seed=args.seed, perturb=args.perturb,
+                        **(BENCH_MODEL_SIZE if args.bench else {}))
     return 0
 
 

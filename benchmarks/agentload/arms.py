@@ -1,0 +1,300 @@
+"""The engines and routers of each arm, and the counters read around each run.
+
+Every arm has two engines.  Co-located arms: two vLLM servers with prefix caching.
+P/D arms: one P and one D (``LocalCluster``), P with less KV than D when the bench
+asks for it.  Arms that share engines (the co-located ones; vllm-router and ours on
+our engines) run one after the other with every cache reset in between.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench_common import (
+    BENCH_DIR,
+    BLOCK_SIZE,
+    Backend,
+    PortPool,
+    log,
+    start_routers,
+)
+
+
+@dataclass(frozen=True)
+class Arm:
+    key: str          # short id used in files and plots
+    label: str        # the table's name
+    cluster: str      # coloc | stock | bidi | nopull | ours
+    router: str       # router_argv kind, "conv" (conversation proxy), "cluster" (ours)
+
+
+ARMS = [
+    Arm("1-rr", "1 co-located + round robin", "coloc", "toy"),
+    Arm("2-ours-coloc", "2 co-located + our proxy", "coloc", "ours"),
+    Arm("3-nixl-rr", "3 stock NIXL P/D + round robin", "stock", "toy-pd"),
+    Arm("4-nixl-bidi", "4 stock bidirectional NIXL + conversation proxy", "bidi", "conv"),
+    Arm("5-vr-rr", "5 vllm-router P/D round_robin", "ours", "vr-pd:round_robin"),
+    Arm("5-vr-cache", "5 vllm-router P/D cache_aware", "ours", "vr-pd:cache_aware"),
+    Arm("6-ours-nopull", "6 ours, D->P pulls off", "nopull", "cluster"),
+    Arm("7-ours", "7 ours in full", "ours", "cluster"),
+    # Mooncake replay only: vllm-router's cache-aware policy over the co-located pair.
+    Arm("5-vr-cache-coloc", "5 vllm-router cache_aware (co-located)", "coloc",
+        "vr:cache_aware"),
+]
+ARM_BY_KEY = {a.key: a for a in ARMS}
+CLUSTERS = ("coloc", "stock", "bidi", "nopull", "ours")
+
+# Counters read from every engine before and after each run.
+SOURCE_METRICS = ("vllm:prompt_tokens_by_source_total", "sessionkv_prompt_tokens_total")
+PLAIN_METRICS = ("vllm:prompt_tokens_total", "vllm:request_success_total",
+                 "vllm:nixl_bytes_transferred_sum", "vllm:generation_tokens_total",
+                 "vllm:request_prefill_time_seconds_sum",
+                 "vllm:request_prefill_time_seconds_count")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The counters above, ``name`` or ``name{source}`` -> value (summed over other
+    labels)."""
+    import requests
+
+    out: dict[str, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in PLAIN_METRICS:
+            key = name
+        elif name in SOURCE_METRICS:
+            src = line.split('source="', 1)[1].split('"', 1)[0] if 'source="' in line else "?"
+            key = f"{name}{{{src}}}"
+        else:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            pass
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+
+
+@dataclass
+class EngineOptions:
+    model: str
+    max_model_len: int
+    p_blocks: int
+    d_blocks: int
+    coloc_blocks: int
+    kv_cache_gb: float = 1.0
+    gpus: list[str] | None = None
+    ours_sessionkv: dict = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=lambda: ["--enable-prompt-tokens-details"])
+
+
+@dataclass
+class Running:
+    """A started cluster: its engines (role, url), routers per arm, processes."""
+
+    name: str
+    engines: list[tuple[str, str]]
+    routers: dict[str, str] = field(default_factory=dict)   # arm key -> base URL
+    admin: str | None = None    # our proxy: /admin/reset resets sessions and engines
+    procs: list = field(default_factory=list)
+    cluster: object = None
+    commands: dict[str, str] = field(default_factory=dict)
+
+    def stop(self) -> None:
+        from vllm_sessionkv.dev.launch import stop_all
+
+        stop_all(list(reversed(self.procs)))
+        if self.cluster is not None:
+            self.cluster.stop()
+
+
+def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
+                  log_dir: Path) -> Running:
+    from vllm_sessionkv.dev.launch import (
+        ClusterSpec,
+        EngineSpec,
+        LocalCluster,
+        start_engine,
+        start_process,
+        wait_healthy,
+    )
+
+    t0 = time.perf_counter()
+    if name == "coloc":
+        run = Running(name, [])
+        backends = []
+        try:
+            for i in range(2):
+                base = ports.take(3)
+                spec = EngineSpec(role="colocated", model=opts.model, port=base,
+                                  kv_events_port=base + 1, kv_events_replay_port=base + 2,
+                                  block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
+                                  kv_cache_space_gb=opts.kv_cache_gb,
+                                  num_gpu_blocks_override=opts.coloc_blocks,
+                                  extra_args=list(opts.extra_args),
+                                  gpus=opts.gpus[i % len(opts.gpus)] if opts.gpus else None)
+                run.procs.append(start_engine(spec, f"coloc{i}", log_dir))
+                run.engines.append(("coloc", spec.url))
+                backends.append(Backend(spec.url, spec.kv_events_endpoint,
+                                        spec.kv_events_replay_endpoint))
+            wait_healthy([(p, u) for p, (_, u) in zip(run.procs, run.engines)], timeout_s=900)
+            specs = [(a.key, a.router, backends, None) for a in arms]
+            routers = start_routers(specs, ports, log_dir, run.procs)
+            for key, r in routers.items():
+                run.routers[key] = r.url
+                run.commands[key] = " ".join(r.argv)
+                if ARM_BY_KEY[key].router == "ours":
+                    run.admin = r.url
+        except BaseException:
+            run.stop()
+            raise
+        log(f"cluster coloc healthy after {time.perf_counter() - t0:.0f}s")
+        return run
+
+    spec_kw: dict = {"connector": "sessionkv", "proxy": name in ("ours", "nopull")}
+    if name == "stock":
+        spec_kw.update(connector="nixl", nixl_extra={"bidirectional_kv_xfer": False})
+    elif name == "bidi":
+        # Stock bidirectional with its stock recompute threshold (64 tokens).
+        spec_kw.update(connector="nixl", nixl_extra={"kv_recompute_threshold": 64})
+    elif name == "nopull":
+        spec_kw.update(sessionkv={**opts.ours_sessionkv, "session_pulls": False})
+    else:
+        spec_kw.update(sessionkv=dict(opts.ours_sessionkv))
+    cluster = LocalCluster(ClusterSpec(
+        model=opts.model, prefill=1, decode=1, base_port=ports.take(12),
+        block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
+        kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=opts.d_blocks,
+        prefill_num_gpu_blocks_override=opts.p_blocks,
+        engine_extra_args=list(opts.extra_args), gpus=opts.gpus, log_dir=log_dir / name,
+        fail_fast=True, **spec_kw))
+    run = Running(name, [], cluster=cluster)
+    try:
+        cluster.start(timeout_s=900)
+        p_url, d_url = cluster.prefill[0].url, cluster.decode[0].url
+        run.engines = [("P", p_url), ("D", d_url)]
+        if cluster.proxy_url:
+            run.admin = cluster.proxy_url
+        for a in arms:
+            if a.router == "cluster":
+                run.routers[a.key] = cluster.proxy_url
+                run.commands[a.key] = " ".join(cluster.procs[-1].popen.args)
+            elif a.router == "conv":
+                port = ports.take()
+                argv = [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port",
+                        str(port), "--prefill", p_url, "--decode", d_url]
+                proc = start_process("conversation_proxy", argv, log_dir)
+                run.procs.append(proc)
+                wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
+                run.routers[a.key] = f"http://127.0.0.1:{port}"
+                run.commands[a.key] = " ".join(argv)
+            else:
+                kind = "toy" if a.router == "toy-pd" else a.router
+                r = start_routers([(a.key, kind, [Backend(d_url)], [Backend(p_url)])],
+                                  ports, log_dir, run.procs)[a.key]
+                run.routers[a.key] = r.url
+                run.commands[a.key] = " ".join(r.argv)
+    except BaseException:
+        run.stop()
+        raise
+    log(f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
+    return run
+
+
+def reset(run: Running) -> str:
+    """Empty every cache of the cluster (our proxy's sessions too); returns a note
+    when an engine refused (stock bidirectional D keeps a conversation's last blocks
+    until its TTL, and they cannot be freed)."""
+    import requests
+
+    if run.admin:
+        resp = requests.post(run.admin + "/admin/reset", params={"timeout_s": "30"},
+                             timeout=60)
+        if resp.status_code == 200:
+            return ""
+        note = f"admin reset answered {resp.status_code}: {resp.text[:200]}"
+    else:
+        note = ""
+    for _, url in run.engines:
+        for _ in range(50):
+            resp = requests.post(url + "/reset_prefix_cache",
+                                 params={"reset_external": "true"}, timeout=30)
+            if resp.status_code == 200 and resp.json().get("success") is True:
+                break
+            time.sleep(0.2)
+        else:
+            note += f" {url} refused the prefix-cache reset (blocks held)"
+    return note.strip()
+
+
+def engine_counters(run: Running) -> list[dict[str, float]]:
+    return [scrape(url) for _, url in run.engines]
+
+
+def warm_up(run: Running, model: str) -> dict[str, str]:
+    """First requests of a fresh engine pay compilation and NIXL wiring: a few short
+    requests through every router of the cluster.  A router that cannot serve them is
+    dropped from ``run.routers``; returns arm key -> why."""
+    import random
+
+    import requests
+
+    rng = random.Random(7)
+    failed: dict[str, str] = {}
+    for key, url in list(run.routers.items()):
+        for n in (300, 40):
+            body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n)],
+                    "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            try:
+                resp = requests.post(url + "/v1/completions", json=body,
+                                     headers={"X-Session-ID": f"warm-{key}-{n}"}, timeout=600)
+                ok, why = resp.status_code == 200, f"{resp.status_code} {resp.text[:300]}"
+            except requests.RequestException as exc:
+                ok, why = False, repr(exc)[:300]
+            if not ok:
+                failed[key] = f"warm-up request failed: {why}"
+                del run.routers[key]
+                break
+    return failed
+
+
+def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int = 3) -> dict:
+    """Prefill time of ``n_tokens`` distinct tokens on one engine (``max_tokens=1``),
+    from the engine's own prefill-time histogram and from the client."""
+    import random
+
+    import requests
+
+    rng = random.Random(11)
+    before = scrape(url)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n_tokens)],
+                "max_tokens": 1, "temperature": 0}
+        requests.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+    client_s = (time.perf_counter() - t0) / reps
+    time.sleep(0.5)
+    d = delta(scrape(url), before)
+    n = d.get("vllm:request_prefill_time_seconds_count", 0.0)
+    engine_s = d.get("vllm:request_prefill_time_seconds_sum", 0.0) / n if n else None
+    return {"tokens": n_tokens, "client_s_per_1k": client_s / n_tokens * 1000,
+            "engine_s_per_1k": engine_s / n_tokens * 1000 if engine_s else None}
+
+
+def env_for_bench() -> None:
+    # UCX's TCP listeners of the P/D engines stay in the bench's port range.
+    os.environ.setdefault("UCX_TCP_PORT_RANGE", "31900-31999")
+
+
+def describe(run: Running) -> str:
+    return json.dumps({"engines": run.engines, "routers": run.routers})

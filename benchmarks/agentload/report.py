@@ -1,0 +1,435 @@
+"""The agent benchmark's table, headline figures and plots.
+
+Top-level imports are the standard library only: ``plot`` runs under the side venv's
+python (matplotlib lives there)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ARM_LABELS = {
+    "1-rr": "1 co-located + round robin",
+    "2-ours-coloc": "2 co-located + our proxy",
+    "3-nixl-rr": "3 stock NIXL P/D + round robin",
+    "4-nixl-bidi": "4 stock bidirectional NIXL + conversation proxy",
+    "5-vr-rr": "5 vllm-router P/D round_robin",
+    "5-vr-cache": "5 vllm-router P/D cache_aware",
+    "6-ours-nopull": "6 ours, D->P pulls off",
+    "7-ours": "7 ours in full",
+    "5-vr-cache-coloc": "5 vllm-router cache_aware (co-located)",
+}
+ARM_ORDER = list(ARM_LABELS)
+
+
+def _f(x, fmt: str = "{:.2f}", none: str = "-") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def _ms(x) -> str:
+    return _f(x, "{:.0f}") if x is None else f"{x * 1e3:.0f}"
+
+
+def _sources(s: dict) -> str:
+    """Where P's (or each co-located engine's) prompt tokens came from."""
+    parts = []
+    for name, e in s["engines"].items():
+        if name.startswith("D"):
+            continue
+        ours = e.get("sessionkv")
+        if ours:
+            parts.append(f"{name}: hit {ours['local_hit']:.0f} / pulled "
+                         f"{ours['pulled_from_peer']:.0f} / host {ours['pulled_from_host']:.0f}"
+                         f" / computed {ours['recomputed']:.0f}")
+        else:
+            parts.append(f"{name}: hit {e['local_hit']:.0f} / external {e['external']:.0f}"
+                         f" / computed {e['computed']:.0f}")
+    d = [e for n, e in s["engines"].items() if n.startswith("D")]
+    if d:
+        e = d[0]
+        parts.append(f"D: computed {e['computed']:.0f}")
+    if s.get("routes"):
+        parts.append("routes " + ", ".join(f"{k} {v}" for k, v in sorted(s["routes"].items())))
+    return "; ".join(parts)
+
+
+def workload_table(runs: dict, ceiling: dict) -> list[str]:
+    lines = ["| arm | steps ok | prompt tok | computed tok | computed/step | reuse x | "
+             "share of max | TTFT p50/p99/mean s | ITL p50/p99 ms | req/s | KV MB moved | "
+             "KV KB/step | mismatches tok/lp (stripped tok/lp of n) | requests per engine | "
+             "prompt-token sources |",
+             "|" + "---|" * 15]
+    for key in [k for k in ARM_ORDER if k in runs]:
+        s = runs[key]
+        m = s.get("mismatches") or {}
+        mm = (f"{m.get('token', 0)}/{m.get('logprob_only', 0)} "
+              f"({m.get('stripped_token', 0)}/{m.get('stripped_logprob_only', 0)} of "
+              f"{m.get('stripped_compared', 0)})") if m else "-"
+        lines.append(
+            f"| {ARM_LABELS[key]} | {s['ok']}/{s['steps']} | {s['prompt_tokens']} | "
+            f"{s['computed_tokens']:.0f} | {_f(s['computed_per_step'], '{:.0f}')} | "
+            f"{_f(s['reuse_factor'])} | {_f(s['share_of_max'], '{:.1%}')} | "
+            f"{_f(s['ttft_p50_s'], '{:.3f}')}/{_f(s['ttft_p99_s'], '{:.3f}')}/"
+            f"{_f(s['ttft_mean_s'], '{:.3f}')} | {_ms(s['itl_p50_s'])}/{_ms(s['itl_p99_s'])} | "
+            f"{_f(s['offered_rps'])} | {s['bytes'] / 1e6:.1f} | "
+            f"{_f(s['bytes_per_step'] / 1e3 if s['bytes_per_step'] is not None else None, '{:.0f}')}"
+            f" | {mm} | {' / '.join(f'{x:.0f}' for x in s['requests_per_engine'])} | "
+            f"{_sources(s)} |")
+    if ceiling:
+        lines.append("")
+        lines.append(f"Ceiling (from the workload and the reference's answers): "
+                     f"{ceiling['reusable_tokens']} of {ceiling['prompt_tokens']} prompt "
+                     f"tokens reusable ({ceiling['reusable_share']:.1%}), max reuse "
+                     f"x{ceiling['max_reuse_factor']:.2f}; {ceiling['steps']} steps, "
+                     f"{ceiling['stripped_steps']} of them strip the previous reasoning.")
+    return lines
+
+
+def probe_lines(probes: dict) -> list[str]:
+    lines = []
+    for wname, per_arm in probes.items():
+        what = (" every step after the first strips the previous reasoning;"
+                if wname == "probe-strip" else "")
+        lines.append(f"**{wname}** (one session alone, step after step;{what} per step: "
+                     "session tokens, KV KB moved, computed prompt tokens; last/second = KV "
+                     "bytes of the last step over the second's; equal = token ids and top-5 "
+                     "logprobs within 2e-3 of the reference, the e2e tests' comparison):")
+        lines.append("")
+        lines.append("| arm | session tokens | KV KB per step | computed per step | "
+                     "last/second | steps equal to reference |")
+        lines.append("|---|---|---|---|---|---|")
+        for key in [k for k in ARM_ORDER if k in per_arm]:
+            steps = per_arm[key]
+            b = [s["bytes"] for s in steps]
+            ratio = (b[-1] / b[1]) if len(b) > 2 and b[1] else None
+            eq = [s["equal"] for s in steps if s["equal"] is not None]
+            lengths = ", ".join(str(s["session_tokens"]) for s in steps)
+            kbs = ", ".join(f"{x / 1e3:.0f}" for x in b)
+            computed = ", ".join("{:.0f}".format(s["computed"]) for s in steps)
+            lines.append(f"| {ARM_LABELS[key]} | {lengths} | {kbs} | {computed} | "
+                         f"{_f(ratio)} | {sum(eq)}/{len(eq)} |")
+        lines.append("")
+    return lines
+
+
+def headlines(results: dict) -> list[str]:
+    runs = results.get("runs", {})
+    out = []
+    for w in ("r1", "r2"):
+        r = runs.get(w, {})
+        c = results.get("ceilings", {}).get(w)
+        if "7-ours" in r and c:
+            s = r["7-ours"]
+            out.append(f"- {w}: ours in full computed {s['computed_tokens']:.0f} of "
+                       f"{s['prompt_tokens']} prompt tokens: reuse x{_f(s['reuse_factor'])}, "
+                       f"{_f(s['share_of_max'], '{:.1%}')} of the ceiling's reusable tokens "
+                       f"(ceiling x{c['max_reuse_factor']:.2f}).")
+        for other in ("3-nixl-rr", "5-vr-rr", "5-vr-cache", "6-ours-nopull", "1-rr"):
+            if "7-ours" in r and other in r:
+                a, b = r["7-ours"], r[other]
+                ratio = lambda k: (b[k] / a[k]) if a.get(k) and b.get(k) else None  # noqa: E731
+                out.append(f"  - vs {ARM_LABELS[other]}: computed tokens "
+                           f"{a['computed_tokens']:.0f} vs {b['computed_tokens']:.0f}; TTFT p50 "
+                           f"{_f(ratio('ttft_p50_s'))}x lower, p99 {_f(ratio('ttft_p99_s'))}x "
+                           f"lower (theirs / ours)")
+        if w == "r2" and "7-ours" in r:
+            p = next((e for n, e in r["7-ours"]["engines"].items() if n.startswith("P")), {})
+            pulled = (p.get("sessionkv") or {}).get("pulled_from_peer")
+            if pulled is not None:
+                out.append(f"  - r2: of ours' prompt tokens on P, {pulled:.0f} came from D->P "
+                           f"pulls")
+            if "6-ours-nopull" in r:
+                saved = r["6-ours-nopull"]["computed_tokens"] - r["7-ours"]["computed_tokens"]
+                out.append(f"  - r2: pulls on vs off: {saved:.0f} fewer computed tokens")
+    for w, per_arm in results.get("probes", {}).items():
+        for key in ("7-ours", "4-nixl-bidi", "3-nixl-rr"):
+            steps = per_arm.get(key)
+            if not steps or len(steps) < 3:
+                continue
+            grow = (f"as the session grows {steps[1]['session_tokens']} -> "
+                    f"{steps[-1]['session_tokens']} tokens")
+            if steps[1]["bytes"]:
+                out.append(f"- {w} {ARM_LABELS[key]}: KV bytes last step / second step = "
+                           f"{steps[-1]['bytes'] / steps[1]['bytes']:.2f} "
+                           f"({steps[1]['bytes'] / 1e3:.0f} KB -> {steps[-1]['bytes'] / 1e3:.0f}"
+                           f" KB {grow})")
+            else:
+                kbs = ", ".join("{:.0f}".format(st["bytes"] / 1e3) for st in steps[1:])
+                out.append(f"- {w} {ARM_LABELS[key]}: KV bytes per step after the first: "
+                           f"{kbs} KB {grow}")
+    strict: dict[str, list[int]] = {}
+    for w, per_arm in results.get("probes", {}).items():
+        for key, steps in per_arm.items():
+            eq = [st["equal"] for st in steps if st["equal"] is not None]
+            acc = strict.setdefault(key, [0, 0, 0, 0])
+            acc[0] += sum(eq)
+            acc[1] += len(eq)
+            if w == "probe-strip":
+                acc[2] += sum(eq)
+                acc[3] += len(eq)
+    if strict:
+        out.append("- strict correctness (probe sessions, one request at a time, token ids "
+                   "and top-5 logprobs within 2e-3 of the reference): " + "; ".join(
+                       f"{key} {a[0]}/{a[1]} steps equal ({a[2]}/{a[3]} in the stripping "
+                       "session)" for key, a in ((k, strict[k]) for k in ARM_ORDER
+                                                 if k in strict)))
+    sk = runs.get("skew", {})
+    for a, b in (("2-ours-coloc", "1-rr"), ("7-ours", "3-nixl-rr")):
+        if a in sk and b in sk:
+            out.append(f"- skew: {ARM_LABELS[a]} TTFT mean {_f(sk[a]['ttft_mean_s'], '{:.3f}')}"
+                       f" s / p99 {_f(sk[a]['ttft_p99_s'], '{:.3f}')} s (requests per engine "
+                       f"{sk[a]['requests_per_engine']}) vs {ARM_LABELS[b]} "
+                       f"{_f(sk[b]['ttft_mean_s'], '{:.3f}')} s / "
+                       f"{_f(sk[b]['ttft_p99_s'], '{:.3f}')} s ({sk[b]['requests_per_engine']})")
+    mc = runs.get("mooncake", {})
+    if mc:
+        c = results.get("meta", {}).get("mooncake_file_ceiling")
+        for key, s in mc.items():
+            out.append(f"- mooncake: {ARM_LABELS[key]} reused "
+                       f"{s['prompt_tokens'] - s['computed_tokens']:.0f} of "
+                       f"{s['reusable_tokens']} reusable tokens "
+                       f"({_f(s['share_of_max'], '{:.1%}')} of the slice's ceiling; "
+                       f"file ceiling {_f(c, '{:.1%}')} of blocks)")
+    for w, per_arm in runs.items():
+        for key, s in per_arm.items():
+            m = s.get("mismatches") or {}
+            if m.get("token") or m.get("logprob_only"):
+                out.append(f"- mismatches {w}/{key}: {m['token']} steps with token "
+                           f"differences, {m['logprob_only']} with logprob-only differences "
+                           f"of {m['compared']}; e.g. {m['examples'][:2]}")
+    return out
+
+
+def _ratio(a: dict, b: dict, key: str) -> float | None:
+    """b's value over a's (how many times lower a is)."""
+    return b[key] / a[key] if a.get(key) and b.get(key) else None
+
+
+def must_shows(results: dict) -> list[str]:
+    """The issue's must-shows, each with its measured value and whether it held."""
+    runs = results.get("runs", {})
+    out = []
+
+    def verdict(ok: bool | None) -> str:
+        return "not measured" if ok is None else ("met" if ok else "NOT met")
+
+    wall = results["meta"].get("wall_s")
+    quick = results["meta"].get("quick")
+    out.append(f"1. one command, {'--quick' if quick else 'full'} run: {wall or 0:.0f} s wall"
+               + ("" if quick else f" (limit 1,800 s): {verdict(wall is not None and wall <= 1800)}"))
+    r1, r2 = runs.get("r1", {}), runs.get("r2", {})
+    share = (r1.get("7-ours") or {}).get("share_of_max")
+    out.append(f"2a. regime 1, ours in full reaches {_f(share, '{:.1%}')} of the ceiling's "
+               f"reusable tokens (at least 90%, goal 95%): "
+               f"{verdict(None if share is None else share >= 0.9)}")
+    if "7-ours" in r2:
+        ours = r2["7-ours"]["computed_tokens"]
+        others = {k: r2[k]["computed_tokens"] for k in ("3-nixl-rr", "5-vr-rr", "5-vr-cache",
+                                                         "6-ours-nopull") if k in r2}
+        p = next((e for n, e in r2["7-ours"]["engines"].items() if n.startswith("P")), {})
+        pulled = (p.get("sessionkv") or {}).get("pulled_from_peer", 0.0)
+        out.append(f"2b. regime 2, computed prompt tokens: ours {ours:.0f} vs "
+                   + ", ".join(f"{k} {v:.0f}" for k, v in others.items())
+                   + f"; {pulled:.0f} of ours' P prompt tokens came from D->P pulls: "
+                   + verdict(bool(others) and all(ours < v for v in others.values())))
+    else:
+        out.append("2b. regime 2: not measured")
+    flat = []
+    for w, per_arm in results.get("probes", {}).items():
+        steps = per_arm.get("7-ours")
+        if steps and len(steps) > 2:
+            b1, bl = steps[1]["bytes"], steps[-1]["bytes"]
+            ok = bl <= 1.5 * b1 if b1 else bl == 0
+            flat.append((w, b1, bl, ok))
+    bidi = []
+    for w, per_arm in results.get("probes", {}).items():
+        steps = per_arm.get("4-nixl-bidi")
+        if steps and len(steps) > 2:
+            bidi.append(f"{w} {steps[1]['bytes'] / 1e3:.0f} -> {steps[-1]['bytes'] / 1e3:.0f} KB")
+    zero = sum(st["bytes"] == 0 for per_arm in results.get("probes", {}).values()
+               for st in per_arm.get("7-ours", [])[1:])
+    total = sum(len(per_arm.get("7-ours", [])[1:])
+                for per_arm in results.get("probes", {}).values())
+    out.append(f"3. ours' KV bytes ({zero} of {total} probe steps after the first moved "
+               "none: served on D alone), second step -> last step: "
+               + "; ".join(f"{w} {b1 / 1e3:.0f} -> {bl / 1e3:.0f} KB" for w, b1, bl, _ in flat)
+               + f" (last within 1.5x of the second): {verdict(all(f[3] for f in flat) if flat else None)}"
+               + f"; arm 4: {'; '.join(bidi) or 'not measured'}")
+    bad = []
+    strict_ok = True
+    for w, per_arm in runs.items():
+        for key in ("6-ours-nopull", "7-ours"):
+            m = (per_arm.get(key) or {}).get("mismatches") or {}
+            if m.get("token") or m.get("logprob_only"):
+                bad.append(f"{w}/{key} {m['token']} tok {m['logprob_only']} lp")
+    for w, per_arm in results.get("probes", {}).items():
+        for key in ("6-ours-nopull", "7-ours"):
+            for st in per_arm.get(key, []):
+                if st["equal"] is False:
+                    strict_ok = False
+                    bad.append(f"{w}/{key} step {st['step']} (strict)")
+    others = []
+    for key in ("3-nixl-rr", "4-nixl-bidi", "5-vr-rr", "5-vr-cache"):
+        tok = sum(((runs[w].get(key) or {}).get("mismatches") or {}).get("token", 0) for w in runs)
+        lp = sum(((runs[w].get(key) or {}).get("mismatches") or {}).get("logprob_only", 0)
+                 for w in runs)
+        strict = sum(st["equal"] is False for w in results.get("probes", {})
+                     for st in results["probes"][w].get(key, []))
+        others.append(f"{key} {tok} tok / {lp} lp, {strict} strict")
+    out.append(f"4. ours' mismatches (concurrent runs and strict probes, stripped steps "
+               f"included): {', '.join(bad) or 'none'}: {verdict(not bad and strict_ok)}; "
+               f"arms 3-5: {'; '.join(others)}")
+    for w in ("r1", "r2"):
+        r = runs.get(w, {})
+        if "7-ours" not in r:
+            continue
+        parts = []
+        for key in ("3-nixl-rr", "5-vr-rr", "5-vr-cache"):
+            if key in r:
+                parts.append(f"vs {key}: p50 {_f(_ratio(r['7-ours'], r[key], 'ttft_p50_s'))}x, "
+                             f"p99 {_f(_ratio(r['7-ours'], r[key], 'ttft_p99_s'))}x")
+        goal = _ratio(r["7-ours"], r.get("3-nixl-rr", {}), "ttft_p50_s")
+        out.append(f"5. {w} TTFT, theirs / ours: {'; '.join(parts)} (goal: p50 at least 3x "
+                   f"lower than arm 3): {verdict(None if goal is None else goal >= 3)}")
+    sk = runs.get("skew", {})
+    checks = []
+    for a, b in (("2-ours-coloc", "1-rr"), ("7-ours", "3-nixl-rr")):
+        if a in sk and b in sk:
+            ok = (sk[a]["ttft_mean_s"] <= sk[b]["ttft_mean_s"]
+                  and sk[a]["ttft_p99_s"] <= sk[b]["ttft_p99_s"])
+            text = (f"{a} mean {sk[a]['ttft_mean_s']:.3f} s / p99 "
+                    f"{sk[a]['ttft_p99_s']:.3f} s (requests per engine "
+                    f"{[round(x) for x in sk[a]['requests_per_engine']]}) vs {b} "
+                    f"{sk[b]['ttft_mean_s']:.3f} / {sk[b]['ttft_p99_s']:.3f} s "
+                    f"({[round(x) for x in sk[b]['requests_per_engine']]})")
+            checks.append((text, ok))
+    out.append("6. skewed workload: " + "; ".join(c for c, _ in checks)
+               + f": {verdict(all(ok for _, ok in checks) if checks else None)}")
+    mc = runs.get("mooncake", {})
+    out.append("7. Mooncake slice: " + ("; ".join(
+        f"{k} {_f(v['share_of_max'], '{:.1%}')} of the slice's ceiling" for k, v in mc.items())
+        or "not measured") + f": {verdict(True if len(mc) == 3 else None)}")
+    return out
+
+
+def render(results: dict) -> str:
+    meta = results["meta"]
+    pre = meta.get("prefill") or {}
+    lines = [f"# Agent workload benchmark ({meta['date']}"
+             f"{', --quick smoke run' if meta.get('quick') else ''})", "",
+             f"- machine: {meta['machine']}; vLLM {meta.get('vllm')} (CPU)",
+             f"- model: {meta['model']}, engines in {meta.get('dtype', 'bfloat16')}; prefill of {pre.get('tokens', '?')} distinct tokens: "
+             f"{_f(pre.get('engine_s_per_1k'), '{:.3f}')} s per 1,000 tokens (engine's "
+             f"prefill-time histogram), {_f(pre.get('client_s_per_1k'), '{:.3f}')} s (client)",
+             f"- KV: P {meta['p_blocks']} blocks, D {meta['d_blocks']} blocks, each co-located "
+             f"engine {meta['coloc_blocks']} blocks (32 tokens a block); two engines per arm",
+             f"- cluster order: {', '.join(results.get('order', []))} (the co-located pair "
+             "first: it serves the reference); arms sharing a cluster in a shuffled order per "
+             "workload, every cache reset before each",
+             f"- our connector's recompute price from the measured prefill: "
+             f"{json.dumps(meta.get('ours_cost'))}",
+             f"- wall time {meta.get('wall_s', 0):.0f} s", ""]
+    for name, desc in meta.get("workloads", {}).items():
+        lines.append(f"- **{name}**: {desc}")
+    lines += ["", "## Must-shows (issue 22)", ""] + must_shows(results)
+    lines += ["", "## Headlines", ""] + headlines(results)
+    for wname, runs in results.get("runs", {}).items():
+        lines += ["", f"## {wname}", ""]
+        lines += workload_table(runs, results.get("ceilings", {}).get(wname))
+    if results.get("probes"):
+        lines += ["", "## KV bytes and computed tokens per step (probe sessions)", ""]
+        lines += probe_lines(results["probes"])
+    lines += ["", "## How to read it", "",
+              "- computed tok: prompt tokens the engines computed, summed over both engines "
+              "of the arm, from `vllm:prompt_tokens_by_source_total{source=\"local_compute\"}`"
+              " deltas; reuse x = prompt tokens / computed; share of max = (prompt - computed)"
+              " / the ceiling's reusable tokens for the steps that succeeded.",
+              "- prompt-token sources: P's (or each co-located engine's) tokens: ours from "
+              "`sessionkv_prompt_tokens_total{source}` (hit = P's own prefix cache, pulled = "
+              "D->P, host = host tier, computed), stock from vLLM's `local_cache_hit` / "
+              "`external_kv_transfer` / `local_compute`; D: tokens D computed.",
+              "- TTFT / ITL from the client's streamed chunks. Arm 4's proxy must ask D for a "
+              "non-streamed answer (vLLM 0.32 returns D's handle only there), so its TTFT is "
+              "the whole request.",
+              "- mismatches (concurrent runs): steps whose token ids (tok) or only top-5 "
+              "logprobs (lp, beyond 2e-3) differ from the co-located reference at temperature"
+              " 0; in brackets the steps that stripped the previous reasoning. The engines "
+              "run in float32 (`--dtype`): in bfloat16 on this CPU build the answers moved "
+              "with batch composition and with where a prefix-cache hit split the prompt (up"
+              " to 0.38 in logprob for plain co-located vLLM against its own reference), "
+              "which would hide wrong KV in noise; arm 1 (plain co-located vLLM, no KV "
+              "transfer) is the noise floor of these columns. The probe sessions are the "
+              "strict check: one request at a time, as in the e2e tests.",
+              "- KV MB moved: `vllm:nixl_bytes_transferred_sum` deltas on both engines.",
+              "- requests per engine: `vllm:request_success_total` deltas (a P/D request "
+              "counts on P and on D; a request ours serves on one engine counts once)."]
+    for key, cmd in sorted(results.get("commands", {}).items()):
+        lines.append(f"- `{key}`: `{cmd}`")
+    for f in results.get("failures", []):
+        lines.append(f"- FAILED: {f}")
+    return "\n".join(lines)
+
+
+def plot(json_path: str, out_dir: str, stem: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    out = Path(out_dir)
+    # 1. Computed prompt tokens per step, per probe session and arm.
+    probes = data.get("probes", {})
+    fig, axes = plt.subplots(1, max(1, len(probes)), figsize=(6 * max(1, len(probes)), 4.5),
+                             squeeze=False)
+    for ax, (wname, per_arm) in zip(axes[0], probes.items()):
+        for key in [k for k in ARM_ORDER if k in per_arm]:
+            steps = per_arm[key]
+            i = ARM_ORDER.index(key)
+            ax.plot([s["step"] for s in steps], [s["computed"] for s in steps],
+                    marker="os^vD<>px"[i], linestyle=("-", "--", ":", "-.")[i % 4],
+                    label=ARM_LABELS[key])
+        ax.set_xlabel("step of the session")
+        ax.set_ylabel("prompt tokens computed (engine counters)")
+        ax.set_title(f"{wname}: computed tokens per step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_computed_per_step.png", dpi=100)
+    plt.close(fig)
+    # 2. TTFT percentiles per arm, per workload.
+    runs = data.get("runs", {})
+    fig, axes = plt.subplots(1, max(1, len(runs)), figsize=(5 * max(1, len(runs)), 4.5),
+                             squeeze=False)
+    for ax, (wname, per_arm) in zip(axes[0], runs.items()):
+        keys = [k for k in ARM_ORDER if k in per_arm]
+        x = range(len(keys))
+        for j, (q, label) in enumerate((("ttft_p50_s", "p50"), ("ttft_p99_s", "p99"))):
+            ax.bar([i + 0.4 * j for i in x], [per_arm[k][q] or 0 for k in keys], width=0.4,
+                   label=label)
+        ax.set_xticks([i + 0.2 for i in x], [k for k in keys], rotation=45, fontsize=7,
+                      ha="right")
+        ax.set_ylabel("TTFT (s, log scale)")
+        ax.set_yscale("log")
+        ax.set_title(wname)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_ttft.png", dpi=100)
+    plt.close(fig)
+    # 3. KV bytes per step against the session's length.
+    fig, axes = plt.subplots(1, max(1, len(probes)), figsize=(6 * max(1, len(probes)), 4.5),
+                             squeeze=False)
+    for ax, (wname, per_arm) in zip(axes[0], probes.items()):
+        for key in [k for k in ARM_ORDER if k in per_arm]:
+            steps = per_arm[key]
+            if any(s["bytes"] for s in steps):
+                i = ARM_ORDER.index(key)
+                ax.plot([s["session_tokens"] for s in steps], [s["bytes"] / 1e3 for s in steps],
+                        marker="os^vD<>px"[i], linestyle=("-", "--", ":", "-.")[i % 4],
+                        label=ARM_LABELS[key])
+        ax.set_xlabel("session length (prompt tokens)")
+        ax.set_ylabel("KV moved in the step (KB, NIXL counters)")
+        ax.set_title(f"{wname}: KV bytes per step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}_bytes_per_step.png", dpi=100)
+    plt.close(fig)

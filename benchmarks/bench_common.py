@@ -1,0 +1,246 @@
+"""Helpers shared by the benchmarks that start engines and routers (``router_bench.py``,
+``agent_workload.py``): the side venv with vllm-router and the toy proxy's stack, port
+allocation, waiting for other vLLM servers, router command lines, percentiles and
+Prometheus scraping.
+
+Top-level imports are the standard library only: the side venv's python (which has
+matplotlib) imports the benchmarks to draw their figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO / "benchmarks"
+SIDE_VENV = BENCH_DIR / ".venv-router"
+SIDE_PY = SIDE_VENV / "bin" / "python"
+VLLM_ROUTER = SIDE_VENV / "bin" / "vllm-router"
+SIDE_PACKAGES = ["vllm-router", "fastapi", "uvicorn[standard]", "httpx", "matplotlib"]
+PORT_LO, PORT_HI = 30000, 31999
+UCX_PORT_RANGE = "31900-31999"   # kept out of the pool: UCX listeners of the P/D engines
+OTHER_VLLM = "vllm.entrypoints|api_server|local_cluster"
+BLOCK_SIZE = 32
+SESSION_HEADER = "X-Session-ID"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# =========================================================================== setup
+def ensure_side_venv() -> None:
+    """Create benchmarks/.venv-router with vllm-router and the toy proxy's stack.
+
+    uvicorn[standard] rather than bare uvicorn: vLLM itself depends on
+    fastapi[standard], so the toy proxy normally runs with uvloop and httptools."""
+    if VLLM_ROUTER.exists() and SIDE_PY.exists():
+        probe = subprocess.run([str(SIDE_PY), "-c", "import fastapi, uvicorn, httpx, "
+                                "matplotlib, uvloop"], capture_output=True)
+        if probe.returncode == 0:
+            return
+    log(f"creating {SIDE_VENV} (vllm-router, fastapi, uvicorn, httpx, matplotlib)")
+    if not SIDE_PY.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(SIDE_VENV)], check=True)
+    subprocess.run([str(SIDE_PY), "-m", "pip", "install", "-q", *SIDE_PACKAGES], check=True)
+
+
+class PortPool:
+    """Free ports from 30000-31999 (the UCX range excluded), never handed out twice."""
+
+    def __init__(self, lo: int = PORT_LO, hi: int = int(UCX_PORT_RANGE.split("-")[0]) - 1):
+        self._next, self._hi = lo, hi
+
+    @staticmethod
+    def _free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    def take(self, n: int = 1) -> int:
+        """The first of ``n`` consecutive free ports."""
+        while self._next + n - 1 <= self._hi:
+            start = self._next
+            self._next += 1
+            if all(self._free(p) for p in range(start, start + n)):
+                self._next = start + n
+                return start
+        raise RuntimeError(f"no {n} consecutive free ports left in {PORT_LO}-{self._hi}")
+
+
+def wait_for_no_other_vllm(max_wait_s: float) -> None:
+    """Only one vLLM cluster may run on this machine: wait for others to finish."""
+    waited = 0.0
+    while True:
+        out = subprocess.run(["pgrep", "-f", OTHER_VLLM], capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split() if int(p) != os.getpid()]
+        if not pids:
+            return
+        if waited >= max_wait_s:
+            raise TimeoutError(f"other vLLM processes still running after {waited:.0f}s: "
+                               f"{pids[:8]}")
+        log(f"waiting for other vLLM processes to finish ({len(pids)} running, "
+            f"{waited:.0f}s so far)")
+        time.sleep(30)
+        waited += 30
+
+
+def machine_line() -> str:
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB RAM, "
+            f"{platform.system()} {platform.release()}, load average {load} at start")
+
+
+# =========================================================================== routers
+@dataclass
+class Backend:
+    url: str
+    events: str | None = None     # tcp://127.0.0.1:PORT, the engine's KV-event publisher
+    replay: str | None = None
+
+
+@dataclass
+class RouterProc:
+    arm: str
+    url: str
+    proc: object                  # vllm_sessionkv.dev.launch.ManagedProcess
+    argv: list[str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
+                prefill: list[Backend] | None = None) -> list[str]:
+    """The command line of one router.  ``kind``: ours, ours-notok, toy,
+    vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend)."""
+    urls = [b.url for b in decode]
+    if kind in ("ours", "ours-notok"):
+        argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
+                "--port", str(port), "--block-size", str(BLOCK_SIZE)]
+        if kind == "ours-notok":
+            # Routes on load only for text prompts: no /tokenize call per request.
+            argv += ["--tokenizer", "none"]
+        # Extra flags for our proxy, e.g. ROUTER_BENCH_OURS_ARGS="--log-level DEBUG"
+        # to see each routing decision in its log.
+        argv += shlex.split(os.environ.get("ROUTER_BENCH_OURS_ARGS", ""))
+        for flag, group in (("--prefill", prefill or []), ("--decode", decode)):
+            for b in group:
+                spec = f"url={b.url},events={b.events},replay={b.replay}" if b.events else b.url
+                argv += [flag, spec]
+        return argv
+    if kind == "bare":
+        return [sys.executable, str(BENCH_DIR / "bare_relay.py"), "--port", str(port),
+                "--backend", urls[0]]
+    if kind == "toy":
+        argv = [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port)]
+        for b in prefill or []:
+            argv += ["--prefill", b.url]
+        for url in urls:
+            argv += ["--decode", url]
+        return argv
+    # vllm-router serves Prometheus on its own port (default 29000): keep it in range.
+    common = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
+              "--prometheus-port", str(ports.take())]
+    if kind.startswith("vr:"):
+        return common + ["--policy", kind[3:], "--worker-urls", *urls]
+    if kind == "vr-pd" or kind.startswith("vr-pd:"):
+        # vr-pd:<policy> picks vllm-router's policy (round_robin by default).
+        policy = kind.split(":", 1)[1] if ":" in kind else "round_robin"
+        argv = common + ["--vllm-pd-disaggregation", "--policy", policy,
+                         "--kv-connector", "nixl"]
+        for b in prefill or []:
+            argv += ["--prefill", b.url]
+        for url in urls:
+            argv += ["--decode", url]
+        return argv
+    raise ValueError(kind)
+
+
+def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],
+                  ports: PortPool, log_dir: Path, procs: list) -> dict[str, RouterProc]:
+    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    out: dict[str, RouterProc] = {}
+    for arm, kind, decode, prefill in specs:
+        port = ports.take()
+        argv = router_argv(kind, port, decode, ports, prefill)
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", arm)
+        proc = start_process(name, argv, log_dir, env=dict(os.environ))
+        procs.append(proc)
+        out[arm] = RouterProc(arm, f"http://127.0.0.1:{port}", proc, argv)
+    wait_healthy([(r.proc, r.url) for r in out.values()], timeout_s=120)
+    return out
+
+
+def pct(samples: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum each named Prometheus sample over its label sets; absent names are left out."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return out
+
+
+def reset_prefix_caches(urls: list[str]) -> None:
+    """Reset each engine's prefix cache, session holds included (``reset_external``).
+
+    vLLM answers HTTP 200 either way; ``{"success": false}`` in the body means the
+    cache was not reset (blocks still in use), so that is what is checked."""
+    import requests
+
+    for url in urls:
+        for _ in range(100):
+            resp = requests.post(url + "/reset_prefix_cache",
+                                 params={"reset_external": "true"}, timeout=30)
+            resp.raise_for_status()
+            if resp.json().get("success") is True:
+                break
+            time.sleep(0.2)   # refused while requests still hold blocks
+        else:
+            raise RuntimeError(f"{url}/reset_prefix_cache kept answering {resp.text}")

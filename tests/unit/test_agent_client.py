@@ -1,0 +1,106 @@
+"""The agent benchmark's client and conversation proxy against fake engines (no vLLM):
+the reference run builds histories from its own answers, an arm re-sends exactly the
+reference's prompts, and the conversation proxy hands D's handle to P next turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from agentload.client import run_workload  # noqa: E402
+from agentload.workload import AgentConfig, agent_workload  # noqa: E402
+from conversation_proxy import create_app  # noqa: E402
+
+
+def fake_engine(seen: list, answer_offset: int = 0) -> web.Application:
+    """Answers max_tokens tokens derived from the prompt; streams one token a chunk."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append({"body": body, "session": request.headers.get("X-Session-ID")})
+        ids = [(sum(body["prompt"]) + i + answer_offset) % 900 + 16
+               for i in range(body["max_tokens"])]
+        tops = [{str(t): -0.5, "x": -1.0} for t in ids]
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids),
+                 "prompt_tokens_details": {"cached_tokens": 7}}
+        params = {"remote_block_ids": [len(seen)], "do_remote_decode": True}
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"token_ids": ids, "text": "",
+                                                   "logprobs": {"top_logprobs": tops}}],
+                                      "usage": usage, "kv_transfer_params": params})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for t, top in zip(ids, tops):
+            chunk = {"choices": [{"token_ids": [t], "logprobs": {"top_logprobs": [top]}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+WORKLOAD = agent_workload(AgentConfig(sessions=2, steps=3, prefix_tokens=40, task_tokens=8,
+                                      tool_output_tokens=10, output_tokens=6, think_tokens=2,
+                                      tool_delay_s=0.01, strip_share=0.5, subagent_share=1.0,
+                                      subagent_steps=1, stagger_s=0.01, seed=5))
+
+
+def test_reference_then_arm_send_the_same_prompts():
+    async def scenario():
+        ref_seen, arm_seen = [], []
+        async with TestServer(fake_engine(ref_seen)) as ref, \
+                TestServer(fake_engine(arm_seen, answer_offset=1)) as arm:
+            base_ref = str(ref.make_url("")).rstrip("/")
+            base_arm = str(arm.make_url("")).rstrip("/")
+            reference = await run_workload(WORKLOAD, lambda sid: base_ref, "m")
+            outputs = {k: r.token_ids for k, r in reference.items()}
+            got = await run_workload(WORKLOAD, lambda sid: base_arm, "m", reference=outputs)
+        return ref_seen, arm_seen, reference, outputs, got
+
+    ref_seen, arm_seen, reference, outputs, got = asyncio.run(scenario())
+    assert len(reference) == WORKLOAD.n_steps and all(r.error is None for r in reference.values())
+    for key, r in reference.items():
+        assert WORKLOAD.prompt(*key, outputs)[:5] and r.ttft_s is not None
+        assert len(r.token_ids) == WORKLOAD.session(key[0]).steps[key[1]].max_tokens
+        assert len(r.itl_s) == len(r.token_ids) - 1 and r.cached_tokens == 7
+    # The arm answers differently, yet it re-sends the reference's histories.
+    by_prompt = lambda seen: sorted(json.dumps(s["body"]["prompt"]) for s in seen)  # noqa: E731
+    assert by_prompt(ref_seen) == by_prompt(arm_seen)
+    assert all(got[k].token_ids != outputs[k] for k in got)
+    assert {s["session"] for s in arm_seen} == {s.sid for s in WORKLOAD.sessions}
+    for s in arm_seen:
+        assert s["body"]["temperature"] == 0 and s["body"]["ignore_eos"] is True
+
+
+def test_conversation_proxy_hands_d_handle_to_p_next_turn():
+    async def scenario():
+        p_seen, d_seen = [], []
+        async with TestServer(fake_engine(p_seen)) as p, TestServer(fake_engine(d_seen)) as d:
+            app = create_app([str(p.make_url("")).rstrip("/")],
+                             [str(d.make_url("")).rstrip("/")])
+            async with TestServer(app) as proxy:
+                base = str(proxy.make_url("")).rstrip("/")
+                one = agent_workload(AgentConfig(sessions=1, steps=3, prefix_tokens=40,
+                                                 subagent_share=0.0, tool_delay_s=0.0,
+                                                 output_tokens=5, seed=1))
+                res = await run_workload(one, lambda sid: base, "m")
+        return p_seen, d_seen, res
+
+    p_seen, d_seen, res = asyncio.run(scenario())
+    assert all(r.error is None and len(r.token_ids) == 5 for r in res.values())
+    assert [s["body"]["max_tokens"] for s in p_seen] == [1, 1, 1]
+    assert p_seen[0]["body"]["kv_transfer_params"]["remote_block_ids"] is None
+    # Turns 2 and 3: P gets the handle D returned at the end of the previous turn.
+    assert [s["body"]["kv_transfer_params"]["remote_block_ids"] for s in p_seen[1:]] == \
+        [[1], [2]]
+    assert all(s["body"]["stream"] is False for s in d_seen)

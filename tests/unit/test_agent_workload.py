@@ -1,0 +1,165 @@
+"""The agent benchmark's workload: prompt building, stripping, sub-agents, skew, the
+replays, and the reuse ceiling (pure; no engines)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from agentload.workload import (
+    AgentConfig,
+    Session,
+    Step,
+    Workload,
+    agent_workload,
+    ceiling,
+    mooncake_file_ceiling,
+    mooncake_workload,
+    multi_turn_workload,
+    steps_per_session,
+    workload_ceiling,
+)
+
+THINK = 5
+
+
+def fake_outputs(workload: Workload) -> dict:
+    """Deterministic stand-ins for the model's answers (distinct per step)."""
+    return {(sid, k): [2000 + 97 * i + 7 * k + j for j in range(workload.session(sid)
+                                                              .steps[k].max_tokens)]
+            for i, (sid, k) in enumerate(workload.keys())}
+
+
+def two_step(strip: bool) -> Workload:
+    s = Session(sid="a", head=(1, 2, 3), steps=(
+        Step(new_tokens=(10, 11), max_tokens=4, think_tokens=2),
+        Step(new_tokens=(20,), max_tokens=3, strip_reasoning=strip, think_tokens=1)))
+    return Workload("t", [s], block_size=2, think_open=THINK)
+
+
+def test_prompt_appends_output_and_next_tool_output():
+    w = two_step(strip=False)
+    outs = {("a", 0): [40, 41, 42, 43], ("a", 1): [50, 51, 52]}
+    assert w.prompt("a", 0, outs) == [1, 2, 3, 10, 11, THINK]
+    assert w.prompt("a", 1, outs) == [1, 2, 3, 10, 11, THINK, 40, 41, 42, 43, 20, THINK]
+
+
+def test_strip_drops_think_opener_and_reasoning():
+    w = two_step(strip=True)
+    outs = {("a", 0): [40, 41, 42, 43], ("a", 1): [50, 51, 52]}
+    # <think> and the 2 reasoning tokens of step 0 are gone; the tool call stays.
+    assert w.prompt("a", 1, outs) == [1, 2, 3, 10, 11, 42, 43, 20, THINK]
+
+
+def test_subagent_inherits_parent_history_up_to_spawn():
+    parent = Session(sid="p", head=(1, 2), steps=(Step((3,), 2), Step((4,), 2), Step((5,), 2)))
+    child = Session(sid="c", head=(), parent="p", spawn_after=1, steps=(Step((9,), 2),))
+    w = Workload("t", [parent, child], block_size=2, think_open=THINK)
+    outs = {("p", 0): [30, 31], ("p", 1): [40, 41], ("p", 2): [50, 51], ("c", 0): [60, 61]}
+    assert w.prompt("c", 0, outs) == w.prompt("p", 1, outs) + [40, 41, 9, THINK]
+    assert w.dependencies("c", 0) == [("p", 1)]
+    order = w.canonical_order()
+    assert order.index(("p", 1)) < order.index(("c", 0))
+
+
+def test_ceiling_counts_leading_blocks_computed_before():
+    a = [1, 2, 3, 4, 5, 6]
+    b = [1, 2, 3, 4, 9, 9, 9]            # shares two blocks of 2 with a
+    c = [1, 2, 3, 4, 5, 6]               # all of a: the last block is still computed
+    got = ceiling([(("a", 0), a, []), (("b", 0), b, []), (("c", 0), c, [])], block_size=2)
+    assert got.per_request == {("a", 0): (6, 0), ("b", 0): (7, 4), ("c", 0): (6, 4)}
+    assert got.prompt_tokens == 19 and got.reusable_tokens == 8
+
+
+def test_ceiling_counts_generated_tokens_but_not_the_last():
+    # The answer [7, 8, 9] computes KV for 7 and 8 only (9 is sampled, never fed back).
+    first = ceiling([(("a", 0), [1, 2], [7, 8, 9]), (("a", 1), [1, 2, 7, 8, 9, 10, 11], [])],
+                    block_size=2)
+    assert first.per_request[("a", 1)] == (7, 4)
+    # A different block in the middle stops the chain there.
+    other = ceiling([(("a", 0), [1, 2], [7, 8, 9]), (("a", 1), [1, 2, 7, 0, 9, 10, 11], [])],
+                    block_size=2)
+    assert other.per_request[("a", 1)] == (7, 2)
+
+
+def test_agent_workload_is_seeded_and_reuse_ceiling_is_high():
+    cfg = AgentConfig(sessions=4, steps=5, prefix_tokens=256, tool_output_tokens=96,
+                      output_tokens=16, think_tokens=4, subagent_share=1.0, seed=3)
+    w1, w2 = agent_workload(cfg), agent_workload(cfg)
+    assert [s.steps for s in w1.sessions] == [s.steps for s in w2.sessions]
+    assert agent_workload(AgentConfig(seed=4)).sessions[0].head != w1.sessions[0].head
+    subs = [s for s in w1.sessions if s.parent]
+    assert subs, "subagent_share=1.0 spawns sub-agents"
+    outs = fake_outputs(w1)
+    ceil = workload_ceiling(w1, outs)
+    assert ceil.prompt_tokens == w1.total_prompt_tokens(outs)
+    # Agent traffic re-sends its history: most prompt tokens are reusable.
+    assert 0.7 < ceil.reusable_share < 1.0
+    # Every step after the first reuses at least the shared prefix's full blocks.
+    for (sid, k), (n, can) in ceil.per_request.items():
+        if k > 0:
+            assert can >= 256 // 32 * 32
+
+
+def test_strip_steps_lower_the_ceiling_only_after_the_strip_point():
+    base = AgentConfig(sessions=2, steps=4, prefix_tokens=128, tool_output_tokens=64,
+                       output_tokens=40, think_tokens=20, subagent_share=0.0, seed=1)
+    kept = agent_workload(AgentConfig(**{**base.__dict__, "strip_share": 0.0}))
+    strip = agent_workload(AgentConfig(**{**base.__dict__, "strip_share": 1.0}))
+    assert all(st.strip_reasoning for s in strip.sessions for st in s.steps[1:])
+    ck = workload_ceiling(kept, fake_outputs(kept))
+    cs = workload_ceiling(strip, fake_outputs(strip))
+    assert cs.reusable_tokens < ck.reusable_tokens
+    for key, (n, can) in cs.per_request.items():
+        if key[1] > 0:   # the history before the stripped <think> is still reusable
+            assert can >= 128 // 32 * 32
+
+
+def test_skew_puts_most_steps_on_a_few_sessions():
+    cfg = AgentConfig(sessions=8, steps=4, skew=1.5)
+    counts = steps_per_session(cfg)
+    assert sum(counts) == 32 and min(counts) >= 1
+    assert counts[0] + counts[1] > 0.5 * 32
+    w = agent_workload(cfg)
+    assert [s.hot for s in w.sessions if not s.parent][:3] == [True, True, False]
+    assert steps_per_session(AgentConfig(sessions=3, steps=4)) == [4, 4, 4]
+
+
+def test_mooncake_shared_hash_ids_are_shared_tokens():
+    lines = [json.dumps({"timestamp": 0, "input_length": 1500, "output_length": 160,
+                         "hash_ids": [1, 2, 3]}),
+             json.dumps({"timestamp": 500, "input_length": 1100, "output_length": 32,
+                         "hash_ids": [1, 2, 4]}),
+             json.dumps({"timestamp": 900, "input_length": 600, "output_length": 32,
+                         "hash_ids": [5, 6]})]
+    w = mooncake_workload(lines, block_size=32, time_scale=2.0)
+    p = [s.head for s in w.sessions]
+    assert p[0][:64] == p[1][:64] and p[0][64:96] != p[1][64:96]
+    assert len(p[0]) == 64 + round((1500 - 1024) / 16)
+    assert [s.start_s for s in w.sessions] == [0.0, 1.0, 1.8]
+    assert [s.steps[0].max_tokens for s in w.sessions] == [10, 2, 2]
+    # 2 of the slice's 8 blocks were seen before (ids 1 and 2 in the second request).
+    assert mooncake_file_ceiling(lines) == pytest.approx(2 / 8)
+    outs = {k: [3000 + i] for i, k in enumerate(w.keys())}
+    assert workload_ceiling(w, outs).reusable_tokens == 64
+
+
+def test_multi_turn_replay_uses_the_models_answers():
+    conv = [{"id": "c1", "messages": [
+        {"role": "user", "content": "ab"}, {"role": "assistant", "content": "xyz"},
+        {"role": "user", "content": "cd"}, {"role": "assistant", "content": "w"}]}]
+
+    def tok(text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+    w = multi_turn_workload(conv, tok, max_output_tokens=64)
+    s = w.sessions[0]
+    assert [st.max_tokens for st in s.steps] == [3, 1]
+    outs = {(s.sid, 0): [1, 2, 3], (s.sid, 1): [4]}
+    assert w.prompt(s.sid, 1, outs)[:len(s.steps[0].new_tokens) + 3] == \
+        list(s.steps[0].new_tokens) + [1, 2, 3]
