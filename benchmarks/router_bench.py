@@ -229,19 +229,11 @@ def cpu_seconds(pid: int) -> float:
         except (psutil.NoSuchProcess, FileNotFoundError):
             return float("nan")
 
-    try:
-        proc = psutil.Process(pid)
-        t = proc.cpu_times()
-        total = t.user + t.system
-        for child in proc.children(recursive=True):
-            try:
-                ct = child.cpu_times()
-                total += ct.user + ct.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-    except psutil.NoSuchProcess:
+    from vllm_sessionkv.dev.launch import cpu_seconds as tree_cpu_seconds, process_tree
+
+    if not psutil.pid_exists(pid):
         return float("nan")
+    return tree_cpu_seconds(process_tree([pid]))
 
 
 def completion_body(model: str, prompt: str, max_tokens: int) -> bytes:
