@@ -971,9 +971,9 @@ def render_report(results: dict, rows: list[dict]) -> str:
                    "(tokenizer engine) does (/tokenize) only with 2 stubs: with one, a lone "
                    "decode worker gets every request whatever its content, so ours and ours "
                    "(tokenizer none) run the same code. bare relay (floor) = benchmarks/"
-                   "bare_relay.py: uvloop + httptools + our upstream pool, relaying bytes "
-                   "with no validation, routing or metrics; what any Python relay here "
-                   "pays")
+                   "bare_relay.py: uvloop + aiohttp's low-level server + our upstream pool "
+                   "(aiohttp's client), relaying bytes with no validation, routing or "
+                   "metrics; what any proxy on the same parts pays")
     if "affinity_meta" in results:
         am = results["affinity_meta"]
         out.append(f"- part 2 backends: 2 co-located vLLM {meta['vllm']} (CPU) servers, "
