@@ -23,8 +23,9 @@ client is redis-py's ``RedisCluster``: it routes each command by its keys' slot 
 after a connection error, reads the slot map again, so a promoted replica serves once
 the cluster has failed over.  All of a deployment's keys share one slot, whose node
 is the one that matters: the probe and the restart check (``server_id``) ask that
-node (``home_key``), not every node.  Its pool has ``max_connections`` per node and
-does not block; a call past it fails like any other and counts towards the breaker.
+node (``home_key``), not every node.  Its pool (``max_connections`` per node) raises
+when full instead of waiting, so the link lets at most that many calls in at once and
+the rest wait for a turn, within their deadline, as on one Redis.
 """
 
 from __future__ import annotations
