@@ -131,11 +131,15 @@ class RedisLink:
         if self.cluster:
             if self.home_key is None:
                 return None
-            node = self.client.get_node_from_key(self.home_key)
-            info = await self.call("info", lambda: self.client.info(
-                "server", target_nodes=node))
-            if isinstance(info, dict) and node.name in info:   # {node name: info}
-                info = info[node.name]
+
+            async def ask_home_node() -> Any:
+                await self.client.initialize()   # the slot map; a no-op once known
+                node = self.client.get_node_from_key(self.home_key)
+                info = await self.client.info("server", target_nodes=node)
+                # {node name: info} or the node's info, by redis-py version
+                return info.get(node.name, info) if isinstance(info, dict) else info
+
+            info = await self.call("info", ask_home_node)
         else:
             info = await self.call("info", lambda: self.client.info("server"))
         run_id = info.get("run_id") if isinstance(info, dict) else None

@@ -179,3 +179,26 @@ async def test_the_proxy_serves_through_a_master_failover_and_recovers(
         await redis.aclose()
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_the_link_asks_the_node_serving_the_deployments_slot(redis_cluster):
+    """The probe and the restart check go to that node (PING and INFO would go to
+    every node), from a client that has sent nothing yet."""
+    import redis as sync_redis
+
+    from sessionkv_proxy.redis_link import RedisLink, make_redis_client
+
+    keys = RedisKeys(f"t{uuid.uuid4().hex}")
+    now_s = [0.0]
+    link = RedisLink(make_redis_client(redis_cluster.url, max_connections=4, timeout_s=1.0),
+                     timeout_s=1.0, home_key=keys.engines, clock=lambda: now_s[0])
+    home = sync_redis.Redis(port=redis_cluster.master_of(keys.engines))
+    try:
+        assert link.cluster and link.health()["mode"] == "cluster"
+        assert await link.server_id() == home.info("server")["run_id"]
+        link.open_breaker()
+        now_s[0] += link.retry_interval_s   # the probe is due
+        assert await link.probe()
+    finally:
+        home.close()
+        await link.aclose()
