@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 
 from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
-from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S, HANDLE_KEY_PREFIX
+from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S
+from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_namespace, parse_redis_url
 
 __all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
 
@@ -129,9 +130,12 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # continue from it when the request allows, instead of recomputing the last
     # prompt token to sample it again (one engine step less per request).
     first_token_handoff: bool = True
-    # Publish each session handle to Redis (key prefix below) for streaming clients.
+    # Publish each session handle to Redis for streaming clients: redis://HOST:PORT/DB
+    # for one Redis, redis+cluster://HOST:PORT (any node) for a Redis Cluster.  The
+    # namespace must be the proxy's index.redis_namespace (the keys' hash tag,
+    # redis_keys.py).
     redis_url: str | None = None
-    redis_key_prefix: str = HANDLE_KEY_PREFIX
+    redis_namespace: str = DEFAULT_NAMESPACE
     # HTTP URL of this engine, published in handles so a router can find it.
     advertise_url: str | None = None
     # Host-DRAM tier for idle session KV: bytes of DRAM per engine (0 = off).
@@ -143,6 +147,15 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost: CostConfig = CostConfig()
 
     def __post_init__(self):
+        if self.redis_url is not None:
+            try:
+                parse_redis_url(self.redis_url)
+            except ValueError as exc:
+                raise ValueError(f"redis_url {exc}") from None
+        try:
+            check_namespace(self.redis_namespace)
+        except ValueError as exc:
+            raise ValueError(f"redis_namespace {exc}") from None
         if self.host_tier_bytes < 0:
             raise ValueError("host_tier_bytes must be >= 0")
         if self.nixl_ucx_error_handling not in (None, "peer", "none"):

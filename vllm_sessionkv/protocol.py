@@ -33,7 +33,6 @@ __all__ = [
     "FIRST_TOKEN_KEY",
     "FIRST_TOKEN_WANTED_KEY",
     "HANDLE_EXPIRY_MARGIN_S",
-    "HANDLE_KEY_PREFIX",
     "PROTOCOL_VERSION",
     "PayloadError",
     "PrefillDone",
@@ -53,7 +52,6 @@ __all__ = [
     "handle_expired",
     "handle_from_params",
     "payload_from_params",
-    "published_handle_key",
     "session_store_key",
     "with_payload",
 ]
@@ -81,9 +79,6 @@ FIRST_TOKEN_KEY = "first_token_id"
 # export its token (a router's switch; P's own first_token_handoff still applies).
 FIRST_TOKEN_WANTED_KEY = "first_token"
 
-# Redis key prefix under which engines publish each session's latest handle.
-HANDLE_KEY_PREFIX = "sessionkv:handle:"
-
 # A handle is not used once its lease has less than this long to run: D releases the
 # blocks at the lease's end and vLLM's reader declines a read within 5 s of it.  The
 # engine's default ``expiry_margin_s`` and the router's
@@ -110,12 +105,6 @@ def session_store_key(session_id: str, tenant: str | None) -> str:
     tag = "-" if tenant is None else \
         hashlib.blake2b(tenant.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
     return f"{tag}:{session_id}"
-
-
-def published_handle_key(session_id: str, tenant: str | None,
-                         prefix: str = HANDLE_KEY_PREFIX) -> str:
-    """The Redis key under which D publishes a session's latest handle."""
-    return prefix + session_store_key(session_id, tenant)
 
 
 class TokenAccounting(msgspec.Struct, omit_defaults=True, kw_only=True):

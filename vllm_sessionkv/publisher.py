@@ -2,7 +2,9 @@
 
 vLLM 0.32's streaming responses carry no ``kv_transfer_params``, so a router that
 streams D's output never sees D's end-of-turn handle.  D therefore also writes the
-handle to Redis under the session id.  ``request_finished`` runs on the scheduler's
+handle to Redis under the session id (``redis_keys.RedisKeys.handle``, in the
+proxy's hash tag, so the proxy's routing read takes it in the same script as the
+index on a Redis Cluster too).  ``request_finished`` runs on the scheduler's
 hot path, so writes happen on a background thread and never block a step.
 """
 
@@ -17,8 +19,9 @@ from vllm_sessionkv.protocol import (
     PayloadError,
     encode_handle,
     handle_from_params,
-    published_handle_key,
+    session_store_key,
 )
+from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, RedisKeys, parse_redis_url
 
 __all__ = ["HandlePublisher"]
 
@@ -29,17 +32,21 @@ _MAX_PENDING = 10_000
 
 
 class HandlePublisher:
-    def __init__(self, redis_url: str | None, key_prefix: str):
+    def __init__(self, redis_url: str | None, namespace: str = DEFAULT_NAMESPACE):
         self.enabled = bool(redis_url)
-        self.key_prefix = key_prefix
+        self.keys = RedisKeys(namespace)
         self._failures = 0
         self._lock = threading.Lock()
         self._queue: queue.Queue[tuple[str, bytes, float] | None] = queue.Queue(_MAX_PENDING)
         self._thread: threading.Thread | None = None
         if self.enabled:
-            import redis  # imported only where configured: the engine may not need it
-
-            self._client = redis.Redis.from_url(redis_url, socket_timeout=2.0,
+            # imported only where configured: the engine may not need redis
+            target = parse_redis_url(redis_url)
+            if target.cluster:
+                from redis.cluster import RedisCluster as client_type
+            else:
+                from redis import Redis as client_type
+            self._client = client_type.from_url(target.url, socket_timeout=2.0,
                                                 socket_connect_timeout=2.0)
             self._thread = threading.Thread(target=self._run, name="sessionkv-publisher",
                                             daemon=True)
@@ -51,7 +58,7 @@ class HandlePublisher:
             return False
         try:
             handle = handle_from_params(params)
-            key = published_handle_key(session_id, handle.tenant, self.key_prefix)
+            key = self.keys.handle(session_store_key(session_id, handle.tenant))
             self._queue.put_nowait((key, encode_handle(handle), ttl_s))
             return True
         except (queue.Full, PayloadError) as exc:

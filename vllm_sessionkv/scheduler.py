@@ -137,7 +137,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._holds = HoldTable()
         self._holds_to_release: set[str] = set()   # for the next step's metadata
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
-        self._publisher = HandlePublisher(config.redis_url, config.redis_key_prefix)
+        self._publisher = HandlePublisher(config.redis_url, config.redis_namespace)
         # Host-DRAM tier: this side decides and tracks; the worker copies.
         self.host: HostTierManager | None = None
         if config.host_tier_bytes:

@@ -3,7 +3,8 @@
     sessionkv-proxy --port 8000 \\
         --prefill url=http://127.0.0.1:8100,events=tcp://127.0.0.1:5600,replay=tcp://127.0.0.1:5601 \\
         --decode  url=http://127.0.0.1:8200,events=tcp://127.0.0.1:5610,replay=tcp://127.0.0.1:5611 \\
-        [--redis-url redis://127.0.0.1:6379/0] [--config proxy.json]
+        [--redis-url redis://127.0.0.1:6379/0 | redis+cluster://HOST:PORT]
+        [--config proxy.json]
 
 Flags override the JSON config file.  The config is validated before the port is
 bound; a bad key exits with status 2 and its name.
@@ -32,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="append", default=[], metavar="SPEC",
                    help="decode engine: URL or url=URL,events=EP,replay=EP[,early=EP] "
                         "(repeatable; early: the engine's early-decode socket)")
-    p.add_argument("--redis-url", help="share the index and sessions through Redis")
+    p.add_argument("--redis-url", help="share the index and sessions through Redis: "
+                        "redis://HOST:PORT/DB, or redis+cluster://HOST:PORT (any node) "
+                        "for a Redis Cluster")
     p.add_argument("--policy", choices=["cost", "round_robin"])
     p.add_argument("--block-size", type=int, help="engines' --block-size (default 32)")
     p.add_argument("--tokenizer", metavar="engine|none|PATH",

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs
 import aiohttp
 import msgspec
 
-from vllm_sessionkv.protocol import HANDLE_KEY_PREFIX
+from vllm_sessionkv.redis_keys import RedisKeys
 
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.redis import delete_matching
@@ -161,9 +161,9 @@ async def withdraw_sessions(state: ProxyState) -> dict[str, int]:
         handles = 0
         if state.redis is not None:
             client = state.redis.client
+            pattern = RedisKeys(state.config.index.redis_namespace).handles_pattern
             handles = await state.redis.call_long(
-                "withdraw_handles",
-                lambda: delete_matching(client, HANDLE_KEY_PREFIX + "*"))
+                "withdraw_handles", lambda: delete_matching(client, pattern))
     except RedisUnavailable as exc:
         raise ApiError(503, f"sessions could not be withdrawn, nothing was reset: {exc}",
                        type_="server_error") from None

@@ -31,6 +31,7 @@ from vllm_sessionkv.protocol import (
     payload_from_params,
     with_payload,
 )
+from vllm_sessionkv.redis_keys import RedisKeys
 
 from sessionkv_proxy import admin
 from sessionkv_proxy.config import ProxyConfig, Role
@@ -766,12 +767,14 @@ def _make_index(config: ProxyConfig, metrics: ProxyMetrics
     from sessionkv_proxy.index.redis import RedisIndex
 
     cfg = config.index
+    keys = RedisKeys(cfg.redis_namespace)
     link = RedisLink(make_redis_client(cfg.redis_url, max_connections=cfg.redis_max_connections,
                                        timeout_s=cfg.redis_timeout_s),
                      timeout_s=cfg.redis_timeout_s, failures_to_open=cfg.redis_failures_to_open,
                      retry_interval_s=cfg.redis_retry_interval_s,
-                     on_error=lambda kind: metrics.errors.labels(kind).inc())
-    remote = RedisIndex(link.client, namespace=cfg.redis_prefix.rstrip(":") or "skv",
+                     on_error=lambda kind: metrics.errors.labels(kind).inc(),
+                     home_key=keys.engines)
+    remote = RedisIndex(link.client, namespace=keys.namespace,
                         max_blocks_per_slot=cfg.max_blocks_per_engine)
     index = FallbackIndex(remote, local, link, engines=[e.url for e in config.engines],
                           on_fallback=lambda op: metrics.redis_fallbacks.labels(op).inc(),

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_namespace, parse_redis_url
+
 # The proxy's one role type (re-exported), defined with the policy that reasons about it.
 from sessionkv_proxy.policy import Role
 from sessionkv_proxy.server import FrontLimits
@@ -52,9 +54,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str = "memory"          # "memory" (in-process) or "redis"
+    # redis://HOST:PORT/DB for one Redis; redis+cluster://HOST:PORT (any node) for a
+    # Redis Cluster (rediss:// and rediss+cluster:// with TLS).
     redis_url: str | None = None
-    # Redis key prefix shared by all replicas of one deployment.
-    redis_prefix: str = "sessionkv:"
+    # The hash tag of every key (vllm_sessionkv/redis_keys.py), shared by all replicas
+    # of one deployment and by its engines (their sessionkv.redis_namespace).
+    redis_namespace: str = DEFAULT_NAMESPACE
     # Bound on index entries per engine and tier; the oldest are dropped first.
     max_blocks_per_engine: int = 1_000_000
     # Redis is an accelerator (see redis_link.py): each call waits at most about
@@ -79,6 +84,15 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"index.backend must be 'memory' or 'redis', got {self.backend!r}")
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("index.redis_url is required when index.backend is 'redis'")
+        if self.redis_url is not None:
+            try:
+                parse_redis_url(self.redis_url)
+            except ValueError as exc:
+                raise ValueError(f"index.redis_url {exc}") from None
+        try:
+            check_namespace(self.redis_namespace)
+        except ValueError as exc:
+            raise ValueError(f"index.redis_namespace {exc}") from None
 
 
 class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

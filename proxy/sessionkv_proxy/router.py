@@ -29,7 +29,6 @@ from vllm_sessionkv.hashing import request_keys
 from vllm_sessionkv.protocol import (
     SessionHandle,
     handle_expired,
-    published_handle_key,
     session_store_key,
 )
 
@@ -216,7 +215,7 @@ class Router:
         """A published handle ``route_read`` took and no P request will use goes back,
         behind the request (unless a newer one was published meanwhile)."""
         if read.handle_taken and read.handle is not None and session_id:
-            self._spawn(self._return_handle(published_handle_key(session_id, tenant),
+            self._spawn(self._return_handle(session_store_key(session_id, tenant),
                                             read.handle, read.handle_ttl_ms))
 
     async def _return_handle(self, key: str, raw: bytes, ttl_ms: int) -> None:
@@ -321,8 +320,7 @@ class Router:
         # taken: atomically, so that of several replicas one gets it (single use).
         session_key = session_store_key(session_id, tenant) if session_id else None
         read = await self.index.route_read(
-            session_key, published_handle_key(session_id, tenant) if session_id else None,
-            keys, take_handle=bool(session_id) and has_prefill_pool)
+            session_key, keys, take_handle=bool(session_id) and has_prefill_pool)
         record = self._record(self._session_raw(session_key, read.record)
                               if session_key else None, tenant)
         handle, outcome, source = await self._usable_handle(record, session_id, tenant,

@@ -56,3 +56,27 @@ def redis_server(tmp_path_factory, free_port) -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         stop_all([proc], grace_s=5.0)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory, free_port):
+    """A local Redis Cluster (3 masters, 1 replica each; ``redis_cluster.py``) shared
+    by the tests that only read and write it; yields the ``LocalRedisCluster``."""
+    from redis_cluster import LocalRedisCluster
+
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.fail("redis-server and redis-cli not found on PATH "
+                    "(apt-get install redis-server)")
+    cluster = LocalRedisCluster(free_port, tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_redis(request) -> str:
+    """The URL of one Redis, then of a Redis Cluster: a test that takes it runs on both."""
+    if request.param == "single":
+        return request.getfixturevalue("redis_server")
+    return request.getfixturevalue("redis_cluster").url

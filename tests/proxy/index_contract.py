@@ -73,8 +73,9 @@ class IndexContract:
 
     @pytest.fixture
     def publish_handle(self):
-        """``async (index, key, raw, ttl_ms)``: what an engine's connector does to
-        publish a handle where this backend reads it; None where it reads none."""
+        """``async (index, session_key, raw, ttl_ms)``: what an engine's connector does
+        to publish a session's handle where this backend reads it; None where it
+        reads none."""
         return None
 
     # -- lookups ----------------------------------------------------------------
@@ -219,28 +220,27 @@ class IndexContract:
         await index.store("b", TIER_HOST, [(1, 100)])
         await index.put_session("s1", b"rec", ttl_s=30)
         prompt = keys(100, 101, 102, 103)
-        read = await index.route_read("s1", f"h:{uuid.uuid4().hex}", prompt)
+        read = await index.route_read("s1", prompt)
         assert read.record == b"rec" and read.handle is None and not read.handle_taken
         assert read.matches == await index.lookup(prompt) == {"a": {GPU: 3}, "b": {CPU: 1}}
-        read = await index.route_read(None, None, prompt, take_handle=True)
+        read = await index.route_read(None, prompt, take_handle=True)
         assert read.record is None and read.matches == {"a": {GPU: 3}, "b": {CPU: 1}}
-        read = await index.route_read("nobody", None, [])
+        read = await index.route_read("nobody", [])
         assert read.record is None and read.matches == {}
 
     async def test_a_taken_handle_is_single_use_until_given_back(self, index,
                                                                   publish_handle):
-        # Not under the engines' prefix: the admin test counts those on the shared server.
-        key = f"test-handle:{uuid.uuid4().hex}"
+        key = f"s-{uuid.uuid4().hex}"   # the session's key (protocol.session_store_key)
         if publish_handle is None:   # this backend holds no published handles
-            read = await index.route_read("s", key, [], take_handle=True)
+            read = await index.route_read(key, [], take_handle=True)
             assert read.handle is None and not read.handle_taken
             await index.return_handle(key, b"h1", 1000)   # a no-op
-            assert (await index.route_read("s", key, [])).handle is None
+            assert (await index.route_read(key, [])).handle is None
             return
         await publish_handle(index, key, b"h1", 60_000)
-        assert (await index.route_read("s", key, [])).handle == b"h1"   # read only
+        assert (await index.route_read(key, [])).handle == b"h1"   # read only
         # Of many readers at once, exactly one takes it.
-        reads = await asyncio.gather(*(index.route_read("s", key, [], take_handle=True)
+        reads = await asyncio.gather(*(index.route_read(key, [], take_handle=True)
                                        for _ in range(20)))
         taken = [r for r in reads if r.handle_taken]
         assert len(taken) == 1 and taken[0].handle == b"h1"
@@ -248,12 +248,12 @@ class IndexContract:
         assert 0 < taken[0].handle_ttl_ms <= 60_000
         # Given back with what was left of its time, it can be taken again.
         await index.return_handle(key, b"h1", taken[0].handle_ttl_ms)
-        again = await index.route_read("s", key, [], take_handle=True)
+        again = await index.route_read(key, [], take_handle=True)
         assert again.handle == b"h1" and 0 < again.handle_ttl_ms <= taken[0].handle_ttl_ms
         # A handle published meanwhile (a newer turn) is not overwritten by it.
         await publish_handle(index, key, b"h2", 60_000)
         await index.return_handle(key, b"h1", again.handle_ttl_ms)
-        assert (await index.route_read("s", key, [])).handle == b"h2"
+        assert (await index.route_read(key, [])).handle == b"h2"
 
     # -- against the reference model -------------------------------------------
 

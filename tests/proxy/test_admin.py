@@ -16,7 +16,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from vllm_sessionkv.protocol import published_handle_key, session_store_key
+from vllm_sessionkv.protocol import session_store_key
+from vllm_sessionkv.redis_keys import RedisKeys
 
 from sessionkv_proxy.admin import RESET_PATH, authorize
 from sessionkv_proxy.app import create_app
@@ -73,7 +74,7 @@ async def _admin_reset(free_port, prefill: StubEngine | None, decode: StubEngine
                  "tokenizer": "none"}
     if redis_url:
         overrides["index"] = {"backend": "redis", "redis_url": redis_url,
-                              "redis_prefix": f"t{uuid.uuid4().hex}"}
+                              "redis_namespace": f"t{uuid.uuid4().hex}"}
     proxy = create_app(load_config(None, overrides))
     await proxy.start()
     try:
@@ -140,12 +141,15 @@ async def test_bad_timeout_is_refused_before_any_engine_is_called(free_port):
 async def test_sessions_and_published_handles_are_withdrawn_before_the_engines_reset(
         free_port, redis_server):
     """A handle left behind would name blocks the reset frees."""
-    handle_key = published_handle_key("s1", None)
+    session_key = session_store_key("s1", None)
+    handle_keys = []
 
     async def before(proxy):
         state = proxy.state
-        await state.index.put_session(session_store_key("s1", None), b"record", 60)
-        await state.redis.client.set(handle_key, b"handle", px=60_000)
+        # As an engine publishes it, in the deployment's namespace.
+        handle_keys.append(RedisKeys(state.config.index.redis_namespace).handle(session_key))
+        await state.index.put_session(session_key, b"record", 60)
+        await state.redis.client.set(handle_keys[0], b"handle", px=60_000)
 
     ok = {"success": True}
     status, body, _ = await _admin_reset(free_port, StubEngine((200, ok)),
@@ -157,7 +161,7 @@ async def test_sessions_and_published_handles_are_withdrawn_before_the_engines_r
 
     client = aioredis.Redis.from_url(redis_server)
     try:
-        assert await client.get(handle_key) is None
+        assert await client.get(handle_keys[0]) is None
     finally:
         await client.aclose()
 

@@ -15,11 +15,11 @@ from sessionkv_proxy.redis_link import RedisLink, make_redis_client
 
 
 @pytest.fixture
-async def index_factory(redis_server):
+async def index_factory(any_redis):
     made: list[tuple[FallbackIndex, RedisLink]] = []
 
     async def make(max_blocks_per_slot: int | None = None) -> FallbackIndex:
-        link = RedisLink(make_redis_client(redis_server, max_connections=16, timeout_s=1.0),
+        link = RedisLink(make_redis_client(any_redis, max_connections=16, timeout_s=1.0),
                          timeout_s=1.0)
         remote = RedisIndex(link.client, namespace=f"t{uuid.uuid4().hex}",
                             max_blocks_per_slot=max_blocks_per_slot)
@@ -37,6 +37,8 @@ async def index_factory(redis_server):
 class TestFallbackIndex(IndexContract):
     @pytest.fixture
     def publish_handle(self):
-        async def publish(index: FallbackIndex, key: str, raw: bytes, ttl_ms: int) -> None:
-            await index.link.client.set(key, raw, px=ttl_ms)
+        async def publish(index: FallbackIndex, session_key: str, raw: bytes,
+                          ttl_ms: int) -> None:
+            await index.link.client.set(index.remote.keys.handle(session_key), raw,
+                                        px=ttl_ms)
         return publish

@@ -14,13 +14,13 @@ from sessionkv_proxy.index.redis import RedisIndex
 
 
 @pytest.fixture
-async def index_factory(redis_server):
+async def index_factory(any_redis):
     made: list[RedisIndex] = []
 
     async def make(max_blocks_per_slot: int | None = None, **kwargs) -> RedisIndex:
         # A namespace per test keeps tests apart on the shared server.
         namespace = kwargs.pop("namespace", None) or f"t{uuid.uuid4().hex}"
-        index = RedisIndex.from_url(redis_server, namespace=namespace,
+        index = RedisIndex.from_url(any_redis, namespace=namespace,
                                     max_blocks_per_slot=max_blocks_per_slot, **kwargs)
         made.append(index)
         return index
@@ -33,8 +33,9 @@ async def index_factory(redis_server):
 class TestRedisIndex(IndexContract):
     @pytest.fixture
     def publish_handle(self):
-        async def publish(index: RedisIndex, key: str, raw: bytes, ttl_ms: int) -> None:
-            await index._client.set(key, raw, px=ttl_ms)
+        async def publish(index: RedisIndex, session_key: str, raw: bytes,
+                          ttl_ms: int) -> None:
+            await index._client.set(index.keys.handle(session_key), raw, px=ttl_ms)
         return publish
 
 

@@ -22,6 +22,8 @@ def test_defaults_make_redis_an_accelerator_and_name_common_session_headers():
     assert cfg.engine_stall_s > 0 and not cfg.return_kv_transfer_params
     assert 0 < cfg.index.redis_timeout_s <= 1.0
     assert cfg.index.redis_max_connections >= 100
+    cluster = _load(index={"backend": "redis", "redis_url": "redis+cluster://10.0.0.9:7000"})
+    assert cluster.index.redis_namespace == "sessionkv"   # the engines' default too
 
 
 @pytest.mark.parametrize("raw, key", [
@@ -33,6 +35,13 @@ def test_defaults_make_redis_an_accelerator_and_name_common_session_headers():
     ({"session_headers": ["X-Session-ID", "bad header"]}, "session_headers"),
     ({"session_headers": [""]}, "session_headers"),
     ({"return_kv_transfer_params": "maybe"}, "return_kv_transfer_params"),
+    ({"index": {"backend": "redis", "redis_url": "http://10.0.0.9:6379"}}, "redis_url"),
+    ({"index": {"backend": "redis", "redis_url": "redis+cluster://10.0.0.9:6379/2"}},
+     "redis_url"),
+    ({"index": {"backend": "redis", "redis_url": "redis+cluster:///tmp/redis.sock"}},
+     "redis_url"),
+    ({"index": {"redis_namespace": "a{b}"}}, "redis_namespace"),
+    ({"index": {"redis_namespace": ""}}, "redis_namespace"),
 ])
 def test_bad_values_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError, match=key):

@@ -166,18 +166,17 @@ async def test_a_routing_read_while_redis_is_down_comes_from_the_own_copy(
     index, link, _ = fallback
     await index.store("e1", TIER_DEVICE, [(1, 100), (2, 101)])
     await index.put_session("s", b"rec", ttl_s=60)
-    await link.client.set("sessionkv:handle:t-s", b"h", px=60_000)
-    read = await index.route_read("s", "sessionkv:handle:t-s", [100, 101])
+    await link.client.set(index.remote.keys.handle("s"), b"h", px=60_000)
+    read = await index.route_read("s", [100, 101])
     assert (read.record, read.handle, read.matches) == (b"rec", b"h", {"e1": {TIER_DEVICE: 2}})
     own_redis.pause()
     try:
         started = time.monotonic()
         for _ in range(3):
-            read = await index.route_read("s", "sessionkv:handle:t-s", [100, 101],
-                                          take_handle=True)
+            read = await index.route_read("s", [100, 101], take_handle=True)
             assert (read.record, read.handle, read.handle_taken) == (b"rec", None, False)
             assert read.matches == {"e1": {TIER_DEVICE: 2}}
         assert time.monotonic() - started < 2.0 and index.degraded
-        await index.return_handle("sessionkv:handle:t-s", b"h", 1000)   # dropped, no raise
+        await index.return_handle("s", b"h", 1000)   # dropped, no raise
     finally:
         own_redis.resume()

@@ -1,4 +1,5 @@
-"""One Redis round trip per routing decision (issue 24, must-show 4).
+"""One Redis round trip per routing decision (issue 24, must-show 4), on one Redis and
+(the Router tests) on a Redis Cluster, where the routing script's keys share one slot.
 
 The session record, the engines' published handle (taken atomically when a P request
 could use it) and the index matches come back from one script; the writes the
@@ -21,7 +22,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from test_admin import StubEngine as AdminStub
 
-from vllm_sessionkv.protocol import encode_handle, handle_from_params, published_handle_key
+from vllm_sessionkv.protocol import encode_handle, handle_from_params, session_store_key
+from vllm_sessionkv.redis_keys import RedisKeys
 
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
@@ -154,13 +156,14 @@ async def test_a_routed_request_costs_one_redis_round_trip_before_p_is_called(
         engines.append({"url": f"http://127.0.0.1:{port}", "role": role})
     d_url = engines[1]["url"]
     proxy_port = free_port()
+    redis_keys = RedisKeys(f"t{uuid.uuid4().hex}")
     proxy = create_app(load_config(None, {
         "engines": engines, "host": "127.0.0.1", "port": proxy_port, "tokenizer": "none",
         "block_size": BS,
         # Always P then D, so the session's handle is used.
         "routing": {"params": {"decode_only_max_uncached_tokens": -1}},
         "index": {"backend": "redis", "redis_url": redis_server,
-                  "redis_prefix": f"t{uuid.uuid4().hex}"}}))
+                  "redis_namespace": redis_keys.namespace}}))
     await proxy.start()
     client = aioredis.Redis.from_url(redis_server)
     session = aiohttp.ClientSession()
@@ -177,7 +180,7 @@ async def test_a_routed_request_costs_one_redis_round_trip_before_p_is_called(
 
         # The script's first use loads it into Redis (NOSCRIPT, SCRIPT LOAD): once.
         await send(None)
-        handle_key = published_handle_key("s1", None)
+        handle_key = redis_keys.handle(session_store_key("s1", None))   # as D publishes
         await client.set(handle_key, _handle(d_url), px=120_000)
         before_p.clear()
         start = await monitor.mark("request")
@@ -198,7 +201,7 @@ async def test_a_routed_request_costs_one_redis_round_trip_before_p_is_called(
         after = monitor.client_commands(before_p[0], end)
         assert any(c.upper().startswith("SET") and "sess:" in c for c in after), after
     finally:
-        await client.delete(published_handle_key("s1", None))
+        await client.delete(redis_keys.handle(session_store_key("s1", None)))
         await session.close()
         await proxy.stop(1.0)
         for runner in runners:
@@ -223,10 +226,11 @@ class CountingClient:
 
 
 @pytest.fixture
-async def routed(redis_server):
-    """A Router over the Redis backend with its fallback (as the proxy runs it): one
-    P, one D, a session whose D holds the whole prompt."""
-    link = RedisLink(make_redis_client(redis_server, max_connections=8, timeout_s=1.0),
+async def routed(any_redis):
+    """A Router over the Redis backend with its fallback (as the proxy runs it), on one
+    Redis and on a Redis Cluster: one P, one D, a session whose D holds the whole
+    prompt."""
+    link = RedisLink(make_redis_client(any_redis, max_connections=8, timeout_s=1.0),
                      timeout_s=1.0)
     remote = RedisIndex(link.client, namespace=f"t{uuid.uuid4().hex}")
     index = FallbackIndex(remote, MemoryIndex(), link)
@@ -243,7 +247,8 @@ async def routed(redis_server):
     yield router, index, counter, d_url
     await router.flush()
     # The admin test counts the published handles on the shared server.
-    await link.client.delete(*(published_handle_key(s, None) for s in ("s2", "s3", "s4")))
+    await link.client.delete(*(remote.keys.handle(session_store_key(s, None))
+                               for s in ("s2", "s3", "s4")))
     await upstream.close()
     await index.close()
     await link.aclose()
@@ -255,7 +260,7 @@ async def test_an_unused_handle_is_given_back_after_the_decision(routed):
 
     keys = request_keys(PROMPT, BS)
     await index.store(d_url, TIER_DEVICE, [(i, k) for i, k in enumerate(keys)])
-    handle_key = published_handle_key("s2", None)
+    handle_key = index.remote.keys.handle(session_store_key("s2", None))
     raw = _handle(d_url)
     await index.link.client.set(handle_key, raw, px=120_000)
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 4}
@@ -302,7 +307,7 @@ async def test_a_taken_handle_goes_back_when_no_worker_can_take_the_request(rout
     from sessionkv_proxy.errors import ApiError
 
     router, index, counter, d_url = routed
-    handle_key = published_handle_key("s4", None)
+    handle_key = index.remote.keys.handle(session_store_key("s4", None))
     raw = _handle(d_url)
     await index.link.client.set(handle_key, raw, px=120_000)
     router.pool.get(d_url).healthy = False

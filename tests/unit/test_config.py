@@ -51,3 +51,16 @@ def test_bad_pacing_values_are_named(key, value):
 def test_bad_sync_load_values_are_named(raw, key):
     with pytest.raises(ConfigError, match=key):
         parse_config({"sessionkv": raw})
+
+
+@pytest.mark.parametrize("raw,key", [({"redis_url": "10.0.0.9:6379"}, "redis_url"),
+                                     ({"redis_url": "redis+cluster://h:7000/1"}, "redis_url"),
+                                     ({"redis_namespace": "{x}"}, "redis_namespace")])
+def test_bad_redis_values_are_named(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"sessionkv": raw})
+
+
+def test_a_cluster_url_and_the_proxys_default_namespace_are_accepted():
+    config = parse_config({"sessionkv": {"redis_url": "redis+cluster://10.0.0.9:7000"}})
+    assert config.redis_namespace == "sessionkv"

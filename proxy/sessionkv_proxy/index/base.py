@@ -104,12 +104,11 @@ class KVIndex(Protocol):
         """
         ...
 
-    async def route_read(self, session_key: str | None, handle_key: str | None,
-                         request_keys: Sequence[RequestKey], take_handle: bool = False
-                         ) -> RouteRead:
+    async def route_read(self, session_key: str | None, request_keys: Sequence[RequestKey],
+                         take_handle: bool = False) -> RouteRead:
         """Everything a routing decision reads, in one step (one round trip for a
         shared store): the session record under ``session_key``, the engines'
-        published handle under ``handle_key`` (None for either: not read), and
+        published handle for that session (None: neither is read), and
         ``lookup(request_keys)``.
 
         ``take_handle`` deletes the published handle in the same atomic step, so that
@@ -119,9 +118,10 @@ class KVIndex(Protocol):
         """
         ...
 
-    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
-        """Put back a handle ``route_read`` took and the decision did not use, with
-        what was left of its time (-1: none), unless a newer one was published since."""
+    async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
+        """Put back a handle ``route_read`` took for ``session_key`` and the decision
+        did not use, with what was left of its time (-1: none), unless a newer one was
+        published since."""
         ...
 
     async def size(self) -> int:

@@ -125,28 +125,27 @@ class FallbackIndex:
         # has not covered yet); this replica's copy still helps.
         return record if record is not None else await self.local.get_session(session_id)
 
-    async def route_read(self, session_key: str | None, handle_key: str | None,
-                         request_keys: Sequence[RequestKey], take_handle: bool = False
-                         ) -> RouteRead:
+    async def route_read(self, session_key: str | None, request_keys: Sequence[RequestKey],
+                         take_handle: bool = False) -> RouteRead:
         """Redis's answer in one round trip; while Redis is down, this replica's copy
         (no published handle then: only Redis holds those)."""
         try:
             read = await self.link.call("route_read", lambda: self.remote.route_read(
-                session_key, handle_key, request_keys, take_handle))
+                session_key, request_keys, take_handle))
         except RedisUnavailable:
             self._on_fallback("route_read")
-            return await self.local.route_read(session_key, None, request_keys)
+            return await self.local.route_read(session_key, request_keys)
         if read.record is None and session_key:
             # As in get_session: Redis lost a record this replica still holds.
             read.record = await self.local.get_session(session_key)
         return read
 
-    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+    async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
         # Not a write of ours to re-publish: a handle lost to an outage costs one
         # turn's reuse, never correctness.
         try:
             await self.link.call("return_handle",
-                                 lambda: self.remote.return_handle(handle_key, handle, ttl_ms))
+                                 lambda: self.remote.return_handle(session_key, handle, ttl_ms))
         except RedisUnavailable:
             pass
 
@@ -182,15 +181,14 @@ class FallbackIndex:
 
     async def _check_run_id(self) -> None:
         try:
-            info = await self.link.call("info", lambda: self.link.client.info("server"))
+            run_id = await self.link.server_id()
         except RedisUnavailable:
             return
-        run_id = info.get("run_id") if isinstance(info, dict) else None
         if run_id is None:
             return
         if self.run_id is not None and run_id != self.run_id:
-            logger.warning("redis restarted (run_id changed); re-publishing the index "
-                           "and sessions")
+            logger.warning("redis restarted or failed over (run_id changed); "
+                           "re-publishing the index and sessions")
             self._missed = True
         self.run_id = run_id
 

@@ -141,15 +141,14 @@ class MemoryIndex:
     async def lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
         return self._lookup(request_keys)
 
-    async def route_read(self, session_key: str | None, handle_key: str | None,
-                         request_keys: Sequence[RequestKey], take_handle: bool = False
-                         ) -> RouteRead:
+    async def route_read(self, session_key: str | None, request_keys: Sequence[RequestKey],
+                         take_handle: bool = False) -> RouteRead:
         # No I/O and no await: engines publish handles to Redis only, so there is
         # none here, and the read is atomic on the event loop.
         return RouteRead(record=self._get_session(session_key) if session_key else None,
                          matches=self._lookup(request_keys) if request_keys else {})
 
-    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+    async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
         return None   # never takes one
 
     def _lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:

@@ -1,17 +1,14 @@
-"""Redis-backed ``KVIndex``, shared by several proxy replicas.
+"""Redis-backed ``KVIndex``, shared by several proxy replicas, on one Redis or a Redis
+Cluster.
 
 Every update and every lookup is one Lua script, so each is atomic and costs one
-round trip whatever the number of blocks.  All keys carry the hash tag ``{<ns>}`` so
-the scripts stay legal on Redis Cluster (they then live on one shard).
-
-Keys (``P = "{<ns>}:"``):
-
-* ``P rk:<request key hex>``: HASH, field ``<engine>\\0<tier>`` -> number of that
-  slot's engine hashes mapping to the key.  Lookups read only these.
-* ``P eh:<tier>:<engine>``: HASH engine hash -> request key hex (the dual-key map).
-* ``P lru:<tier>:<engine>``: ZSET engine hash -> store tick; bounds the slot.
-* ``P tiers:<engine>``, ``P engines``: SETs, for ``clear`` and ``size``.
-* ``P tick``: store counter.  ``P sess:<session id>``: session records (``SET PX``).
+round trip whatever the number of blocks.  The key names are
+``vllm_sessionkv.redis_keys``'s: all carry the deployment's hash tag, so on a
+cluster every script (the routing read included: record, published handle and
+lookup) runs on the one node that holds that slot.  Scripts declare the keys they are
+given in ``KEYS`` (the lookup its request keys), so a cluster client sends them to
+that node; the ones they derive inside Redis (an engine's tiers, the request keys a
+store touches) are in the same slot.
 
 Memory is bounded by ``max_blocks_per_slot`` per engine and tier (the least recently
 stored entry is evicted first) and, optionally, by ``entry_ttl_s`` on every key,
@@ -28,6 +25,7 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 
 from vllm_sessionkv.hashing import RequestKey
+from vllm_sessionkv.redis_keys import RedisKeys, parse_redis_url
 
 from .base import EngineHash, PrefixMatch, RouteRead
 
@@ -131,13 +129,13 @@ end
 return false
 """
 
-# prefix_match(prefix, rks, first): the longest held prefix of rks[first..] per slot,
-# as a flat list slot, blocks, slot, blocks...
+# prefix_match(keys, first): the longest held prefix of the request keys
+# keys[first..] per slot, as a flat list slot, blocks, slot, blocks...
 _PREFIX_MATCH = """
-local function prefix_match(prefix, rks, first)
+local function prefix_match(keys, first)
   local active, count, n_active = nil, {}, 0
-  for i = first, #rks do
-    local fields = redis.call('HKEYS', prefix .. rks[i])
+  for i = first, #keys do
+    local fields = redis.call('HKEYS', keys[i])
     if active == nil then
       active = {}
       for _, f in ipairs(fields) do active[f] = true; count[f] = 1; n_active = n_active + 1 end
@@ -157,27 +155,29 @@ local function prefix_match(prefix, rks, first)
 end
 """
 
-# ARGV: rk_prefix, rk1, rk2, ...
+# KEYS: the request keys, in prompt order.
 _LOOKUP = _PREFIX_MATCH + """
-return prefix_match(ARGV[1], ARGV, 2)
+return prefix_match(KEYS, 1)
 """
 
 # A routing decision's whole read, one round trip.  KEYS: the session record and the
-# published handle, each optional (the record first).  ARGV: rk_prefix, take ('1': delete the handle as
-# it is read), rk1, rk2, ...  Returns {record|nil, handle|nil, handle's PTTL when
-# taken (-2: not taken), {slot, blocks, ...}}.  The handle key is the engines' (no
-# hash tag): on Redis Cluster this script would need it on the index's shard.
+# engines' published handle (both, or neither), then the request keys.  ARGV:
+# number of session keys (2 or 0), take ('1': delete the handle as it is read).
+# Returns {record|nil, handle|nil, handle's PTTL when taken (-2: not taken),
+# {slot, blocks, ...}}.  The handle key is in the index's hash tag (redis_keys.py),
+# so on a cluster this is one script on one node, as on one Redis.
 _ROUTE_READ = _PREFIX_MATCH + """
 local record, handle, ttl = false, false, -2
-if #KEYS >= 1 then record = redis.call('GET', KEYS[1]) end
-if #KEYS == 2 then
+local n = tonumber(ARGV[1])
+if n == 2 then
+  record = redis.call('GET', KEYS[1])
   handle = redis.call('GET', KEYS[2])
   if handle and ARGV[2] == '1' then
     ttl = redis.call('PTTL', KEYS[2])
     redis.call('DEL', KEYS[2])
   end
 end
-return {record, handle, ttl, prefix_match(ARGV[1], ARGV, 3)}
+return {record, handle, ttl, prefix_match(KEYS, n + 1)}
 """
 
 # KEYS: engines.  ARGV: prefix
@@ -236,16 +236,15 @@ class RedisIndex:
     def __init__(self, client: aioredis.Redis, *, namespace: str = "skv",
                  max_blocks_per_slot: int | None = DEFAULT_MAX_BLOCKS_PER_SLOT,
                  entry_ttl_s: int | None = None, owns_client: bool = False) -> None:
-        if not namespace or "{" in namespace or "}" in namespace:
-            raise ValueError(f"namespace must be non-empty without braces, got {namespace!r}")
         if max_blocks_per_slot is not None and max_blocks_per_slot <= 0:
             raise ValueError(f"max_blocks_per_slot must be positive, got {max_blocks_per_slot}")
         if entry_ttl_s is not None and entry_ttl_s <= 0:
             raise ValueError(f"entry_ttl_s must be positive, got {entry_ttl_s}")
+        self.keys = RedisKeys(namespace)   # ValueError for a namespace with braces
         self._client = client
         self._owns_client = owns_client
-        self._prefix = "{" + namespace + "}:"
-        self._rk_prefix = self._prefix + "rk:"
+        self._prefix = self.keys.prefix
+        self._rk_prefix = self.keys.request_key_prefix
         self._cap = max_blocks_per_slot or 0
         self._ttl_s = entry_ttl_s or 0
         self._store = client.register_script(_STORE)
@@ -258,11 +257,17 @@ class RedisIndex:
 
     @classmethod
     def from_url(cls, url: str, **kwargs) -> RedisIndex:
-        """Connect to ``url`` (``redis://host:port/db``); the index owns the client."""
-        return cls(aioredis.Redis.from_url(url), owns_client=True, **kwargs)
+        """Connect to ``url`` (``redis://host:port/db``, or ``redis+cluster://host:port``
+        for a Redis Cluster); the index owns the client."""
+        target = parse_redis_url(url)
+        if target.cluster:
+            from redis.asyncio.cluster import RedisCluster
+
+            return cls(RedisCluster.from_url(target.url), owns_client=True, **kwargs)
+        return cls(aioredis.Redis.from_url(target.url), owns_client=True, **kwargs)
 
     def _slot_keys(self, engine: str, tier: str) -> tuple[str, str]:
-        return (f"{self._prefix}eh:{tier}:{engine}", f"{self._prefix}lru:{tier}:{engine}")
+        return (self.keys.engine_hashes(tier, engine), self.keys.lru(tier, engine))
 
     async def store(self, engine: str, tier: str,
                     blocks: Sequence[tuple[EngineHash, RequestKey]]) -> None:
@@ -274,9 +279,8 @@ class RedisIndex:
         for engine_hash, key in blocks:
             args.append(_eh_str(engine_hash))
             args.append(_rk_str(key))
-        await self._store(keys=[eh_key, lru_key, self._prefix + "tick",
-                                f"{self._prefix}tiers:{engine}", self._prefix + "engines"],
-                          args=args)
+        await self._store(keys=[eh_key, lru_key, self.keys.tick, self.keys.tiers(engine),
+                                self.keys.engines], args=args)
 
     async def remove(self, engine: str, tier: str, engine_hashes: Sequence[EngineHash]) -> None:
         if not engine_hashes:
@@ -286,57 +290,56 @@ class RedisIndex:
                                  *(_eh_str(h) for h in engine_hashes)])
 
     async def clear(self, engine: str, tier: str | None = None) -> None:
-        await self._clear(keys=[f"{self._prefix}tiers:{engine}", self._prefix + "engines"],
+        await self._clear(keys=[self.keys.tiers(engine), self.keys.engines],
                           args=[self._prefix, engine, tier or ""])
 
     async def request_key(self, engine: str, engine_hash: EngineHash) -> RequestKey | None:
-        raw = await self._request_key(keys=[f"{self._prefix}tiers:{engine}"],
+        raw = await self._request_key(keys=[self.keys.tiers(engine)],
                                       args=[self._prefix, engine, _eh_str(engine_hash)])
         return None if raw is None else RequestKey(int(raw, 16))
 
     async def lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
         if not request_keys:
             return {}
-        flat = await self._lookup(keys=[], args=[self._rk_prefix,
-                                                 *(_rk_str(k) for k in request_keys)])
+        flat = await self._lookup(keys=[self.keys.request_key(_rk_str(k))
+                                        for k in request_keys], args=[])
         return _prefix_match(flat)
 
-    async def route_read(self, session_key: str | None, handle_key: str | None,
-                         request_keys: Sequence[RequestKey], take_handle: bool = False
-                         ) -> RouteRead:
+    async def route_read(self, session_key: str | None, request_keys: Sequence[RequestKey],
+                         take_handle: bool = False) -> RouteRead:
         """One script, so one round trip: the record, the handle (taken atomically
         with ``take_handle``) and the lookup."""
-        keys = [f"{self._prefix}sess:{session_key}"] if session_key else []
-        if session_key and handle_key:
-            keys.append(handle_key)
+        keys = [self.keys.session(session_key), self.keys.handle(session_key)] \
+            if session_key else []
+        keys += [self.keys.request_key(_rk_str(k)) for k in request_keys]
         record, handle, ttl_ms, flat = await self._route_read(
-            keys=keys, args=[self._rk_prefix, "1" if take_handle else "0",
-                             *(_rk_str(k) for k in request_keys)])
+            keys=keys, args=[2 if session_key else 0, "1" if take_handle else "0"])
         taken = handle is not None and int(ttl_ms) != -2
         return RouteRead(record=record, handle=handle, handle_taken=taken,
                          handle_ttl_ms=int(ttl_ms) if taken else -1,
                          matches=_prefix_match(flat))
 
-    async def return_handle(self, handle_key: str, handle: bytes, ttl_ms: int) -> None:
+    async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
         # NX: a handle published since (a newer turn) is not overwritten.  A ttl of
         # 0 or less than a millisecond left: it ran out meanwhile, nothing to return.
+        key = self.keys.handle(session_key)
         if ttl_ms == -1:
-            await self._client.set(handle_key, handle, nx=True)
+            await self._client.set(key, handle, nx=True)
         elif ttl_ms > 0:
-            await self._client.set(handle_key, handle, nx=True, px=ttl_ms)
+            await self._client.set(key, handle, nx=True, px=ttl_ms)
 
     async def size(self) -> int:
-        return int(await self._size(keys=[self._prefix + "engines"], args=[self._prefix]))
+        return int(await self._size(keys=[self.keys.engines], args=[self._prefix]))
 
     async def put_session(self, session_id: str, record: bytes, ttl_s: float) -> None:
-        await self._client.set(f"{self._prefix}sess:{session_id}", record,
+        await self._client.set(self.keys.session(session_id), record,
                                px=max(1, int(ttl_s * 1000)))
 
     async def get_session(self, session_id: str) -> bytes | None:
-        return await self._client.get(f"{self._prefix}sess:{session_id}")
+        return await self._client.get(self.keys.session(session_id))
 
     async def clear_sessions(self) -> int:
-        return await delete_matching(self._client, f"{self._prefix}sess:*")
+        return await delete_matching(self._client, self.keys.sessions_pattern)
 
     async def close(self) -> None:
         if self._owns_client:
