@@ -293,6 +293,8 @@ def test_service_monitor_selects_the_engines_and_the_proxy_on_their_metrics_port
                 and s["metadata"]["labels"].get(expression["key"]) in expression["values"]]
     assert sorted(s["metadata"]["labels"]["app.kubernetes.io/component"]
                   for s in selected) == ["decode", "prefill", "proxy"]
+    for doc in _kind(docs, "StatefulSet") + _kind(docs, "Deployment"):
+        assert "prometheus.io/scrape" not in doc["spec"]["template"]["metadata"]["annotations"]
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     for service in selected:

@@ -56,9 +56,9 @@ app.kubernetes.io/component: {{ index . 1 }}
 
 {{- define "skv.metricsAnnotations" -}}
 {{- $root := index . 0 -}}
-{{- if $root.Values.metrics.podAnnotations }}
+{{- if $root.Values.metrics.podAnnotations -}}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ index . 1 | quote }}
 prometheus.io/path: /metrics
-{{- end }}
+{{- end -}}
 {{- end -}}
