@@ -3,9 +3,10 @@ and consistent with what the engines and the proxy actually accept.
 
 Two renderings: the default values, and ``ci/external-redis-values.yaml`` (external
 Redis from a Secret, a ServiceMonitor, UCX over TCP, tensor parallelism, early decode
-off, proxy config keys).  Helm comes from ``ci/install_helm.py``; the schemas from
-kubernetes-validate (PyPI), strict mode, at the chart's oldest Kubernetes (1.27) and
-the newest the tool ships.  Each engine's command line goes through vLLM's own
+off, proxy config keys).  Helm comes from ``ci/install_chart_tools.py``; the schemas
+from kubernetes-validate (PyPI), strict mode, at the chart's oldest Kubernetes (1.27)
+and the newest the tool ships; the ServiceMonitor (a CRD, unknown to that tool)
+against the prometheus-operator schema in @kubernetes-models/prometheus-operator (npm).  Each engine's command line goes through vLLM's own
 argument parser, its connector config through ours, and the proxy's config file
 through the proxy's loader.
 """
@@ -39,8 +40,8 @@ def helm() -> str:
     path = shutil.which("helm")
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("helm is not installed: ci/install.sh runs ci/install_helm.py")
-        pytest.skip("helm is not installed (python ci/install_helm.py)")
+            pytest.fail("helm is not installed: ci/install.sh runs ci/install_chart_tools.py")
+        pytest.skip("helm is not installed (python ci/install_chart_tools.py)")
     return path
 
 
@@ -126,7 +127,7 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
     checked: set[str] = set()
     for doc in docs:
         if doc["kind"] == "ServiceMonitor":
-            continue  # a CRD: checked against the Services below
+            continue  # a CRD: test_service_monitor_validates_against_the_operators_schema
         for version in KUBERNETES_VERSIONS:
             # Raises kubernetes_validate.ValidationError with the path of a bad field.
             kubernetes_validate.validate(doc, version, strict=True)
@@ -135,6 +136,37 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
     if _values(name)["proxy"]["replicas"] > 1:
         expected.add("PodDisruptionBudget")
     assert expected <= checked
+
+
+def _validate_service_monitors(docs: list[dict]) -> list[str | None]:
+    """The validator's message per ServiceMonitor (None: valid)."""
+    import sys
+
+    models = (Path(sys.prefix) / "share" / "chart-tools" / "node_modules" / "@kubernetes-models"
+              / "prometheus-operator" / "monitoring.coreos.com" / "v1" / "ServiceMonitor.js")
+    node = shutil.which("node")
+    if node is None or not models.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("node or the prometheus-operator models are missing: "
+                        "ci/install.sh runs ci/install_chart_tools.py")
+        pytest.skip("the prometheus-operator models are not installed "
+                    "(python ci/install_chart_tools.py)")
+    done = subprocess.run([node, str(Path(__file__).with_name("validate_servicemonitor.mjs")),
+                           str(models)], input=json.dumps(docs), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_service_monitor_validates_against_the_operators_schema(helm):
+    docs = [d for d in yaml.safe_load_all(
+        _render(helm, VALUES["external-redis"]).stdout) if d]
+    monitors = _kind(docs, "ServiceMonitor")
+    assert len(monitors) == 1
+    wrong = json.loads(json.dumps(monitors[0]))
+    wrong["spec"]["endpoints"][0]["port"] = 8000  # the schema wants the port's name
+    assert _validate_service_monitors(monitors + [wrong]) == [
+        None, "data/spec/endpoints/0/port must be string"]
 
 
 def test_a_manifest_with_a_wrong_field_fails_validation(helm):

@@ -150,7 +150,7 @@ def test_every_metric_the_dashboard_queries_is_exported(pd_cluster):
 def test_the_charts_probe_paths_answer_on_the_running_cluster(pd_cluster):
     helm = shutil.which("helm")
     if helm is None:
-        pytest.skip("helm is not installed (python ci/install_helm.py)")
+        pytest.skip("helm is not installed (python ci/install_chart_tools.py)")
     done = subprocess.run([helm, "template", "skv", str(CHART)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
