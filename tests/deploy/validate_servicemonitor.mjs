@@ -1,0 +1,18 @@
+// Validates ServiceMonitor objects (a JSON array on stdin) against the
+// prometheus-operator CRD's schema, with @kubernetes-models/prometheus-operator.
+// argv[2]: that package's monitoring.coreos.com/v1/ServiceMonitor.js
+// (ci/install_chart_tools.py installs it).  Prints one JSON array: null for a valid
+// object, the validator's message for an invalid one.
+import { readFileSync } from "node:fs";
+import { pathToFileURL } from "node:url";
+
+const { ServiceMonitor } = await import(pathToFileURL(process.argv[2]).href);
+const results = JSON.parse(readFileSync(0, "utf8")).map((doc) => {
+  try {
+    new ServiceMonitor(doc).validate();
+    return null;
+  } catch (err) {
+    return String(err.message || err);
+  }
+});
+console.log(JSON.stringify(results));
