@@ -14,7 +14,7 @@ import msgspec
 
 from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
 from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S
-from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_namespace, parse_redis_url
+from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
 __all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
 
@@ -147,15 +147,7 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost: CostConfig = CostConfig()
 
     def __post_init__(self):
-        if self.redis_url is not None:
-            try:
-                parse_redis_url(self.redis_url)
-            except ValueError as exc:
-                raise ValueError(f"redis_url {exc}") from None
-        try:
-            check_namespace(self.redis_namespace)
-        except ValueError as exc:
-            raise ValueError(f"redis_namespace {exc}") from None
+        check_redis_settings(self.redis_url, self.redis_namespace)
         if self.host_tier_bytes < 0:
             raise ValueError("host_tier_bytes must be >= 0")
         if self.nixl_ucx_error_handling not in (None, "peer", "none"):

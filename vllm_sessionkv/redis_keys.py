@@ -34,7 +34,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 __all__ = ["DEFAULT_NAMESPACE", "RedisKeys", "RedisTarget", "check_namespace",
-           "parse_redis_url"]
+           "check_redis_settings", "parse_redis_url"]
 
 DEFAULT_NAMESPACE = "sessionkv"
 
@@ -128,3 +128,17 @@ def parse_redis_url(url: object) -> RedisTarget:
     if parts.path.strip("/") not in ("", "0"):
         raise ValueError(f"a Redis Cluster has database 0 only, got {parts.path!r}")
     return RedisTarget(True, plain)
+
+
+def check_redis_settings(url: str | None, namespace: str, key_prefix: str = "") -> None:
+    """Start-up check of a config's ``redis_url`` (optional) and ``redis_namespace``;
+    the ValueError names the key as the config spells it (``key_prefix`` + name)."""
+    if url is not None:
+        try:
+            parse_redis_url(url)
+        except ValueError as exc:
+            raise ValueError(f"{key_prefix}redis_url {exc}") from None
+    try:
+        check_namespace(namespace)
+    except ValueError as exc:
+        raise ValueError(f"{key_prefix}redis_namespace {exc}") from None

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_namespace, parse_redis_url
+from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
 # The proxy's one role type (re-exported), defined with the policy that reasons about it.
 from sessionkv_proxy.policy import Role
@@ -84,15 +84,7 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(f"index.backend must be 'memory' or 'redis', got {self.backend!r}")
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("index.redis_url is required when index.backend is 'redis'")
-        if self.redis_url is not None:
-            try:
-                parse_redis_url(self.redis_url)
-            except ValueError as exc:
-                raise ValueError(f"index.redis_url {exc}") from None
-        try:
-            check_namespace(self.redis_namespace)
-        except ValueError as exc:
-            raise ValueError(f"index.redis_namespace {exc}") from None
+        check_redis_settings(self.redis_url, self.redis_namespace, "index.")
 
 
 class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
