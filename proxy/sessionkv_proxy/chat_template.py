@@ -620,6 +620,7 @@ class ChatRenderer:
             raise Unsupported("chat_template or chat_template_kwargs of another type")
         if requested is not None and not request_templates:
             raise Unsupported("a request template, which the engines may refuse")
+        requested = requested or None   # build_chat_params: "" is the default template
         if user_kwargs.keys() & (_HF_CALL_PARAMS | {"messages"}):
             raise Unsupported("chat_template_kwargs naming a parameter of the call")
         documents = body.get("documents")

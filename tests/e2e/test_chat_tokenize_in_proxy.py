@@ -11,6 +11,8 @@ with both as decode engines, so every request is routed on its content.
   ``prompt_token_ids`` and ``usage.prompt_tokens``) and the engine's ``/tokenize``
   with ``messages``; the recent-routes credit holds their whole block chain for the
   engine that served the request.
+  A request with its own ``chat_template``, which these engines refuse, goes to
+  ``/tokenize`` and gets the engine's 400.
 * A tokenizer directory whose chat template differs from the engines': the probe
   finds it, counts ``errors{kind="local_chat_template_mismatch"}``, chat requests go
   to ``/tokenize`` again (one call each), and the answer equals the engine's own.
@@ -133,6 +135,15 @@ async def test_chat_routes_on_ids_rendered_in_the_proxy(two_engines, tiny_model)
                 keys = request_keys(ids, BLOCK_SIZE)
                 assert keys and router.recent.overlaps(keys, time.time())[engine] == len(keys)
             assert tokenize_calls(two_engines) == calls_before, "a chat request asked /tokenize"
+            # These engines refuse a request's own template (no
+            # --trust-request-chat-template): the probe saw it, so such a request goes
+            # to /tokenize and is refused as the engine refuses it.
+            assert not router.request_templates_ok
+            body = chat_body(tiny_model, max_tokens=4, chat_template="{{ messages }}",
+                             **CONVERSATIONS["system_user"])
+            async with http.post(proxy + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 400, await resp.text()
+            assert tokenize_calls(two_engines) == calls_before + 1
             # The engines' own chat tokenization agrees (asked after the count).
             for name, conversation in CONVERSATIONS.items():
                 assert await engine_tokenize(http, two_engines[0], conversation) == routed[name]

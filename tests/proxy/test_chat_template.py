@@ -292,6 +292,7 @@ def test_request_template_and_named_templates(tiny_model: Path, tmp_path: Path) 
     bodies.update({name: body for name, body in BODIES.items()})
     bodies.update({f"{name}+named": {**body, "chat_template": "plain"}
                    for name, body in BODIES.items()})
+    bodies["empty_request_template"] = {**BODIES["system_user"], "chat_template": ""}
     counts = _compare(model_dir, bodies)
     assert counts["unsupported"] == 0 and counts["equal"] >= len(bodies) - 3, counts
     renderer = ChatRenderer(LocalTokenizer(str(model_dir)))
