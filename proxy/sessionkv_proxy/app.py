@@ -34,6 +34,8 @@ from vllm_sessionkv.protocol import (
 from vllm_sessionkv.redis_keys import RedisKeys
 
 from sessionkv_proxy import admin
+from sessionkv_proxy.chat_template import PROBES as CHAT_PROBES
+from sessionkv_proxy.chat_template import REQUEST_TEMPLATE_PROBE
 from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
 from sessionkv_proxy.engines import Engine, EnginePool
@@ -716,44 +718,97 @@ async def _discover_models(state: ProxyState) -> None:
 
 
 async def _check_local_tokenizer(state: ProxyState) -> None:
-    """Compare the local tokenizer with an engine's /tokenize on a few probes.  A match
-    lets the router use it; a mismatch would make every index lookup miss, so the
-    engine's /tokenize serves for the rest of the process life.  When no engine
-    answers there is no verdict, and a later request tries again."""
+    """Compare the local tokenizer with an engine's /tokenize on a few probes, then
+    the local chat template on a few conversations.  A match lets the router use
+    them; a mismatch would make every index lookup miss, so the engine's /tokenize
+    serves (for completions, or for chat alone) for the rest of the process life.
+    When no engine answers there is no verdict, and a later request tries again."""
     router = state.router
     assert router is not None
     local = router.local_tokenizer
-    if local is None or router.local_tokenizer_ok:
+    if local is None:
         return
-    cases = [(p, special) for special in (True, False) for p in PROBES]
+    if not router.local_tokenizer_ok:
+        cases = [(p, special) for special in (True, False) for p in PROBES]
 
-    async def engine_ids(case: tuple[str, bool]) -> list[int] | None:
-        return await router.prompt_token_ids(
-            {"prompt": case[0], "add_special_tokens": case[1]}, False, engine_only=True)
+        async def engine_ids(case: tuple[str, bool]) -> list[int] | None:
+            return await router.prompt_token_ids(
+                {"prompt": case[0], "add_special_tokens": case[1]}, False, engine_only=True)
 
-    try:
-        # One probe first: an unreachable engine costs one timeout, not one per probe.
-        theirs = [await engine_ids(cases[0])]
-        if theirs[0] is not None:
-            theirs += await asyncio.gather(*map(engine_ids, cases[1:]))
-    except ApiError as exc:
-        theirs = [None]
-        logger.warning("local tokenizer check: an engine refused a probe: %s", exc.message)
-    if any(ids is None for ids in theirs):
-        logger.info("local tokenizer check: no engine answered /tokenize; trying again on "
-                    "a later request, the engine tokenizes until then")
-        return
-    bad = first_mismatch(cases, [local.encode(p, special) for p, special in cases], theirs)
-    if bad is None:
+        try:
+            # One probe first: an unreachable engine costs one timeout, not one per probe.
+            theirs = [await engine_ids(cases[0])]
+            if theirs[0] is not None:
+                theirs += await asyncio.gather(*map(engine_ids, cases[1:]))
+        except ApiError as exc:
+            theirs = [None]
+            logger.warning("local tokenizer check: an engine refused a probe: %s",
+                           exc.message)
+        if any(ids is None for ids in theirs):
+            logger.info("local tokenizer check: no engine answered /tokenize; trying again "
+                        "on a later request, the engine tokenizes until then")
+            return
+        bad = first_mismatch(cases, [local.encode(p, special) for p, special in cases], theirs)
+        if bad is not None:
+            router.local_tokenizer = router.local_chat = None
+            state.metrics.errors.labels("local_tokenizer_mismatch").inc()
+            logger.error("local tokenizer %s differs from the engine's /tokenize on probe %r "
+                         "(add_special_tokens=%s); the engine tokenizes from now on",
+                         local.path, bad[0], bad[1])
+            return
         router.local_tokenizer_ok = True
         logger.info("local tokenizer %s matches the engine on %d probes; completions "
                     "prompts are tokenized in the proxy", local.path, len(cases))
+    if router.local_chat is not None and not router.local_chat_ok:
+        await _check_local_chat(state)
+
+
+async def _check_local_chat(state: ProxyState) -> None:
+    """The chat probes: each conversation's ids from the local template against the
+    engine's /tokenize with ``messages`` (both refusing a probe counts as agreeing).
+    Then whether the engines accept a request's own chat_template and render it the
+    same; until seen, such requests go to /tokenize."""
+    router = state.router
+    assert router is not None and router.local_chat is not None
+    chat = router.local_chat
+
+    async def engine_outcome(body: dict[str, Any]) -> list[int] | str | None:
+        try:
+            return await router.prompt_token_ids(dict(body), True, engine_only=True)
+        except ApiError:
+            return "refused"
+
+    def local_outcome(body: dict[str, Any], request_templates: bool) -> list[int] | str:
+        try:
+            return chat.ids(dict(body), request_templates)
+        except Exception:
+            return "refused"
+
+    theirs = await asyncio.gather(*map(engine_outcome, CHAT_PROBES))
+    if any(ids is None for ids in theirs):
+        logger.info("local chat template check: no engine answered /tokenize; trying "
+                    "again on a later request, the engine tokenizes chat until then")
         return
-    router.local_tokenizer = None
-    state.metrics.errors.labels("local_tokenizer_mismatch").inc()
-    logger.error("local tokenizer %s differs from the engine's /tokenize on probe %r "
-                 "(add_special_tokens=%s); the engine tokenizes from now on",
-                 local.path, bad[0], bad[1])
+    ours = [local_outcome(body, False) for body in CHAT_PROBES]
+    bad = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if bad is not None or all(ids == "refused" for ids in theirs):
+        router.local_chat = None
+        state.metrics.errors.labels("local_chat_template_mismatch").inc()
+        probe = 0 if bad is None else bad
+        logger.error("local chat template of %s differs from the engine's /tokenize on "
+                     "probe %d %s (local: %s, engine: %s); the engine tokenizes chat "
+                     "prompts from now on", chat.model_dir, probe,
+                     json.dumps(CHAT_PROBES[probe], ensure_ascii=False)[:300],
+                     str(ours[probe])[:200], str(theirs[probe])[:200])
+        return
+    template_ids = await engine_outcome(REQUEST_TEMPLATE_PROBE)
+    router.request_templates_ok = (isinstance(template_ids, list) and template_ids
+                                   == local_outcome(REQUEST_TEMPLATE_PROBE, True))
+    router.local_chat_ok = True
+    logger.info("local chat template of %s matches the engine on %d conversations; chat "
+                "prompts are tokenized in the proxy (a request's own chat_template: %s)",
+                chat.model_dir, len(CHAT_PROBES),
+                "in the proxy" if router.request_templates_ok else "by the engine")
 
 
 def _make_index(config: ProxyConfig, metrics: ProxyMetrics

@@ -115,8 +115,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Token ids for routing: "engine" asks a P engine's /tokenize (exact by
     # construction); "none" routes on session affinity and load only; a path (the
     # model directory given to `vllm serve`, or its tokenizer.json) tokenizes
-    # completions string prompts in the proxy, checked against an engine's
-    # /tokenize once (see tokenizer.py).  Chat prompts always ask the engine.
+    # completions string prompts in the proxy, and renders chat prompts with that
+    # directory's chat template, each checked against an engine's /tokenize once
+    # (see tokenizer.py and chat_template.py).
     tokenizer: str = "engine"
     block_size: int = 32
     max_body_bytes: int = 8 * 1024 * 1024

@@ -1,8 +1,9 @@
 """Gathers what a routing decision needs and asks the policy.
 
 The policy (``policy.py``) is a pure function of plain data.  This module does the
-I/O around it: token ids for the prompt (the engine's ``/tokenize``, or for
-completions text the same tokenizer in-process once it matched the engine's, so
+I/O around it: token ids for the prompt (the engine's ``/tokenize``, or, once
+they matched the engine's at start-up, the same tokenizer in-process for
+completions text and the model's chat template rendered in-process for chat, so
 they equal vLLM's), then the session record, the engines' published handle and the
 index lookup in one read (``KVIndex.route_read``: one Redis round trip, or none
 in-process), and the engines' load.  What the decision writes (a consumed handle
@@ -39,6 +40,7 @@ from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex, RouteRead
 from sessionkv_proxy.recent import RecentRoutes
+from sessionkv_proxy.chat_template import ChatRenderer
 from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 from sessionkv_proxy.sessions import (
@@ -103,8 +105,28 @@ class Router:
         self.local_tokenizer = (None if config.tokenizer in ("engine", "none")
                                 else LocalTokenizer.load(config.tokenizer))
         self.local_tokenizer_ok = False
+        # Chat requests likewise, with the model's chat template, once probe
+        # conversations matched an engine's (``local_chat_ok``); a request's own
+        # chat_template only once the engines were seen to accept one and render it
+        # the same (``request_templates_ok``).  A request the renderer declines goes
+        # to the engine's /tokenize.
+        self.local_chat: ChatRenderer | None = None
+        if self.local_tokenizer is not None:
+            renderer = ChatRenderer(self.local_tokenizer)
+            if renderer.unusable:
+                logger.info("chat prompts are tokenized by the engine: %s", renderer.unusable)
+            else:
+                self.local_chat = renderer
+        self.local_chat_ok = False
+        self.request_templates_ok = False
         self.check_local_tokenizer: Callable[[], Awaitable[None]] | None = None
         self._tokenizer_check: asyncio.Task | None = None
+
+    def _check_later(self) -> None:
+        """Start the check against the engine, unless one is running."""
+        if self.check_local_tokenizer is not None and (
+                self._tokenizer_check is None or self._tokenizer_check.done()):
+            self._tokenizer_check = asyncio.create_task(self.check_local_tokenizer())
 
     # ------------------------------------------------------------ token ids
     async def prompt_token_ids(self, body: dict[str, Any], is_chat: bool,
@@ -121,9 +143,16 @@ class Router:
                     ids = local.ids_for_completion(body)
                     if ids is not None:
                         return ids
-                elif self.check_local_tokenizer is not None and (
-                        self._tokenizer_check is None or self._tokenizer_check.done()):
-                    self._tokenizer_check = asyncio.create_task(self.check_local_tokenizer())
+                else:
+                    self._check_later()
+        elif self.local_chat is not None and not engine_only:
+            if self.local_chat_ok:
+                try:
+                    return self.local_chat.ids(body, self.request_templates_ok)
+                except Exception as exc:   # declined, or the template refused it
+                    logger.debug("chat prompt tokenized by the engine: %r", exc)
+            else:
+                self._check_later()
         if self.config.tokenizer == "none":
             return None
         engines = [e for e in self.pool.engines if e.available] or self.pool.engines
@@ -134,6 +163,17 @@ class Router:
                                         "chat_template_kwargs", "tools",
                                         "add_special_tokens") if k in body}
             req.setdefault("add_generation_prompt", True)
+            # Fields /tokenize lacks but the chat endpoint passes to the template
+            # (vLLM's ChatCompletionRequest.build_chat_params): as template kwargs.
+            kwargs = body.get("chat_template_kwargs") or {}
+            effort = body.get("reasoning_effort")
+            extra = {k: body[k] for k in ("documents", "reasoning_effort")
+                     if body.get(k) is not None}
+            if effort is not None and isinstance(kwargs, dict) \
+                    and "enable_thinking" not in kwargs:
+                extra["enable_thinking"] = effort != "none"
+            if extra and isinstance(kwargs, dict):
+                req["chat_template_kwargs"] = {**kwargs, **extra}
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):

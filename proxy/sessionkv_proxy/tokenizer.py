@@ -50,7 +50,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PROBES", "LocalTokenizer", "first_mismatch", "resolve_tokenizer_file"]
+__all__ = ["PROBES", "LocalTokenizer", "first_mismatch", "read_json_object",
+           "resolve_tokenizer_file"]
 
 logger = logging.getLogger("sessionkv_proxy.tokenizer")
 
@@ -84,7 +85,8 @@ def resolve_tokenizer_file(path: str) -> Path:
     return file
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file's object; {} when the file is missing or holds something else."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -105,7 +107,7 @@ class LocalTokenizer:
         file = resolve_tokenizer_file(path)
         try:
             tok = Tokenizer.from_file(str(file))
-            cfg = _read_json(file.parent / "tokenizer_config.json")
+            cfg = read_json_object(file.parent / "tokenizer_config.json")
         except Exception as exc:
             raise ValueError(f"tokenizer {path!r}: cannot load {file}: {exc}") from None
         self.path = str(file)
@@ -128,7 +130,7 @@ class LocalTokenizer:
             return None
 
         decoder = cfg.get("added_tokens_decoder")
-        specials = cfg if decoder else {**_read_json(file.parent / "special_tokens_map.json"),
+        specials = cfg if decoder else {**read_json_object(file.parent / "special_tokens_map.json"),
                                         **cfg}
         plain = [added(v, None) for _, v in
                  sorted((decoder or {}).items(), key=lambda kv: int(kv[0]))]
