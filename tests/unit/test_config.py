@@ -51,3 +51,17 @@ def test_bad_pacing_values_are_named(key, value):
 def test_bad_sync_load_values_are_named(raw, key):
     with pytest.raises(ConfigError, match=key):
         parse_config({"sessionkv": raw})
+
+
+@pytest.mark.parametrize("raw,key", [({"early_decode_bind_host": "dhost"}, "early_decode_bind_host"),
+                                     ({"advertise_url": "10.0.0.2:8000"}, "advertise_url"),
+                                     ({"advertise_url": "http://:8000"}, "advertise_url")])
+def test_bad_addresses_are_named(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"sessionkv": raw})
+
+
+def test_addresses_of_another_host_are_taken():
+    cfg = parse_config({"sessionkv": {"early_decode_bind_host": "10.0.0.2",
+                                      "advertise_url": "http://10.0.0.2:8000"}})
+    assert cfg.early_decode_bind_host == "10.0.0.2"
