@@ -53,9 +53,10 @@ def test_bad_sync_load_values_are_named(raw, key):
         parse_config({"sessionkv": raw})
 
 
-@pytest.mark.parametrize("raw,key", [({"early_decode_bind_host": "dhost"}, "early_decode_bind_host"),
-                                     ({"advertise_url": "10.0.0.2:8000"}, "advertise_url"),
-                                     ({"advertise_url": "http://:8000"}, "advertise_url")])
+@pytest.mark.parametrize("raw,key", [
+    ({"early_decode_bind_host": "dhost"}, "early_decode_bind_host"),
+    ({"advertise_url": "10.0.0.2:8000"}, "advertise_url"),
+    ({"advertise_url": "http://:8000"}, "advertise_url")])
 def test_bad_addresses_are_named(raw, key):
     with pytest.raises(ConfigError, match=key):
         parse_config({"sessionkv": raw})

@@ -4,8 +4,8 @@ One piece of code serves ``examples/local_cluster.py``, the test fixtures and th
 benchmarks.  It applies the CPU recipe (``cpu-pd-recipe.md``): one reserved CPU
 (else NIXL re-pins the model thread onto the OpenMP thread's core), no NIXL progress
 thread (the connector does that), UCX on loopback (for engines on loopback), a block
-size that is a multiple of 32, and vLLM's loadable (non-AOT) compile cache.  Every process runs in its own
-session and is stopped by PID.
+size that is a multiple of 32, and vLLM's loadable (non-AOT) compile cache.  Every
+process runs in its own session and is stopped by PID.
 
 Each process runs on a :class:`Host`: by default this one, on loopback.  A host's
 ``address`` is where the process listens and where the others reach it (engine HTTP,
