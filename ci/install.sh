@@ -9,6 +9,11 @@ if ! command -v redis-server >/dev/null 2>&1; then
     echo "redis-server not found: install it (apt-get install redis-server)" >&2; exit 1
   fi
 fi
+# tests/e2e/test_separate_hosts.py builds network namespaces with iproute2 (ip, ss);
+# as root, install it when missing (elsewhere that test skips, saying why).
+if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v ss; } >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate

@@ -13,6 +13,16 @@ healthy it prints one line
 
 and stays in the foreground; SIGINT or SIGTERM stops every process it started.
 
+With --placement each process can run elsewhere: another address (another host, or a
+network namespace on this one), a command prefix that runs it there (``ip netns exec
+NS``), and environment for it (``UCX_TLS``, ``UCX_NET_DEVICES``)::
+
+    --placement '{"prefill0": {"address": "10.0.0.2", "command_prefix": ["ip", "netns",
+                  "exec", "p"], "env": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth1"}}}'
+
+Every address, URL and endpoint the engines, the proxy and Redis are given then uses
+that process's address; this script must reach each one (it polls /health).
+
 A child that dies (an engine, the proxy, Redis) is logged and started again on the
 same ports while the rest keep serving (``LocalCluster.supervise_once``), with a
 growing backoff; after --max-restarts restarts within --restart-window-s it is given
@@ -32,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_sessionkv.dev.launch import ChildExited, ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.launch import ChildExited, ClusterSpec, LocalCluster, parse_placement
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-early-decode", action="store_true",
                    help="send D each disaggregated request after P answers, not while P "
                         "prefills (D engines then open no early-decode socket)")
+    p.add_argument("--placement", default="{}",
+                   help="JSON: process name (prefill0.., decode0.., colocated, redis, proxy) "
+                        "-> {address, command_prefix, env}; unnamed ones run here on "
+                        "127.0.0.1")
     p.add_argument("--fail-fast", action="store_true",
                    help="when any child exits, stop everything and exit 1 (no restarts)")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -85,27 +99,35 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--kv-cache-gb must be above 0")
     if args.max_restarts < 0 or not args.restart_window_s > 0:
         p.error("--max-restarts must be 0 or more and --restart-window-s above 0")
+    try:
+        placement = parse_placement(json.loads(args.placement))
+    except ValueError as exc:  # json.JSONDecodeError is one
+        p.error(f"--placement: {exc}")
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
     model = args.model
     if model is None:
         from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
         model = str(generate_tiny_model(workdir / "tiny-llama"))
-    spec = ClusterSpec(
-        model=model, prefill=args.prefill, decode=args.decode,
-        colocated=args.colocated_port is not None, colocated_port=args.colocated_port,
-        redis=args.redis, proxy=not args.no_proxy, proxy_port=args.proxy_port,
-        policy=args.policy, base_port=args.base_port, block_size=args.block_size,
-        max_model_len=args.max_model_len, kv_cache_space_gb=args.kv_cache_gb,
-        connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
-        nixl_extra=json.loads(args.nixl_extra_config),
-        gpus=args.gpus.split(",") if args.gpus else None,
-        early_decode=not args.no_early_decode, fail_fast=args.fail_fast,
-        max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
-        log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs",
-        proxy_args=([] if args.decode_only_max_uncached_tokens is None else
-                    ["--decode-only-max-uncached-tokens",
-                     str(args.decode_only_max_uncached_tokens)]))
+    try:
+        spec = ClusterSpec(
+            model=model, prefill=args.prefill, decode=args.decode,
+            colocated=args.colocated_port is not None, colocated_port=args.colocated_port,
+            redis=args.redis, proxy=not args.no_proxy, proxy_port=args.proxy_port,
+            policy=args.policy, base_port=args.base_port, block_size=args.block_size,
+            max_model_len=args.max_model_len, kv_cache_space_gb=args.kv_cache_gb,
+            connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
+            nixl_extra=json.loads(args.nixl_extra_config),
+            gpus=args.gpus.split(",") if args.gpus else None,
+            early_decode=not args.no_early_decode, fail_fast=args.fail_fast,
+            max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
+            log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs",
+            proxy_args=([] if args.decode_only_max_uncached_tokens is None else
+                        ["--decode-only-max-uncached-tokens",
+                         str(args.decode_only_max_uncached_tokens)]),
+            placement=placement)
+    except ValueError as exc:  # a placement naming no process of this cluster
+        p.error(str(exc))
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

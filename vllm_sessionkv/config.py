@@ -8,6 +8,8 @@ default.
 
 from __future__ import annotations
 
+import ipaddress
+import urllib.parse
 from typing import Any
 
 import msgspec
@@ -122,6 +124,8 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # for requests the proxy sent it while P was still prefilling (early_decode.py).
     # 0 = off.  Give the proxy the same endpoint: --decode url=...,early=tcp://HOST:PORT.
     early_decode_port: int = 0
+    # The address it binds: "*" (every address of the host) or one IP address, which
+    # the proxy's early=tcp://HOST:PORT must then name.
     early_decode_bind_host: str = "*"
     # A held request whose parameters never come computes its prompt itself after
     # this long (the proxy died, or the message was lost).
@@ -136,7 +140,9 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # redis_keys.py).
     redis_url: str | None = None
     redis_namespace: str = DEFAULT_NAMESPACE
-    # HTTP URL of this engine, published in handles so a router can find it.
+    # HTTP URL of this engine, published in handles so a router can find it: the URL
+    # the router has for this engine (its --prefill/--decode url), an address the
+    # router's host can reach.
     advertise_url: str | None = None
     # Host-DRAM tier for idle session KV: bytes of DRAM per engine (0 = off).
     host_tier_bytes: int = 0
@@ -168,6 +174,17 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 <= self.early_decode_port < 65536:
             raise ValueError(f"early_decode_port must be within [0, 65535], got "
                              f"{self.early_decode_port}")
+        if self.early_decode_bind_host != "*":
+            try:
+                ipaddress.ip_address(self.early_decode_bind_host)
+            except ValueError:
+                raise ValueError("early_decode_bind_host must be '*' or an IP address, got "
+                                 f"{self.early_decode_bind_host!r}") from None
+        if self.advertise_url is not None:
+            url = urllib.parse.urlsplit(self.advertise_url)
+            if url.scheme not in ("http", "https") or not url.hostname:
+                raise ValueError("advertise_url must be an http(s)://HOST:PORT URL, got "
+                                 f"{self.advertise_url!r}")
         if self.early_decode_timeout_s <= 0:
             raise ValueError("early_decode_timeout_s must be > 0, got "
                              f"{self.early_decode_timeout_s}")

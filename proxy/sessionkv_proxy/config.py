@@ -43,6 +43,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://: {self.url!r}")
+        for key in ("kv_events", "kv_events_replay", "early_decode"):
+            endpoint = getattr(self, key)
+            if endpoint is not None and ("*" in endpoint or "0.0.0.0" in endpoint):
+                # The engine's bind address, copied: the proxy connects, so it needs
+                # an address of the engine's host.
+                raise ValueError(f"{key} must name the engine's host, not a wildcard: "
+                                 f"{endpoint!r}")
         if self.early_decode is not None:
             if self.role is not Role.DECODE:
                 raise ValueError(f"early_decode is for decode engines; {self.url} is "

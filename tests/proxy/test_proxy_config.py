@@ -48,6 +48,15 @@ def test_bad_values_are_refused_naming_the_key(raw, key):
         _load(**raw)
 
 
+@pytest.mark.parametrize("field", ["events", "replay", "early"])
+def test_a_wildcard_engine_endpoint_is_refused_naming_the_key(field):
+    """The engine binds tcp://*:PORT; the proxy connects, so it needs the host."""
+    names = {"events": "kv_events", "replay": "kv_events_replay", "early": "early_decode"}
+    engine = {"url": "http://10.0.0.3:8000", "role": "decode", names[field]: "tcp://*:5600"}
+    with pytest.raises(ConfigError, match=names[field]):
+        load_config(None, {"engines": [engine]})
+
+
 def test_session_keys_differ_by_tenant_and_cannot_be_forged_by_a_session_id():
     plain = session_store_key("s1", None)
     a, b = session_store_key("s1", "tenant-a"), session_store_key("s1", "tenant-b")

@@ -61,6 +61,21 @@ def test_bad_redis_values_are_named(raw, key):
         parse_config({"sessionkv": raw})
 
 
+@pytest.mark.parametrize("raw,key", [
+    ({"early_decode_bind_host": "dhost"}, "early_decode_bind_host"),
+    ({"advertise_url": "10.0.0.2:8000"}, "advertise_url"),
+    ({"advertise_url": "http://:8000"}, "advertise_url")])
+def test_bad_addresses_are_named(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        parse_config({"sessionkv": raw})
+
+
 def test_a_cluster_url_and_the_proxys_default_namespace_are_accepted():
     config = parse_config({"sessionkv": {"redis_url": "redis+cluster://10.0.0.9:7000"}})
     assert config.redis_namespace == "sessionkv"
+
+
+def test_addresses_of_another_host_are_taken():
+    cfg = parse_config({"sessionkv": {"early_decode_bind_host": "10.0.0.2",
+                                      "advertise_url": "http://10.0.0.2:8000"}})
+    assert cfg.early_decode_bind_host == "10.0.0.2"

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from vllm_sessionkv.dev.launch import EngineSpec, engine_command
+import sys
+
+import pytest
+
+from vllm_sessionkv.dev.launch import (
+    LOCAL_HOST,
+    ClusterSpec,
+    EngineSpec,
+    Host,
+    engine_command,
+    parse_placement,
+)
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -31,3 +42,49 @@ def test_gpu_engine_keeps_vllms_kv_cache_sizing(monkeypatch):
     assert _flag(argv, "--kv-cache-memory-bytes") is None
     assert env["CUDA_VISIBLE_DEVICES"] == "0"
     assert "VLLM_USE_AOT_COMPILE" not in env
+
+
+def test_an_engine_on_another_host_listens_and_is_reached_there():
+    host = Host(address="10.213.7.2", command_prefix=["ip", "netns", "exec", "p"],
+                env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "vp1"})
+    spec = EngineSpec(role="decode", model="m", port=8000, side_channel_port=5600,
+                      kv_events_port=5601, sessionkv={"early_decode_port": 5602}, host=host)
+    argv, env = engine_command(spec)
+    assert argv[:4] == ["ip", "netns", "exec", "p"]
+    assert _flag(argv, "--host") == "10.213.7.2"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.213.7.2"
+    assert env["VLLM_HOST_IP"] == "10.213.7.2"
+    assert env["UCX_TLS"] == "tcp" and env["UCX_NET_DEVICES"] == "vp1"
+    assert spec.url == "http://10.213.7.2:8000"
+    assert spec.kv_events_endpoint == "tcp://10.213.7.2:5601"
+    assert spec.early_decode_endpoint == "tcp://10.213.7.2:5602"
+
+
+def test_a_local_engine_keeps_ucx_on_loopback():
+    spec = EngineSpec(role="prefill", model="m", port=8000)
+    argv, env = engine_command(spec)
+    assert argv[0] == sys.executable and _flag(argv, "--host") == "127.0.0.1"
+    assert env["UCX_NET_DEVICES"] == "lo" and env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert spec.url == "http://127.0.0.1:8000"
+    assert Host(address="::1").endpoint(80) == "[::1]:80"
+
+
+@pytest.mark.parametrize("raw,named", [
+    ({"decode0": {"address": "dhost"}}, "placement.decode0"),
+    ({"decode0": {"address": "0.0.0.0"}}, "placement.decode0"),
+    ({"proxy": {"adress": "10.0.0.1"}}, "placement.proxy"),
+    ({"redis": {"command_prefix": "ip netns exec x"}}, "placement.redis"),
+    (["decode0"], "placement"),
+])
+def test_a_bad_placement_is_refused_naming_the_entry(raw, named):
+    with pytest.raises(ValueError, match=named):
+        parse_placement(raw)
+
+
+def test_a_placement_must_name_a_process_of_the_cluster():
+    placement = parse_placement({"decode1": {"address": "10.0.0.3"}})
+    with pytest.raises(ValueError, match="decode1"):
+        ClusterSpec(model="m", placement=placement)
+    spec = ClusterSpec(model="m", decode=2, placement=placement)
+    assert spec.host("decode1").address == "10.0.0.3"
+    assert spec.host("decode0") == LOCAL_HOST

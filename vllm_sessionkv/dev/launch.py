@@ -3,9 +3,17 @@
 One piece of code serves ``examples/local_cluster.py``, the test fixtures and the
 benchmarks.  It applies the CPU recipe (``cpu-pd-recipe.md``): one reserved CPU
 (else NIXL re-pins the model thread onto the OpenMP thread's core), no NIXL progress
-thread (the connector does that), UCX on loopback, a block size that is a multiple
-of 32, and vLLM's loadable (non-AOT) compile cache.  Every process runs in its own
-session and is stopped by PID.
+thread (the connector does that), UCX on loopback (for engines on loopback), a block
+size that is a multiple of 32, and vLLM's loadable (non-AOT) compile cache.  Every
+process runs in its own session and is stopped by PID.
+
+Each process runs on a :class:`Host`: by default this one, on loopback.  A host's
+``address`` is where the process listens and where the others reach it (engine HTTP,
+NIXL side channel, KV events, early decode, Redis, the proxy); its ``command_prefix``
+runs the command there (e.g. ``ip netns exec NS``) and its ``env`` adds to the
+process's environment (e.g. ``UCX_TLS``, ``UCX_NET_DEVICES`` for the link between
+hosts).  ``ClusterSpec.placement`` maps process names to hosts; the launcher must
+reach every host's address (it polls ``/health``).
 
 ``LocalCluster.supervise_once()`` is the supervisor: called in a loop, it logs each
 child that exited and starts it again with the same command line and ports (an engine
@@ -17,6 +25,7 @@ says so; with ``ClusterSpec.fail_fast`` it raises :class:`ChildExited` instead.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import json
 import logging
 import os
@@ -30,6 +39,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 __all__ = [
     "ChildEvent",
@@ -37,12 +49,15 @@ __all__ = [
     "ClusterSpec",
     "EngineSpec",
     "EventKind",
+    "Host",
+    "LOCAL_HOST",
     "LocalCluster",
     "ManagedProcess",
     "cpu_seconds",
     "engine_command",
     "free_port",
     "kv_transfer_config",
+    "parse_placement",
     "process_tree",
     "start_engine",
     "start_process",
@@ -53,6 +68,51 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+class Host(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a process runs: the address it listens on and is reached at, the prefix
+    that runs its command there, and environment added for it."""
+
+    address: str = "127.0.0.1"
+    command_prefix: list[str] = msgspec.field(default_factory=list)
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self):
+        try:
+            ip = ipaddress.ip_address(self.address)
+        except ValueError:
+            raise ValueError(f"address must be an IP address, got {self.address!r}") from None
+        if ip.is_unspecified:
+            raise ValueError(f"address must be one the other processes can reach, "
+                             f"not {self.address!r}")
+
+    @property
+    def is_loopback(self) -> bool:
+        return ipaddress.ip_address(self.address).is_loopback
+
+    def endpoint(self, port: int) -> str:
+        """``HOST:PORT``, an IPv6 address in brackets."""
+        if ipaddress.ip_address(self.address).version == 6:
+            return f"[{self.address}]:{port}"
+        return f"{self.address}:{port}"
+
+
+LOCAL_HOST = Host()
+
+
+def parse_placement(raw: Any) -> dict[str, Host]:
+    """``{process name: {"address", "command_prefix", "env"}}`` from JSON, validated;
+    a bad entry raises ValueError naming it (``placement.decode0.address``)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"placement must be a JSON object, got {type(raw).__name__}")
+    hosts = {}
+    for name, entry in raw.items():
+        try:
+            hosts[name] = msgspec.convert(entry, Host)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"placement.{name}: {exc}") from None
+    return hosts
 
 
 def free_port() -> int:
@@ -83,24 +143,27 @@ class EngineSpec:
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES on GPU hosts
+    host: Host = LOCAL_HOST
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host.endpoint(self.port)}"
 
     @property
     def kv_events_endpoint(self) -> str | None:
-        return f"tcp://127.0.0.1:{self.kv_events_port}" if self.kv_events_port else None
+        """Where a subscriber connects (the engine binds every address of its host)."""
+        return f"tcp://{self.host.endpoint(self.kv_events_port)}" if self.kv_events_port \
+            else None
 
     @property
     def kv_events_replay_endpoint(self) -> str | None:
-        return (f"tcp://127.0.0.1:{self.kv_events_replay_port}"
+        return (f"tcp://{self.host.endpoint(self.kv_events_replay_port)}"
                 if self.kv_events_replay_port else None)
 
     @property
     def early_decode_endpoint(self) -> str | None:
         port = self.sessionkv.get("early_decode_port") if self.connector == "sessionkv" else 0
-        return f"tcp://127.0.0.1:{port}" if port else None
+        return f"tcp://{self.host.endpoint(port)}" if port else None
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict | None:
@@ -120,8 +183,9 @@ def kv_transfer_config(spec: EngineSpec) -> dict | None:
 
 
 def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", spec.model, "--host", "127.0.0.1", "--port", str(spec.port),
+    host = spec.host
+    argv = [*host.command_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", spec.model, "--host", host.address, "--port", str(spec.port),
             "--max-model-len", str(spec.max_model_len), "--dtype", "bfloat16",
             "--block-size", str(spec.block_size), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256", "--seed", "0"]
@@ -134,6 +198,8 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     if ktc is not None:
         argv += ["--kv-transfer-config", json.dumps(ktc)]
     if spec.kv_events_port:
+        # A wildcard: vLLM's publisher binds only wildcard endpoints (it connects to
+        # the rest), so it listens on every address of the engine's host.
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
                   "endpoint": f"tcp://*:{spec.kv_events_port}", "topic": "kv-events"}
         if spec.kv_events_replay_port:
@@ -151,10 +217,15 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         "HF_HUB_OFFLINE": "1",
         "VLLM_SERVER_DEV_MODE": "1",          # /reset_prefix_cache for tests
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-        "UCX_NET_DEVICES": "lo",
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        # NIXL's handshake listener binds this address and P and D hand it to each
+        # other (remote_host in kv_transfer_params).
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": host.address,
         "TOKENIZERS_PARALLELISM": "false",
     })
+    if host.is_loopback:
+        env["UCX_NET_DEVICES"] = "lo"  # else UCX also listens on the host's other links
+    else:
+        env["VLLM_HOST_IP"] = host.address  # vLLM's own idea of its node address
     if spec.side_channel_port:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.side_channel_port)
     if spec.gpus is not None:
@@ -165,6 +236,7 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         # recompiled with Inductor.  Its older compile cache loads: a tiny model's
         # warm-up drops from about 30 s to 8 s once the cache is warm.
         env.setdefault("VLLM_USE_AOT_COMPILE", "0")
+    env.update(host.env)
     env.update(spec.extra_env)
     return argv, env
 
@@ -305,18 +377,23 @@ def stop_all(procs: Sequence[ManagedProcess], grace_s: float = 15.0) -> None:
             logger.error("%s pid=%d did not exit", proc.name, proc.pid)
 
 
-def start_redis(port: int, log_dir: Path | None = None) -> ManagedProcess:
-    """A throw-away redis-server on loopback, no persistence."""
-    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--protected-mode", "yes"]
-    return _spawn("redis", argv, dict(os.environ), log_dir)
+def start_redis(port: int, log_dir: Path | None = None, host: Host = LOCAL_HOST
+                ) -> ManagedProcess:
+    """A throw-away redis-server on ``host`` (loopback by default), no persistence.
+
+    Off loopback it takes clients from other hosts, with no password: it is for a
+    private network of the launcher's own (protected mode would refuse them)."""
+    argv = [*host.command_prefix, "redis-server", "--port", str(port),
+            "--bind", host.address, "--save", "", "--appendonly", "no",
+            "--protected-mode", "yes" if host.is_loopback else "no"]
+    return _spawn("redis", argv, {**os.environ, **host.env}, log_dir)
 
 
-def wait_redis(port: int, timeout_s: float = 20.0) -> None:
+def wait_redis(port: int, timeout_s: float = 20.0, address: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
+            with socket.create_connection((address, port), timeout=1) as sock:
                 sock.sendall(b"PING\r\n")
                 if sock.recv(16).startswith(b"+PONG"):
                     return
@@ -367,6 +444,25 @@ class ClusterSpec:
     restart_window_s: float = 600.0
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
+    # Where each process runs, by name ("prefill0", "decode0", "colocated", "redis",
+    # "proxy"); a process not named runs here, on loopback (LOCAL_HOST).
+    placement: dict[str, Host] = field(default_factory=dict)
+
+    def process_names(self) -> list[str]:
+        names = [f"prefill{i}" for i in range(self.prefill)]
+        names += [f"decode{i}" for i in range(self.decode)]
+        optional = (("colocated", self.colocated), ("redis", self.redis),
+                    ("proxy", self.proxy))
+        return names + [name for name, started in optional if started]
+
+    def __post_init__(self):
+        unknown = sorted(set(self.placement) - set(self.process_names()))
+        if unknown:
+            raise ValueError(f"placement: no process named {', '.join(unknown)} in this "
+                             f"cluster; expected some of {self.process_names()}")
+
+    def host(self, name: str) -> Host:
+        return self.placement.get(name, LOCAL_HOST)
 
 
 class EventKind(enum.Enum):
@@ -441,17 +537,18 @@ class LocalCluster:
         self._next += 1
         return self._next - 1
 
-    def _engine(self, role: str, index: int) -> EngineSpec:
+    def _engine(self, role: str, index: int, name: str) -> EngineSpec:
         spec = self.spec
+        host = spec.host(name)
         sessionkv = dict(spec.sessionkv)
         if self.redis_url:
             sessionkv.setdefault("redis_url", self.redis_url)
         port = self._port()
         if spec.connector == "sessionkv":
-            sessionkv.setdefault("advertise_url", f"http://127.0.0.1:{port}")
+            sessionkv.setdefault("advertise_url", f"http://{host.endpoint(port)}")
             if role == "decode" and spec.early_decode:
                 sessionkv.setdefault("early_decode_port", self._port())
-                sessionkv.setdefault("early_decode_bind_host", "127.0.0.1")
+                sessionkv.setdefault("early_decode_bind_host", host.address)
         gpus = None
         if spec.gpus:
             gpus = spec.gpus[index % len(spec.gpus)]
@@ -465,7 +562,8 @@ class LocalCluster:
                               if role == "prefill" and spec.prefill_num_gpu_blocks_override
                               else spec.num_gpu_blocks_override),
                           connector=spec.connector, sessionkv=sessionkv,
-                          nixl_extra=dict(spec.nixl_extra), extra_args=list(spec.engine_extra_args), gpus=gpus)
+                          nixl_extra=dict(spec.nixl_extra), extra_args=list(spec.engine_extra_args), gpus=gpus,
+                          host=host)
 
     def manage(self, name: str, start: Callable[[], ManagedProcess],
                health_url: str | None = None) -> ManagedProcess:
@@ -487,11 +585,14 @@ class LocalCluster:
         try:
             if spec.redis:
                 redis_port = self._port()
-                self.manage("redis", lambda: start_redis(redis_port, log_dir))
-                wait_redis(redis_port)
-                self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
-            self.prefill = [self._engine("prefill", i) for i in range(spec.prefill)]
-            self.decode = [self._engine("decode", spec.prefill + i) for i in range(spec.decode)]
+                redis_host = spec.host("redis")
+                self.manage("redis", lambda: start_redis(redis_port, log_dir, redis_host))
+                wait_redis(redis_port, address=redis_host.address)
+                self.redis_url = f"redis://{redis_host.endpoint(redis_port)}/0"
+            self.prefill = [self._engine("prefill", i, f"prefill{i}")
+                            for i in range(spec.prefill)]
+            self.decode = [self._engine("decode", spec.prefill + i, f"decode{i}")
+                           for i in range(spec.decode)]
             named = [(f"prefill{i}", e) for i, e in enumerate(self.prefill)]
             named += [(f"decode{i}", e) for i, e in enumerate(self.decode)]
             if spec.colocated:
@@ -500,16 +601,19 @@ class LocalCluster:
                     port=spec.colocated_port or self._port(), block_size=spec.block_size,
                     max_model_len=spec.max_model_len, kv_cache_space_gb=spec.kv_cache_space_gb,
                     extra_args=list(spec.engine_extra_args),
-                    gpus=spec.gpus[-1] if spec.gpus else None)
+                    gpus=spec.gpus[-1] if spec.gpus else None, host=spec.host("colocated"))
                 named.append(("colocated", self.colocated))
             engines = [(self.manage(name, self._engine_starter(e, name), e.url), e.url)
                        for name, e in named]
             wait_healthy(engines, timeout_s=timeout_s)
             if spec.proxy:
                 port = spec.proxy_port or self._port()
-                argv = self._proxy_argv(port)
-                self.proxy_url = f"http://127.0.0.1:{port}"
-                proxy = self.manage("proxy", lambda: start_process("proxy", argv, log_dir),
+                proxy_host = spec.host("proxy")
+                argv = self._proxy_argv(port, proxy_host)
+                env = {**os.environ, **proxy_host.env}
+                self.proxy_url = f"http://{proxy_host.endpoint(port)}"
+                proxy = self.manage("proxy",
+                                    lambda: start_process("proxy", argv, log_dir, env),
                                     self.proxy_url)
                 wait_healthy([(proxy, self.proxy_url)], timeout_s=60)
         except BaseException:
@@ -520,9 +624,10 @@ class LocalCluster:
     def _engine_starter(self, engine: EngineSpec, name: str) -> Callable[[], ManagedProcess]:
         return lambda: start_engine(engine, name, self.spec.log_dir)
 
-    def _proxy_argv(self, port: int) -> list[str]:
+    def _proxy_argv(self, port: int, host: Host) -> list[str]:
         spec = self.spec
-        argv = [sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+        argv = [*host.command_prefix, sys.executable, "-m", "sessionkv_proxy",
+                "--host", host.address, "--port", str(port),
                 "--policy", spec.policy, "--block-size", str(spec.block_size)]
         for flag, group in (("--prefill", self.prefill), ("--decode", self.decode)):
             for e in group:
