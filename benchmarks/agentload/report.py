@@ -414,7 +414,9 @@ def render(results: dict) -> str:
               "- computed tok: prompt tokens the engines computed, summed over both engines "
               "of the arm, from `vllm:prompt_tokens_by_source_total{source=\"local_compute\"}`"
               " deltas; reuse x = prompt tokens / computed; share of max = (prompt - computed)"
-              " / the ceiling's reusable tokens for the steps that succeeded.",
+              " / the ceiling's reusable tokens for the steps that succeeded. The ceiling "
+              "counts whole blocks, a prefix cache's unit; a D->P pull also brings D's "
+              "partial last block, so ours can pass 100% by up to 31 tokens a step.",
               "- prompt-token sources: P's (or each co-located engine's) tokens: ours from "
               "`sessionkv_prompt_tokens_total{source}` (hit = P's own prefix cache, pulled = "
               "D->P, host = host tier, computed), stock from vLLM's `local_cache_hit` / "
