@@ -2,8 +2,8 @@
 agree with each other (no targets: the full run in docs/benchmarks is for those).
 
 It starts five two-engine clusters one after the other, a minute or more each on the
-2-core CI machine, which is most of its run: 868 s on 2026-12-03 with the machine
-shared (side venv created first, about 60 s once per checkout)."""
+2-core CI machine, which is most of its run: passed in 663 s under the cluster lock on
+2026-12-03 (the side venv, about 60 s once per checkout, already there)."""
 
 from __future__ import annotations
 
