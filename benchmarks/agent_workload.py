@@ -23,11 +23,36 @@ answer; every arm then sends exactly the prompts the reference's answers give an
 its answers are compared with the reference's (token ids and top-5 logprobs, the
 e2e tests' comparison).  Clusters run one at a time in a shuffled order (the
 co-located pair first: it serves the reference); the arms sharing a cluster run in a
-shuffled order per workload, every cache reset before each.
+shuffled order per workload (and round), every cache reset before each.  An arm's
+run of a workload is cut after ``--run-cap-s`` and its unfinished steps reported.
 
-GPU engines: ``--model /models/X --gpus 0,1 --max-model-len 32768 --p-blocks N
---d-blocks M`` (blocks of 32 tokens), and scale the workloads with ``--r1``/``--r2``
-(e.g. ``--r2 sessions=32,prefix_tokens=8000,tool_output_tokens=1500``).
+GPU engines launched by the bench: ``--model /models/X --gpus 0,1 --max-model-len
+32768 --p-blocks N --d-blocks M`` (blocks of 32 tokens), and scale the workloads with
+``--r1``/``--r2`` (e.g. ``--r2 sessions=32,prefix_tokens=8000,tool_output_tokens=1500``).
+
+Engines already running (``--external FILE --model NAME``): the file names each
+cluster's engines, and only those clusters' arms run (``coloc`` is required: it
+serves the reference answers)::
+
+    {"coloc": {"engines": [{"url": "http://gpu0:8000"}, {"url": "http://gpu1:8000"}]},
+     "ours": {"prefill": {"url": "http://gpu2:8000", "events": "tcp://gpu2:5557",
+                          "replay": "tcp://gpu2:5558"},
+              "decode": {"url": "http://gpu3:8000", "events": "tcp://gpu3:5557",
+                         "replay": "tcp://gpu3:5558", "early": "tcp://gpu3:5559"},
+              "redis_url": "redis://gpu2:6379/0"},
+     "stock": {"prefill": {"url": ...}, "decode": {"url": ...}}, "bidi": ..., "nopull": ...}
+
+The engines must run with ``--block-size 32``, ``--enable-prompt-tokens-details`` and
+``VLLM_SERVER_DEV_MODE=1`` (the bench empties their caches with
+``/reset_prefix_cache`` between arms); ours and nopull with ``redis_url`` in their
+sessionkv config, the same as the file's (the client streams, and a streamed answer
+carries no session handle back: D publishes it to Redis).
+``vllm_sessionkv.dev.launch.engine_command`` prints each kind's command line.  The
+bench starts the routers (our proxy for ``ours``/``nopull`` with ``--tokenizer`` the
+``--model`` directory) on this machine.
+
+``--rounds N`` repeats every workload N times per cluster, the arms in a new order
+each round; the first round fills the tables, every round is listed after them.
 """
 
 from __future__ import annotations
@@ -70,39 +95,49 @@ from bench_common import (  # noqa: E402
 
 DEFAULT_MOONCAKE = BENCH_DIR / "data" / "mooncake_conversation_5300_60.jsonl"
 
-# Full run: P holds 6,144 tokens, D 24,576, each co-located engine their mean.  vLLM
+# Full run: P holds 6,144 tokens, D 32,768, each co-located engine their mean.  vLLM
 # refuses to start an engine whose KV cannot hold one max_model_len request, so P's
-# blocks cap max_model_len.
+# blocks cap max_model_len.  Sized to finish in under 30 minutes on the 2-core machine
+# (five cluster starts of about a minute each take a fifth of that).
 FULL = {
-    "p_blocks": 192, "d_blocks": 768, "max_model_len": 4096,
+    "p_blocks": 192, "d_blocks": 1024, "max_model_len": 4096,
     "r1": AgentConfig(sessions=4, steps=5, prefix_tokens=512, task_tokens=48,
                       tool_output_tokens=160, output_tokens=24, think_tokens=8,
                       tool_delay_s=0.5, strip_share=0.3, subagent_share=0.25,
                       subagent_steps=2, seed=1),
-    "r2": AgentConfig(sessions=8, steps=5, prefix_tokens=512, task_tokens=48,
-                      tool_output_tokens=192, output_tokens=192, think_tokens=16,
-                      tool_delay_s=0.5, strip_share=0.3, subagent_share=0.25,
+    # Regime 2: the sessions end at about 23,000 tokens of context, 3.7 times P's KV,
+    # and every step keeps its 128 generated tokens in history, so the previous
+    # step's output exists only on D.  Tool outputs (224-672 tokens) mostly exceed
+    # the proxy's decode-only bound (256 uncached tokens), so steps go through P, as
+    # an agent's large file reads and test logs do.
+    "r2": AgentConfig(sessions=6, steps=5, prefix_tokens=512, task_tokens=48,
+                      tool_output_tokens=448, output_tokens=128, think_tokens=16,
+                      tool_delay_s=0.5, strip_share=0.3, subagent_share=0.34,
                       subagent_steps=2, seed=2),
     "skew": AgentConfig(sessions=8, steps=4, prefix_tokens=512, task_tokens=32,
                         tool_output_tokens=128, output_tokens=24, think_tokens=8,
                         tool_delay_s=0.3, strip_share=0.3, subagent_share=0.0,
                         skew=1.5, stagger_s=0.1, seed=3),
-    "probe_steps": 8, "mooncake_requests": 60,
+    "probe_steps": 6, "mooncake_requests": 40,
+    # A run still going after this long is cut and its unfinished steps reported
+    # (stock bidirectional NIXL's D keeps every conversation's blocks until their
+    # TTL, and in regime 2 requests queue behind them for minutes).
+    "run_cap_s": 150.0,
 }
 QUICK = {
-    "p_blocks": 72, "d_blocks": 256, "max_model_len": 2048,
+    "p_blocks": 72, "d_blocks": 320, "max_model_len": 2048,
     "r1": AgentConfig(sessions=2, steps=3, prefix_tokens=256, task_tokens=32,
                       tool_output_tokens=96, output_tokens=12, think_tokens=4,
                       tool_delay_s=0.2, strip_share=0.5, subagent_share=0.5,
                       subagent_steps=1, seed=1),
-    "r2": AgentConfig(sessions=4, steps=3, prefix_tokens=256, task_tokens=32,
-                      tool_output_tokens=96, output_tokens=48, think_tokens=8,
+    "r2": AgentConfig(sessions=3, steps=3, prefix_tokens=256, task_tokens=32,
+                      tool_output_tokens=384, output_tokens=48, think_tokens=8,
                       tool_delay_s=0.2, strip_share=0.5, subagent_share=0.0, seed=2),
     "skew": AgentConfig(sessions=4, steps=2, prefix_tokens=256, task_tokens=32,
                         tool_output_tokens=64, output_tokens=8, think_tokens=2,
                         tool_delay_s=0.1, strip_share=0.0, subagent_share=0.0,
                         skew=1.5, stagger_s=0.05, seed=3),
-    "probe_steps": 4, "mooncake_requests": 12,
+    "probe_steps": 3, "mooncake_requests": 8, "run_cap_s": 120.0,
 }
 SKEW_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "7-ours")
 MOONCAKE_ARMS = ("1-rr", "2-ours-coloc", "5-vr-cache-coloc")
@@ -161,6 +196,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "a comparison with the reference could not tell wrong KV from noise")
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="arm and cluster order")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every workload this many times per cluster, the arms in a "
+                        "new shuffled order each round (the probes run in the first)")
+    p.add_argument("--run-cap-s", type=float,
+                   help="cut an arm's run of a workload after this many seconds and "
+                        "report its unfinished steps (default: 150 full, 120 quick)")
+    p.add_argument("--external", metavar="JSON",
+                   help="engines already running (GPU servers, a real model): a file "
+                        "naming each cluster's engine URLs (and KV-event endpoints for "
+                        "our proxy); only the clusters it names run, with --model the "
+                        "served model.  See docs/benchmarks/agent_workload.md")
     p.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"),
                    help="agent_workload.md, .json and the PNG plots go here")
     p.add_argument("--log-dir", help="engine and router logs (default: a temp dir)")
@@ -173,6 +219,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or base["max_model_len"]
     args.probe_steps = args.probe_steps or base["probe_steps"]
     args.mooncake_requests = args.mooncake_requests or base["mooncake_requests"]
+    args.run_cap_s = args.run_cap_s or base["run_cap_s"]
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    args.external_clusters = armlib.load_external(args.external) if args.external else {}
+    if args.external_clusters:
+        if "coloc" not in args.external_clusters:
+            raise SystemExit("--external: the coloc cluster is needed (it serves the "
+                             "reference answers)")
+        if not args.model:
+            raise SystemExit("--external needs --model: the model the engines serve")
     args.cfg = {"r1": _override(base["r1"], args.r1), "r2": _override(base["r2"], args.r2),
                 "skew": _override(base["skew"], args.skew)}
     args.arm_keys = [k for k in args.arms.split(",") if k]
@@ -191,9 +247,11 @@ def build_workloads(args, tokenizer_dir: str) -> dict[str, tuple[Workload, list[
     for name in ("r1", "r2"):
         if name in args.workload_names:
             out[name] = (agent_workload(args.cfg[name], name=name), regime_arms)
-            out[f"probe-{name}"] = (agent_workload(probe_config(args.cfg[name],
-                                                                args.probe_steps),
-                                                   name=f"probe-{name}"), regime_arms)
+            if not (args.quick and name == "r1"):
+                # (--quick: the stripping probe below has regime 1's sizes already.)
+                out[f"probe-{name}"] = (agent_workload(probe_config(args.cfg[name],
+                                                                    args.probe_steps),
+                                                       name=f"probe-{name}"), regime_arms)
             if name == "r1":
                 # Every step after the first strips the previous step's reasoning.
                 out["probe-strip"] = (agent_workload(probe_config(args.cfg[name],
@@ -278,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
             "p_blocks": args.p_blocks, "d_blocks": args.d_blocks,
             "coloc_blocks": (args.p_blocks + args.d_blocks) // 2, "block_size": 32,
             "max_model_len": args.max_model_len, "dtype": args.dtype,
+            "rounds": args.rounds, "run_cap_s": args.run_cap_s,
+            "external": sorted(args.external_clusters),
             "workloads": {n: w.description for n, (w, _) in workloads.items()},
             "workload_arms": {n: a for n, (_, a) in workloads.items()},
             "configs": {k: dataclasses.asdict(v) for k, v in args.cfg.items()}}
@@ -299,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
         selected = [a for a in selected if a.key not in dropped]
         failures.append(f"arms {dropped} skipped: no side venv")
     rng = random.Random(args.seed)
+    if args.external_clusters:
+        gone = [a.key for a in selected if a.cluster not in args.external_clusters]
+        selected = [a for a in selected if a.key not in gone]
+        if gone:
+            results["notes"].append(f"arms {gone} not run: --external names no engines "
+                                    "for their cluster")
     others = [c for c in armlib.CLUSTERS[1:] if any(a.cluster == c for a in selected)]
     rng.shuffle(others)
     order = ["coloc", *others]
@@ -309,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
                                 kv_cache_gb=args.kv_cache_gb,
                                 gpus=args.gpus.split(",") if args.gpus else None,
                                 extra_args=["--enable-prompt-tokens-details",
-                                            "--dtype", args.dtype])
+                                            "--dtype", args.dtype],
+                                external=args.external_clusters)
     ports = PortPool(31000, 31899)
     reference: dict[str, dict] = {}
     ref_outputs: dict[str, dict] = {}
@@ -333,16 +400,21 @@ def main(argv: list[str] | None = None) -> int:
                 if cname == "coloc":
                     reference_phase(run, model, workloads, reference, ref_outputs, results,
                                     opts, args)
-                for wname, (workload, wl_arms) in workloads.items():
-                    keys = [a for a in arms_here if a.key in wl_arms and a.key in run.routers]
-                    rng.shuffle(keys)
-                    for arm in keys:
-                        try:
-                            run_arm(run, arm, wname, workload, model, reference, ref_outputs,
-                                    results, args)
-                        except Exception as exc:  # noqa: BLE001 - recorded, next arm
-                            failures.append(f"{wname}/{arm.key}: {exc!r}"[:600])
-                            log(failures[-1])
+                for round_no in range(args.rounds):
+                    for wname, (workload, wl_arms) in workloads.items():
+                        if round_no and wname.startswith("probe-"):
+                            continue   # one request at a time: the first round says it
+                        keys = [a for a in arms_here
+                                if a.key in wl_arms and a.key in run.routers]
+                        rng.shuffle(keys)
+                        for arm in keys:
+                            try:
+                                run_arm(run, arm, wname, workload, model, reference,
+                                        ref_outputs, results, args, round_no)
+                            except Exception as exc:  # noqa: BLE001 - recorded, next arm
+                                failures.append(f"{wname}/{arm.key} round {round_no + 1}: "
+                                                f"{exc!r}"[:600])
+                                log(failures[-1])
             finally:
                 run.stop()
     except KeyboardInterrupt:
@@ -407,7 +479,9 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, ref_outpu
 
 
 def run_arm(run, arm, wname: str, workload: Workload, model: str, reference: dict,
-            ref_outputs: dict, results: dict, args) -> None:
+            ref_outputs: dict, results: dict, args, round_no: int = 0) -> None:
+    """One arm's run of one workload; the first round's summary goes to
+    ``results["runs"]``, later rounds' to ``results["rounds"][round]``."""
     from agentload.workload import workload_ceiling as wc
 
     note = armlib.reset(run)
@@ -423,7 +497,7 @@ def run_arm(run, arm, wname: str, workload: Workload, model: str, reference: dic
     before = armlib.engine_counters(run)
     t0 = time.perf_counter()
     res = client.run(workload, lambda sid: url, model, reference=ref_outputs[wname],
-                     max_concurrency=args.max_concurrency)
+                     max_concurrency=args.max_concurrency, cap_s=args.run_cap_s)
     wall = time.perf_counter() - t0
     time.sleep(1.0)   # the engines' stat loggers catch up with the last step
     after = armlib.engine_counters(run)
@@ -440,11 +514,20 @@ def run_arm(run, arm, wname: str, workload: Workload, model: str, reference: dic
         "prompt": r.prompt_tokens, "sent_s": round(r.sent_s, 3),
         "ttft_s": r.ttft_s, "hot": workload.session(sid).hot,
         "route": r.headers.get("x-sessionkv-route"),
+        "reason": r.headers.get("x-sessionkv-route-reason"),
+        "handle": r.headers.get("x-sessionkv-handle"),
         "prefill": r.headers.get("x-sessionkv-prefill"),
         "error": r.error} for (sid, k), r in res.items()}
-    results["runs"].setdefault(wname, {})[arm.key] = summary
+    summary["not_finished"] = sum(r.error == client.NOT_FINISHED for r in res.values())
+    if round_no:
+        summary.pop("step_detail")
+        results.setdefault("rounds", {}).setdefault(str(round_no + 1), {}).setdefault(
+            wname, {})[arm.key] = summary
+    else:
+        results["runs"].setdefault(wname, {})[arm.key] = summary
     m = summary["mismatches"] or {}
-    log(f"{wname}/{arm.key}: {summary['ok']}/{summary['steps']} ok, computed "
+    log(f"{wname}/{arm.key}{f' round {round_no + 1}' if round_no else ''}: "
+        f"{summary['ok']}/{summary['steps']} ok, computed "
         f"{summary['computed_tokens']:.0f}/{summary['prompt_tokens']} prompt tokens "
         f"(share of max {summary['share_of_max'] or 0:.2f}), TTFT p50 "
         f"{summary['ttft_p50_s'] or 0:.3f}s p99 {summary['ttft_p99_s'] or 0:.3f}s, "

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
+
 from bench_common import (
     BENCH_DIR,
     BLOCK_SIZE,
@@ -96,6 +98,53 @@ class EngineOptions:
     gpus: list[str] | None = None
     ours_sessionkv: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=lambda: ["--enable-prompt-tokens-details"])
+    # Cluster name -> engines already running elsewhere (``--external``): nothing is
+    # launched for that cluster, only its routers.
+    external: dict[str, ExternalCluster] = field(default_factory=dict)
+
+
+class ExternalEngine(msgspec.Struct, forbid_unknown_fields=True):
+    """One engine started outside the bench: its URL and, for our proxy's arms, its
+    KV-event publisher and replay endpoints (and D's early-decode endpoint)."""
+
+    url: str
+    events: str | None = None
+    replay: str | None = None
+    early: str | None = None
+
+
+class ExternalCluster(msgspec.Struct, forbid_unknown_fields=True):
+    """``coloc``: two engines; the P/D clusters: one prefill and one decode engine."""
+
+    engines: list[ExternalEngine] = []
+    prefill: ExternalEngine | None = None
+    decode: ExternalEngine | None = None
+    # ours/nopull: the Redis the engines publish session handles to (their
+    # ``redis_url``); without it a streamed answer's handle never reaches the proxy.
+    redis_url: str | None = None
+
+
+def load_external(path: str) -> dict[str, ExternalCluster]:
+    """The ``--external`` file: ``{"coloc": {"engines": [{"url": ...}, ...]}, "ours":
+    {"prefill": {...}, "decode": {...}}, ...}``; refused naming the bad key."""
+    raw = Path(path).read_bytes()
+    try:
+        out = msgspec.json.decode(raw, type=dict[str, ExternalCluster])
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"--external {path}: {exc}") from None
+    for name, c in out.items():
+        if name not in CLUSTERS:
+            raise SystemExit(f"--external {path}: unknown cluster {name!r}; known: {CLUSTERS}")
+        if name == "coloc" and len(c.engines) != 2:
+            raise SystemExit(f"--external {path}: coloc needs two engines")
+        if name != "coloc" and (c.prefill is None or c.decode is None):
+            raise SystemExit(f"--external {path}: {name} needs prefill and decode")
+        if name in ("ours", "nopull"):
+            for role, e in (("prefill", c.prefill), ("decode", c.decode)):
+                if not (e.events and e.replay):
+                    raise SystemExit(f"--external {path}: {name}.{role} needs events and "
+                                     "replay (our proxy follows its KV events)")
+    return out
 
 
 @dataclass
@@ -130,6 +179,8 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
     )
 
     t0 = time.perf_counter()
+    if name in opts.external:
+        return _start_external(name, arms, opts, ports, log_dir)
     if name == "coloc":
         run = Running(name, [])
         backends = []
@@ -161,7 +212,11 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         log(f"cluster coloc healthy after {time.perf_counter() - t0:.0f}s")
         return run
 
-    spec_kw: dict = {"connector": "sessionkv", "proxy": name in ("ours", "nopull")}
+    # Ours with Redis: D publishes each session's handle there, the only way the proxy
+    # learns it when the client streams (a streamed answer carries no handle back).
+    # Without it P never has D's blocks to pull, and no D->P pull can happen.
+    ours = name in ("ours", "nopull")
+    spec_kw: dict = {"connector": "sessionkv", "proxy": ours, "redis": ours}
     if name == "stock":
         spec_kw.update(connector="nixl", nixl_extra={"bidirectional_kv_xfer": False})
     elif name == "bidi":
@@ -211,6 +266,66 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
     return run
 
 
+def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
+                    log_dir: Path) -> Running:
+    """Routers only, over engines that run elsewhere (GPU servers, a real model)."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    ext = opts.external[name]
+
+    def backend(e: ExternalEngine) -> Backend:
+        return Backend(e.url, e.events, e.replay)
+
+    run = Running(name, [])
+    try:
+        if name == "coloc":
+            run.engines = [("coloc", e.url) for e in ext.engines]
+            specs = [(a.key, a.router, [backend(e) for e in ext.engines], None) for a in arms]
+        else:
+            assert ext.prefill is not None and ext.decode is not None
+            run.engines = [("P", ext.prefill.url), ("D", ext.decode.url)]
+            specs = []
+            for a in arms:
+                if a.router == "cluster":
+                    port = ports.take()
+                    argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
+                            "--port", str(port), "--policy", "cost",
+                            "--block-size", str(BLOCK_SIZE), "--tokenizer", opts.model]
+                    for flag, e in (("--prefill", ext.prefill), ("--decode", ext.decode)):
+                        spec = f"url={e.url},events={e.events},replay={e.replay}"
+                        argv += [flag, spec + (f",early={e.early}" if e.early else "")]
+                    if ext.redis_url:
+                        argv += ["--redis-url", ext.redis_url]
+                    proc = start_process(f"proxy-{name}", argv, log_dir)
+                    run.procs.append(proc)
+                    wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=120)
+                    run.routers[a.key] = run.admin = f"http://127.0.0.1:{port}"
+                    run.commands[a.key] = " ".join(argv)
+                elif a.router == "conv":
+                    port = ports.take()
+                    argv = [sys.executable, str(BENCH_DIR / "conversation_proxy.py"),
+                            "--port", str(port), "--prefill", ext.prefill.url,
+                            "--decode", ext.decode.url]
+                    proc = start_process("conversation_proxy", argv, log_dir)
+                    run.procs.append(proc)
+                    wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
+                    run.routers[a.key] = f"http://127.0.0.1:{port}"
+                    run.commands[a.key] = " ".join(argv)
+                else:
+                    kind = "toy" if a.router == "toy-pd" else a.router
+                    specs.append((a.key, kind, [backend(ext.decode)], [backend(ext.prefill)]))
+        for key, r in start_routers(specs, ports, log_dir, run.procs).items():
+            run.routers[key] = r.url
+            run.commands[key] = " ".join(r.argv)
+            if ARM_BY_KEY[key].router == "ours":
+                run.admin = r.url
+    except BaseException:
+        run.stop()
+        raise
+    log(f"cluster {name}: external engines {run.engines}")
+    return run
+
+
 def reset(run: Running) -> str:
     """Empty every cache of the cluster (our proxy's sessions too); returns a note
     when an engine refused (stock bidirectional D keeps a conversation's last blocks
@@ -226,7 +341,9 @@ def reset(run: Running) -> str:
     else:
         note = ""
     for _, url in run.engines:
-        for _ in range(50):
+        # 5 s: blocks a finished run's transfers held are free by then; stock
+        # bidirectional D's are not before their TTL, however long this waits.
+        for _ in range(25):
             resp = requests.post(url + "/reset_prefix_cache",
                                  params={"reset_external": "true"}, timeout=30)
             if resp.status_code == 200 and resp.json().get("success") is True:

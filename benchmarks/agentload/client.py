@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from agentload.workload import OutputKey, Workload
 
 SESSION_HEADER = "X-Session-ID"
-ROUTE_HEADERS = ("x-sessionkv-route", "x-sessionkv-prefill", "x-sessionkv-handle",
+NOT_FINISHED = "not finished within the run's time cap"
+ROUTE_HEADERS = ("x-sessionkv-route", "x-sessionkv-route-reason", "x-sessionkv-prefill",
+                 "x-sessionkv-handle",
                  "x-sessionkv-prefill-engine", "x-sessionkv-decode-engine")
 
 
@@ -89,10 +91,13 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
                        reference: dict[OutputKey, list[int]] | None = None,
                        max_concurrency: int = 64, timeout_s: float = 900.0,
                        session_header: str = SESSION_HEADER,
-                       on_step: Callable[[StepResult], None] | None = None
+                       on_step: Callable[[StepResult], None] | None = None,
+                       cap_s: float | None = None
                        ) -> dict[OutputKey, StepResult]:
     """Run every session; ``target(session id)`` is the base URL its requests go to.
-    Without ``reference`` the answers build the history (the reference run)."""
+    Without ``reference`` the answers build the history (the reference run).  After
+    ``cap_s`` seconds the requests still running are cancelled and the steps not
+    finished are returned as errors (``NOT_FINISHED``)."""
     import aiohttp
 
     outputs: dict[OutputKey, list[int]] = {}
@@ -142,7 +147,14 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        await asyncio.gather(*(run_session(http, s.sid) for s in workload.sessions))
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(run_session(http, s.sid) for s in workload.sessions)),
+                timeout=cap_s)
+        except asyncio.TimeoutError:
+            for key in workload.keys():
+                if key not in results:
+                    results[key] = StepResult(key, 0, cap_s or 0.0, error=NOT_FINISHED)
     return results
 
 

@@ -6,6 +6,7 @@ python (matplotlib lives there)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 ARM_LABELS = {
@@ -141,6 +142,9 @@ def headlines(results: dict) -> list[str]:
             if "6-ours-nopull" in r:
                 saved = r["6-ours-nopull"]["computed_tokens"] - r["7-ours"]["computed_tokens"]
                 out.append(f"  - r2: pulls on vs off: {saved:.0f} fewer computed tokens")
+        for key in ("7-ours", "6-ours-nopull", "2-ours-coloc"):
+            if key in r and decisions(r[key]):
+                out.append(f"  - {w} {ARM_LABELS[key]}: {decisions(r[key])}")
     for w, per_arm in results.get("probes", {}).items():
         for key in ("7-ours", "4-nixl-bidi", "3-nixl-rr"):
             steps = per_arm.get(key)
@@ -198,6 +202,68 @@ def headlines(results: dict) -> list[str]:
                            f"differences, {m['logprob_only']} with logprob-only differences "
                            f"of {m['compared']}; e.g. {m['examples'][:2]}")
     return out
+
+
+def decisions(s: dict) -> str | None:
+    """P's pull-or-recompute decisions over one of our arms' disaggregated steps (the
+    ``x-sessionkv-prefill`` accounting each answer carries) and the proxy's route
+    reasons, so a run without pulls says why."""
+    detail = s.get("step_detail") or {}
+    acct = []
+    for d in detail.values():
+        try:
+            acct.append(json.loads(d["prefill"]) if d.get("prefill") else None)
+        except ValueError:
+            acct.append(None)
+    through_p = [a for a in acct if a]
+    if not detail or not any(d.get("route") for d in detail.values()):
+        return None
+    kinds: dict[str, int] = {}
+    for a in through_p:
+        key = a.get("decision") or "no decision"
+        kinds[key] = kinds.get(key, 0) + 1
+    reasons: dict[str, int] = {}
+    for d in detail.values():
+        # The reason's words without its numbers: one count per kind of decision.
+        r = re.sub(r"\d+(\.\d+)?", "N", (d.get("reason") or d.get("route") or "?").split(" (")[0])
+        reasons[r] = reasons.get(r, 0) + 1
+    handles: dict[str, int] = {}
+    for d in detail.values():
+        if d.get("route") == "disaggregated":
+            h = d.get("handle") or "?"
+            handles[h] = handles.get(h, 0) + 1
+    pulled = sum(a.get("pulled_from_peer_tokens", 0) for a in through_p)
+    pulls = [a for a in through_p if a.get("pulled_from_peer_tokens")]
+    priced = (f"; priced pull {sum(a.get('priced_pull_ms', 0) for a in pulls):.0f} ms vs "
+              f"recompute {sum(a.get('priced_recompute_ms', 0) for a in pulls):.0f} ms, "
+              f"measured pull {sum(a.get('pull_ms', 0) for a in pulls):.0f} ms"
+              if pulls else "")
+    return (f"{len(through_p)} of {len(detail)} steps through P, {len(pulls)} with a D->P pull "
+            f"({pulled} tokens{priced}); P's decisions: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items()))
+            + "; D's session handle on those: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(handles.items())) or "-")
+            + "; route reasons: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+
+
+def rounds_lines(results: dict) -> list[str]:
+    """Every round's TTFT and computed tokens per arm (``--rounds``), round 1 first."""
+    extra = results.get("rounds") or {}
+    if not extra:
+        return []
+    lines = ["| workload | arm | round | computed tok | TTFT p50/p99/mean s | steps ok |",
+             "|---|---|---|---|---|---|"]
+    rounds = {"1": results.get("runs", {}), **extra}
+    for wname in results.get("runs", {}):
+        for key in ARM_ORDER:
+            for rno, runs in sorted(rounds.items(), key=lambda kv: int(kv[0])):
+                s = runs.get(wname, {}).get(key)
+                if s:
+                    lines.append(f"| {wname} | {ARM_LABELS[key]} | {rno} | "
+                                 f"{s['computed_tokens']:.0f} | {_f(s['ttft_p50_s'], '{:.3f}')}/"
+                                 f"{_f(s['ttft_p99_s'], '{:.3f}')}/"
+                                 f"{_f(s['ttft_mean_s'], '{:.3f}')} | {s['ok']}/{s['steps']} |")
+    return lines
 
 
 def _ratio(a: dict, b: dict, key: str) -> float | None:
@@ -325,7 +391,10 @@ def render(results: dict) -> str:
              f"engine {meta['coloc_blocks']} blocks (32 tokens a block); two engines per arm",
              f"- cluster order: {', '.join(results.get('order', []))} (the co-located pair "
              "first: it serves the reference); arms sharing a cluster in a shuffled order per "
-             "workload, every cache reset before each",
+             f"workload and round ({meta.get('rounds', 1)} round(s)), every cache reset before "
+             f"each; an arm's run is cut after {meta.get('run_cap_s', '-')} s"
+             + (f"; external engines for {', '.join(meta['external'])}"
+                if meta.get("external") else ""),
              f"- our connector's recompute price from the measured prefill: "
              f"{json.dumps(meta.get('ours_cost'))}",
              f"- wall time {meta.get('wall_s', 0):.0f} s", ""]
@@ -336,6 +405,8 @@ def render(results: dict) -> str:
     for wname, runs in results.get("runs", {}).items():
         lines += ["", f"## {wname}", ""]
         lines += workload_table(runs, results.get("ceilings", {}).get(wname))
+    if results.get("rounds"):
+        lines += ["", "## Every round (--rounds)", ""] + rounds_lines(results)
     if results.get("probes"):
         lines += ["", "## KV bytes and computed tokens per step (probe sessions)", ""]
         lines += probe_lines(results["probes"])
@@ -343,7 +414,9 @@ def render(results: dict) -> str:
               "- computed tok: prompt tokens the engines computed, summed over both engines "
               "of the arm, from `vllm:prompt_tokens_by_source_total{source=\"local_compute\"}`"
               " deltas; reuse x = prompt tokens / computed; share of max = (prompt - computed)"
-              " / the ceiling's reusable tokens for the steps that succeeded.",
+              " / the ceiling's reusable tokens for the steps that succeeded. The ceiling "
+              "counts whole blocks, a prefix cache's unit; a D->P pull also brings D's "
+              "partial last block, so ours can pass 100% by up to 31 tokens a step.",
               "- prompt-token sources: P's (or each co-located engine's) tokens: ours from "
               "`sessionkv_prompt_tokens_total{source}` (hit = P's own prefix cache, pulled = "
               "D->P, host = host tier, computed), stock from vLLM's `local_cache_hit` / "
@@ -361,6 +434,11 @@ def render(results: dict) -> str:
               "transfer) is the noise floor of these columns. The probe sessions are the "
               "strict check: one request at a time, as in the e2e tests.",
               "- KV MB moved: `vllm:nixl_bytes_transferred_sum` deltas on both engines.",
+              "- steps ok: an arm's run is cut after the time cap above; its unfinished "
+              "steps count as not ok, and its computed tokens include the work those did.",
+              "- GPU engines and a real model: `--model --gpus` launches them, `--external "
+              "FILE` uses engines already running (the file format, the engines' required "
+              "options and `--rounds` are in `benchmarks/agent_workload.py`'s docstring).",
               "- requests per engine: `vllm:request_success_total` deltas (a P/D request "
               "counts on P and on D; a request ours serves on one engine counts once)."]
     for key, cmd in sorted(results.get("commands", {}).items()):

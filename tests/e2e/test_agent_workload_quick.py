@@ -1,8 +1,9 @@
 """The agent benchmark's ``--quick`` smoke run: every arm ran, and the numbers it prints
 agree with each other (no targets: the full run in docs/benchmarks is for those).
 
-It starts five two-engine clusters one after the other, about a minute each on the
-2-core CI machine: 618 s in its first run here (2026-12-03)."""
+It starts five two-engine clusters one after the other, a minute or more each on the
+2-core CI machine, which is most of its run: passed in 663 s under the cluster lock on
+2026-12-03 (the side venv, about 60 s once per checkout, already there)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,11 @@ def check_quick_report(out_dir: Path) -> None:
                 # At least the tokens no earlier request computed are computed again.
                 # Not for arm 4: stock bidirectional attaches D's blocks unverified, so
                 # it can "reuse" blocks whose tokens differ (its mismatches show it).
-                assert s["share_of_max"] <= 1.0 + 1e-9, what
+                # The ceiling counts whole blocks (a prefix cache's unit); a D->P pull
+                # also brings D's partial last block, at most 31 tokens a step more.
+                slack = 31 * s["ok"] if arm == "7-ours" else 0
+                reused = s["prompt_tokens"] - s["computed_tokens"]
+                assert reused <= s["reusable_tokens"] + slack, what
             assert s["ttft_p50_s"] <= s["ttft_p99_s"], what
             assert s["itl_p50_s"] is None or s["itl_p50_s"] <= s["itl_p99_s"], what
             assert sum(s["requests_per_engine"]) >= s["ok"], what

@@ -220,12 +220,46 @@ def test_no_healthy_worker_raises_or_falls_back_to_decode_only():
 # --------------------------------------------------------------------------- D affinity
 
 
-def test_decode_session_affinity_beats_lower_load():
+def test_decode_session_affinity_beats_lower_load_worth_less_than_the_reuse():
+    # d1 holds 50 of the prompt's 200 blocks: moving costs 50 blocks of recompute, so
+    # d1 keeps the session while it runs at most 2 x 50 decode blocks more than d2.
     i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
-    workers = [P("p1"), D("d1", active_decode_blocks=400.0, kv_usage=0.5), D("d2")]
+    workers = [P("p1"), D("d1", active_decode_blocks=130.0, kv_usage=0.5),
+               D("d2", active_decode_blocks=30.0)]
     d = route(i, workers, params(), random.Random(0))
     assert d.decode_url == "d1" and d.reason.startswith("session affinity;")
     assert by_url(d.decode_candidates)["d1"].affinity
+
+
+def test_decode_session_affinity_yields_when_the_holder_is_busier_than_the_reuse_is_worth():
+    # Hot sessions sharing d1: 131 decode blocks against d2's 30 is more than
+    # 2 x 50 blocks of reuse, so the request goes to d2 (and recomputes there).
+    i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
+    workers = [P("p1"), D("d1", active_decode_blocks=131.0, kv_usage=0.5),
+               D("d2", active_decode_blocks=30.0)]
+    d = route(i, workers, params(), random.Random(0))
+    assert d.decode_url == "d2" and d.reason.startswith("session affinity yielded to load")
+    assert d.decode_placed   # a placement by load, counted for recent_placements
+    # The least loaded other D is the one taken; a d3 under kv pressure is not.
+    more = [*workers, D("d3", kv_usage=0.95)]
+    assert route(i, more, params(), random.Random(0)).decode_url == "d2"
+    # A session that saves more stays: 150 of 200 blocks on d1 is worth 2 x 150.
+    i_long = inp(3200, session=session("d1"), peer_pullable_blocks=150)
+    assert route(i_long, workers, params(), random.Random(0)).decode_url == "d1"
+    # Weight 0: affinity whatever the load (the old rule).
+    far = [P("p1"), D("d1", active_decode_blocks=4000.0), D("d2")]
+    assert route(i, far, params(session_affinity_yield_weight=0),
+                 random.Random(0)).decode_url == "d1"
+
+
+def test_session_own_previous_request_still_counted_does_not_move_it():
+    # The previous turn (a 2,900-token prompt + 100 output tokens: 188 blocks of
+    # load) has sent its last chunk, but its load is still counted on d1 when the
+    # next turn (3,200 tokens, d1 holds 187 blocks of it) is routed: the load gap
+    # equals the reuse, within the yield weight.
+    i = inp(3200, session=session("d1"), peer_pullable_blocks=187)
+    workers = [P("p1"), D("d1", active_requests=1, active_decode_blocks=188.0), D("d2")]
+    assert route(i, workers, params(), random.Random(0)).decode_url == "d1"
 
 
 def test_decode_affinity_dropped_under_kv_pressure():
@@ -509,6 +543,9 @@ def test_property_chosen_workers_have_minimum_cost():
         chosen = dc[d.decode_url]
         if not chosen.affinity and not chosen.prefix_affinity:
             eligible = [t for t in dc.values() if not t.over_pressure] or list(dc.values())
+            if "yielded to load" in d.reason:   # the cheapest D other than the holder
+                seen_modes["yielded"] += 1
+                eligible = [t for t in eligible if not t.affinity]
             assert chosen.cost == min(t.cost for t in eligible)
             assert not chosen.over_pressure or all(t.over_pressure for t in dc.values())
         if d.mode is Mode.DISAGGREGATED and d.prefill_candidates:
@@ -521,6 +558,7 @@ def test_property_chosen_workers_have_minimum_cost():
                 ref = _reference_prefill_cost(i, healthy[url], t, least, prm)
                 assert t.cost == pytest.approx(ref, rel=1e-9, abs=1e-9)
     assert seen_modes[Mode.DISAGGREGATED] > 50 and seen_modes[Mode.DECODE_ONLY] > 10
+    assert seen_modes["yielded"] > 5
 
 
 def test_same_seed_same_decisions():

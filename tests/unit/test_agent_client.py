@@ -9,12 +9,13 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from agentload.client import run_workload  # noqa: E402
+from agentload.client import NOT_FINISHED, run_workload  # noqa: E402
 from agentload.workload import AgentConfig, agent_workload  # noqa: E402
 from conversation_proxy import create_app  # noqa: E402
 
@@ -104,3 +105,60 @@ def test_conversation_proxy_hands_d_handle_to_p_next_turn():
     assert [s["body"]["kv_transfer_params"]["remote_block_ids"] for s in p_seen[1:]] == \
         [[1], [2]]
     assert all(s["body"]["stream"] is False for s in d_seen)
+
+
+def test_a_run_past_its_cap_reports_its_unfinished_steps():
+    # An engine that never answers the second step: the run ends at the cap, the
+    # first steps count as done and every other step as not finished.
+    async def stalling(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if len(body["prompt"]) > 60:   # every step after the first
+            await asyncio.sleep(30)
+        return await _answer(body, request)
+
+    async def _answer(body, request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunk = {"choices": [{"token_ids": [17] * body["max_tokens"]}]}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/completions", stalling)
+        async with TestServer(app) as srv:
+            base = str(srv.make_url("")).rstrip("/")
+            return await run_workload(WORKLOAD, lambda sid: base, "m", cap_s=1.0)
+
+    got = asyncio.run(scenario())
+    assert set(got) == set(WORKLOAD.keys())
+    first = {(s.sid, 0) for s in WORKLOAD.sessions if s.parent is None}
+    assert all(got[k].error is None for k in first)
+    assert all(got[k].error == NOT_FINISHED for k in set(got) - first)
+
+
+def test_external_engines_file_is_checked_at_start(tmp_path):
+    from agentload.arms import load_external
+
+    ok = {"coloc": {"engines": [{"url": "http://a:1"}, {"url": "http://b:1"}]},
+          "ours": {"prefill": {"url": "http://p:1", "events": "tcp://p:2", "replay": "tcp://p:3"},
+                   "decode": {"url": "http://d:1", "events": "tcp://d:2", "replay": "tcp://d:3",
+                              "early": "tcp://d:4"},
+                   "redis_url": "redis://r:6379/0"},
+          "stock": {"prefill": {"url": "http://sp:1"}, "decode": {"url": "http://sd:1"}}}
+    path = tmp_path / "engines.json"
+    path.write_text(json.dumps(ok))
+    got = load_external(str(path))
+    assert got["ours"].decode.early == "tcp://d:4" and got["ours"].redis_url
+    assert [e.url for e in got["coloc"].engines] == ["http://a:1", "http://b:1"]
+    bad = [({"colo": {}}, "unknown cluster 'colo'"),
+           ({"coloc": {"engines": [{"url": "http://a:1"}]}}, "coloc needs two engines"),
+           ({"stock": {"prefill": {"url": "http://p:1"}}}, "stock needs prefill and decode"),
+           ({"ours": {"prefill": {"url": "http://p:1"}, "decode": {"url": "http://d:1"}}},
+            "ours.prefill needs events and replay"),
+           ({"coloc": {"engines": [], "gpus": 2}}, "gpus")]
+    for raw, why in bad:
+        path.write_text(json.dumps(raw))
+        with pytest.raises(SystemExit, match=why):
+            load_external(str(path))
