@@ -31,7 +31,8 @@ from helpers import (
     reset_prefix_cache,
     wait_until,
 )
-from vllm_sessionkv.protocol import published_handle_key
+from vllm_sessionkv.protocol import session_store_key
+from vllm_sessionkv.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.cluster
 
@@ -157,7 +158,7 @@ def test_session_across_hosts_equals_colocated_and_pulls_from_d(hosts_cluster):
     assert metric_sum(p_url, "sessionkv_early_decode_pushes_total") - p_pushes_before == 3
     # D published its handles to Redis on the proxy's host.
     store = redis.Redis.from_url(cluster.redis)
-    wait_until(lambda: store.exists(published_handle_key(session, None)), 30,
+    wait_until(lambda: store.exists(RedisKeys().handle(session_store_key(session, None))), 30,
                "D's handle in Redis")
     store.close()
     # The proxy applied KV events from both engines' hosts.
