@@ -159,6 +159,14 @@ class Running:
     cluster: object = None
     commands: dict[str, str] = field(default_factory=dict)
 
+    def add_routers(self, routers: dict) -> None:
+        """Routers ``start_routers`` started, by arm key; ours is also the admin."""
+        for key, r in routers.items():
+            self.routers[key] = r.url
+            self.commands[key] = " ".join(r.argv)
+            if ARM_BY_KEY[key].router == "ours":
+                self.admin = r.url
+
     def stop(self) -> None:
         from vllm_sessionkv.dev.launch import stop_all
 
@@ -200,12 +208,7 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
                                         spec.kv_events_replay_endpoint))
             wait_healthy([(p, u) for p, (_, u) in zip(run.procs, run.engines)], timeout_s=900)
             specs = [(a.key, a.router, backends, None) for a in arms]
-            routers = start_routers(specs, ports, log_dir, run.procs)
-            for key, r in routers.items():
-                run.routers[key] = r.url
-                run.commands[key] = " ".join(r.argv)
-                if ARM_BY_KEY[key].router == "ours":
-                    run.admin = r.url
+            run.add_routers(start_routers(specs, ports, log_dir, run.procs))
         except BaseException:
             run.stop()
             raise
@@ -314,11 +317,7 @@ def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: Port
                 else:
                     kind = "toy" if a.router == "toy-pd" else a.router
                     specs.append((a.key, kind, [backend(ext.decode)], [backend(ext.prefill)]))
-        for key, r in start_routers(specs, ports, log_dir, run.procs).items():
-            run.routers[key] = r.url
-            run.commands[key] = " ".join(r.argv)
-            if ARM_BY_KEY[key].router == "ours":
-                run.admin = r.url
+        run.add_routers(start_routers(specs, ports, log_dir, run.procs))
     except BaseException:
         run.stop()
         raise
