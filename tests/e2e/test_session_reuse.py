@@ -266,15 +266,19 @@ def test_busy_prefill_engine_prefers_pulling(pd_cluster):
     p_url, model = pd_cluster.prefill[0], pd_cluster.model
     stop = threading.Event()
 
-    def load():
+    def load(max_tokens: int):
         while not stop.is_set():
             try:
                 requests.post(p_url + "/v1/completions", json=completion_body(
-                    model, _ids(900, 64), max_tokens=400), timeout=120)
+                    model, _ids(900, 64), max_tokens=max_tokens), timeout=120)
             except requests.RequestException:
                 return
 
-    workers = [threading.Thread(target=load, daemon=True) for _ in range(12)]
+    # Lengths staggered: with one length the twelve requests finished together, and a
+    # turn arriving in that gap found P (nearly) idle, priced at load 2.9 (a full
+    # suite run), and rightly recomputed.
+    workers = [threading.Thread(target=load, args=(300 + 40 * i,), daemon=True)
+               for i in range(12)]
     for w in workers:
         w.start()
     try:
