@@ -182,7 +182,6 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         EngineSpec,
         LocalCluster,
         start_engine,
-        start_process,
         wait_healthy,
     )
 
@@ -248,25 +247,32 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
                 run.routers[a.key] = cluster.proxy_url
                 run.commands[a.key] = " ".join(cluster.procs[-1].popen.args)
             elif a.router == "conv":
-                port = ports.take()
-                argv = [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port",
-                        str(port), "--prefill", p_url, "--decode", d_url]
-                proc = start_process("conversation_proxy", argv, log_dir)
-                run.procs.append(proc)
-                wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
-                run.routers[a.key] = f"http://127.0.0.1:{port}"
-                run.commands[a.key] = " ".join(argv)
+                _start_conversation_proxy(run, a.key, p_url, d_url, ports, log_dir)
             else:
                 kind = "toy" if a.router == "toy-pd" else a.router
-                r = start_routers([(a.key, kind, [Backend(d_url)], [Backend(p_url)])],
-                                  ports, log_dir, run.procs)[a.key]
-                run.routers[a.key] = r.url
-                run.commands[a.key] = " ".join(r.argv)
+                run.add_routers(start_routers(
+                    [(a.key, kind, [Backend(d_url)], [Backend(p_url)])],
+                    ports, log_dir, run.procs))
     except BaseException:
         run.stop()
         raise
     log(f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
     return run
+
+
+def _start_conversation_proxy(run: Running, key: str, p_url: str, d_url: str,
+                              ports: PortPool, log_dir: Path) -> None:
+    """Arm 4's conversation-keyed proxy (benchmarks/conversation_proxy.py) over P and D."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    port = ports.take()
+    argv = [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port", str(port),
+            "--prefill", p_url, "--decode", d_url]
+    proc = start_process("conversation_proxy", argv, log_dir)
+    run.procs.append(proc)
+    wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
+    run.routers[key] = f"http://127.0.0.1:{port}"
+    run.commands[key] = " ".join(argv)
 
 
 def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
@@ -305,15 +311,8 @@ def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: Port
                     run.routers[a.key] = run.admin = f"http://127.0.0.1:{port}"
                     run.commands[a.key] = " ".join(argv)
                 elif a.router == "conv":
-                    port = ports.take()
-                    argv = [sys.executable, str(BENCH_DIR / "conversation_proxy.py"),
-                            "--port", str(port), "--prefill", ext.prefill.url,
-                            "--decode", ext.decode.url]
-                    proc = start_process("conversation_proxy", argv, log_dir)
-                    run.procs.append(proc)
-                    wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
-                    run.routers[a.key] = f"http://127.0.0.1:{port}"
-                    run.commands[a.key] = " ".join(argv)
+                    _start_conversation_proxy(run, a.key, ext.prefill.url, ext.decode.url,
+                                              ports, log_dir)
                 else:
                     kind = "toy" if a.router == "toy-pd" else a.router
                     specs.append((a.key, kind, [backend(ext.decode)], [backend(ext.prefill)]))
