@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "DecodeResidencyPool",
     "Hardware",
     "HostRestore",
+    "HostTierSizing",
     "KVDtype",
     "LINKS",
     "LINK_100GBE",
@@ -53,6 +55,7 @@ __all__ = [
     "decode_residency_pool",
     "handoff_share_ratio",
     "host_restore",
+    "host_tier_sizing",
     "kv_bytes_per_element",
     "kv_bytes_per_token",
     "kv_capacity_bytes_per_replica",
@@ -632,3 +635,67 @@ def decode_bandwidth_pool(
     replicas = max(1, math.ceil(decoding / batch))
     return DecodeBandwidthPool(kv_dtype, decoding, read_per_session, batch, replicas,
                                replicas * hw.gpus_per_replica)
+
+
+class HostTierSizing(msgspec.Struct, frozen=True):
+    target_warm_share_ratio: float  # of sessions whose next turn finds their KV
+    gap_p50_s: float
+    gap_p99_s: float
+    gap_mean_s: float
+    lease_s: float
+    outliving_lease_ratio: float  # of gaps: the turns only the host tier keeps warm
+    warm_gap_s: float  # the gap quantile at the target share
+    sessions_per_replica: float
+    finished_sessions_per_s: float  # per D
+    kv_bytes_per_session: float  # beyond the shared prefix (stored once)
+    host_sessions_per_replica: float
+    host_bytes_per_replica: float
+
+
+def host_tier_sizing(
+    shape: ModelShape,
+    kv_dtype: KVDtype,
+    hw: Hardware,
+    w: Workload,
+    *,
+    decode_replicas: int,
+    gap_p50_s: float,
+    gap_p99_s: float,
+    lease_s: float,
+    warm_share: float,
+) -> HostTierSizing:
+    """Host DRAM per D that keeps ``warm_share`` of sessions' KV reachable
+    across their tool gaps.
+
+    Gaps are lognormal through (p50, p99); ``w.tool_delay_s`` is replaced by their
+    mean.  The host tier is written through at the end of every turn and evicts the
+    least recently used blocks, so a session's KV survives a gap ``g`` iff the turns
+    its D finishes during ``g`` (each one a session's KV, written) fit beside it:
+    ``finished_sessions_per_s * g`` sessions.  Keeping the ``warm_share``
+    quantile of gaps warm takes that many sessions' KV (the shared prefix once).
+    Gaps shorter than the lease are also served from device while the hold lasts;
+    ``outliving_lease_ratio`` is the share only the host tier keeps.
+    """
+    if not 0.0 < warm_share < 1.0:
+        raise ValueError("target warm share must be in (0, 1)")
+    if not 0.0 < gap_p50_s < gap_p99_s:
+        raise ValueError("gaps: need 0 < p50 < p99")
+    if decode_replicas < 1 or lease_s < 0:
+        raise ValueError("decode replicas must be >= 1 and the lease >= 0")
+    normal = statistics.NormalDist()
+    mu = math.log(gap_p50_s)
+    sigma = (math.log(gap_p99_s) - mu) / normal.inv_cdf(0.99)
+    mean_gap = math.exp(mu + sigma * sigma / 2)
+    outliving = 1.0 - normal.cdf((math.log(lease_s) - mu) / sigma) if lease_s > 0 else 1.0
+    warm_gap = math.exp(mu + sigma * normal.inv_cdf(warm_share))
+    w_gaps = msgspec.structs.replace(w, tool_delay_s=mean_gap)
+    cycle_s = _step_cycle_s(shape, w_gaps, hw, CachingRegime.SESSION)
+    sessions = w.concurrent_sessions / decode_replicas
+    finished_per_s = sessions / cycle_s
+    host_sessions = min(sessions, finished_per_s * warm_gap)
+    per_token = kv_bytes_per_token(shape, kv_dtype)
+    per_session = _mean_session_kv_tokens(w, include_prefix=False) * per_token
+    host_bytes = host_sessions * per_session + w.shared_prefix_tokens * per_token
+    return HostTierSizing(warm_share, gap_p50_s, gap_p99_s, mean_gap, lease_s,
+                          outliving, warm_gap, sessions, finished_per_s, per_session,
+                          host_sessions, host_bytes)

@@ -22,11 +22,25 @@ from vllm_sessionkv import capacity
 from vllm_sessionkv.capacity import CachingRegime, Hardware, KVDtype, ModelShape, Workload
 from vllm_sessionkv.cost import transfer_time_s
 
-__all__ = ["build_plan", "main", "render_table"]
+__all__ = ["HostGaps", "build_plan", "main", "render_table"]
 
 # Prompt lengths for the "handoff share does not depend on prompt length" table.
 _SHARE_PROMPTS_TOKENS = (1024, 8192, 32768, 131072)
 _GB = 1e9
+
+
+class HostGaps(msgspec.Struct, frozen=True):
+    """Tool gaps between a session's turns (lognormal through p50 and p99; published
+    agent traces: about 5 s and over 80 s), the session lease, and the warm shares to
+    size the host tier for."""
+
+    p50_s: float = 5.0
+    p99_s: float = 80.0
+    lease_s: float = 120.0
+    warm_shares: tuple[float, ...] = (0.5, 0.9, 0.99)
+
+
+_DEFAULT_GAPS = HostGaps()
 
 
 def build_plan(
@@ -35,8 +49,10 @@ def build_plan(
     hw: Hardware,
     workload: Workload,
     prompt_tokens: int,
+    host_gaps: HostGaps | None = None,
 ) -> dict[str, Any]:
     """Every figure the planner reports, as plain data with unit-suffixed keys."""
+    host_gaps = host_gaps or HostGaps()
     per_token = capacity.kv_bytes_per_token(shape, kv_dtype)
     prompt_bytes = prompt_tokens * per_token
     linear_flops = capacity.linear_prefill_flops(shape, prompt_tokens)
@@ -108,6 +124,13 @@ def build_plan(
             "reading the weights once takes longer than --tpot-ms: decode pool by bandwidth is null"
         )
 
+    # Host memory per D: with as many D as decoding at the TPOT takes (the first dtype).
+    decode_replicas = bandwidth[0].replicas or 1
+    host_tier = [msgspec.to_builtins(capacity.host_tier_sizing(
+        shape, kv_dtype, hw, workload, decode_replicas=decode_replicas,
+        gap_p50_s=host_gaps.p50_s, gap_p99_s=host_gaps.p99_s, lease_s=host_gaps.lease_s,
+        warm_share=share)) for share in host_gaps.warm_shares]
+
     return {
         "model": {
             "name": shape.name,
@@ -176,6 +199,7 @@ def build_plan(
             "decode_by_residency": [msgspec.to_builtins(p) for p in residency],
             "decode_by_bandwidth": [msgspec.to_builtins(p) for p in bandwidth],
         },
+        "host_tier": {"decode_replicas": decode_replicas, "by_warm_share": host_tier},
         "warnings": warnings,
     }
 
@@ -288,6 +312,22 @@ def render_table(plan: dict[str, Any]) -> str:
               _n(p["replicas"]), _n(p["gpus"])] for p in pools["decode_by_bandwidth"]],
         ),
     )
+    ht = plan["host_tier"]
+    rows = ht["by_warm_share"]
+    if rows:
+        first = rows[0]
+        section(
+            f"Host tier per D ({ht['decode_replicas']} D by bandwidth, "
+            f"{first['sessions_per_replica']:,.1f} sessions each; gaps p50 "
+            f"{first['gap_p50_s']:g} s, p99 {first['gap_p99_s']:g} s, mean "
+            f"{first['gap_mean_s']:.1f} s; lease {first['lease_s']:g} s: "
+            f"{first['outliving_lease_ratio']:.1%} of gaps outlive it)",
+            _rows(["warm share", "gap kept s", "sessions on host", "GB/session", "host GB per D"],
+                  [[f"{r['target_warm_share_ratio']:.0%}", f"{r['warm_gap_s']:,.1f}",
+                    f"{r['host_sessions_per_replica']:,.1f}",
+                    f"{r['kv_bytes_per_session'] / _GB:,.2f}",
+                    f"{r['host_bytes_per_replica'] / _GB:,.1f}"] for r in rows]),
+        )
     if plan["warnings"]:
         section("Warnings", [f"- {w}" for w in plan["warnings"]])
     return "\n".join(out[1:]) + "\n"
@@ -327,6 +367,13 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--tool-delay-s", type=float, default=2.0)
     w.add_argument("--tpot-ms", type=float, default=25.0, help="target time per output token")
     w.add_argument("--prompt-tokens", type=int, default=8192, help="prompt for the handoff table")
+    h = p.add_argument_group("host tier (tool gaps between a session's turns)")
+    h.add_argument("--gap-p50-s", type=float, default=_DEFAULT_GAPS.p50_s)
+    h.add_argument("--gap-p99-s", type=float, default=_DEFAULT_GAPS.p99_s)
+    h.add_argument("--session-lease-s", type=float, default=_DEFAULT_GAPS.lease_s,
+                   help="the connector's session_lease_s")
+    h.add_argument("--warm-share", type=float, action="append",
+                   help="share of sessions to keep warm (repeatable; default 0.5, 0.9, 0.99)")
     return p
 
 
@@ -372,7 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.prompt_tokens < 1:
             raise ValueError("--prompt-tokens must be >= 1")
-        plan = build_plan(shape, KVDtype(args.kv_dtype), hw, workload, args.prompt_tokens)
+        gaps = HostGaps(p50_s=args.gap_p50_s, p99_s=args.gap_p99_s,
+                        lease_s=args.session_lease_s,
+                        warm_shares=tuple(args.warm_share or _DEFAULT_GAPS.warm_shares))
+        plan = build_plan(shape, KVDtype(args.kv_dtype), hw, workload, args.prompt_tokens,
+                          gaps)
     except capacity.ConfigError as e:
         return _fail(f"{args.config}: {e}")
     except ValueError as e:

@@ -400,3 +400,30 @@ def test_sync_read_only_when_the_stall_it_puts_on_others_is_small(
 def test_sync_read_rejects_nonsense_inputs():
     assert cost.decide_sync_load(-1.0, 0.0, 0.005) is False
     assert cost.decide_sync_load(0.001, -1.0, 0.005) is False
+
+
+def test_host_tier_sizing_keeps_the_gap_quantile_of_sessions():
+    w = Workload(shared_prefix_tokens=4096, task_tokens=512, steps=20, tool_output_tokens=1024,
+                 generated_tokens=256, concurrent_sessions=256, tool_delay_s=2.0, tpot_s=0.025)
+    hw = REF_HW
+    sh = shape("llama-3.1-8b")
+    size = lambda share, **kw: capacity.host_tier_sizing(  # noqa: E731
+        sh, KVDtype.BF16, hw, w, decode_replicas=kw.get("d", 4), gap_p50_s=5.0,
+        gap_p99_s=80.0, lease_s=kw.get("lease", 120.0), warm_share=share)
+    half, most = size(0.5), size(0.9)
+    # The median gap is the p50; a lognormal's mean lies above it.
+    assert half.warm_gap_s == pytest.approx(5.0) and half.gap_mean_s > 5.0
+    # By hand: turns finish at sessions / (step time + mean gap); the tier holds those
+    # finished during the kept gap, each its KV beyond the shared prefix, plus the prefix.
+    per_token = capacity.kv_bytes_per_token(sh, KVDtype.BF16)
+    assert half.sessions_per_replica == 64
+    assert half.host_sessions_per_replica == pytest.approx(half.finished_sessions_per_s * 5.0)
+    assert half.host_bytes_per_replica == pytest.approx(
+        half.host_sessions_per_replica * half.kv_bytes_per_session + 4096 * per_token)
+    assert most.host_bytes_per_replica > half.host_bytes_per_replica
+    # Never more sessions than the D has.
+    assert size(0.999).host_sessions_per_replica == 64
+    # A shorter lease leaves more gaps to the host tier alone.
+    assert size(0.5, lease=10.0).outliving_lease_ratio > half.outliving_lease_ratio
+    with pytest.raises(ValueError):
+        size(1.0)
