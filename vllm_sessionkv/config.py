@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+from vllm_sessionkv.cost import DEFAULT_HOST_LINK, DEFAULT_LINK, DEFAULT_RECOMPUTE
 from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S
 from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
@@ -144,16 +144,22 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # the router has for this engine (its --prefill/--decode url), an address the
     # router's host can reach.
     advertise_url: str | None = None
+    # Session holds pin at most this share of the engine's KV blocks; beyond it the
+    # oldest end early (holds.py, ``kv_pressure``).  Their KV stays reachable on the
+    # host tier when there is one (written through at the end of each turn).
+    session_hold_max_kv_fraction: float = 0.5
     # Host-DRAM tier for idle session KV: bytes of DRAM per engine (0 = off).
     host_tier_bytes: int = 0
     host_tier_policy: str = "lru"
     # Host<->KV-cache copy speed prior, for pricing a restore against recompute.
-    host_copy_bytes_per_s: float = 5.0e9
-    host_copy_per_transfer_s: float = 1.0e-4
+    host_copy_bytes_per_s: float = DEFAULT_HOST_LINK.bytes_per_s
+    host_copy_per_transfer_s: float = DEFAULT_HOST_LINK.per_transfer_s
     cost: CostConfig = CostConfig()
 
     def __post_init__(self):
         check_redis_settings(self.redis_url, self.redis_namespace)
+        if not 0.0 < self.session_hold_max_kv_fraction <= 1.0:
+            raise ValueError("session_hold_max_kv_fraction must be in (0, 1]")
         if self.host_tier_bytes < 0:
             raise ValueError("host_tier_bytes must be >= 0")
         if self.nixl_ucx_error_handling not in (None, "peer", "none"):

@@ -2,14 +2,20 @@
 each hold ended.
 
 A finished session turn's blocks stay allocated on D for the next turn's D->P pull.
-A hold ends in one of four ways, all normal outcomes (``RELEASE_REASONS``):
+A hold ends in one of five ways, all normal outcomes (``RELEASE_REASONS``):
 
 * ``pulled``: the next turn's P read the blocks (or told D it would not), so NIXL
   reported the send done without our asking;
 * ``lease_ended``: ``session_lease_s`` passed with no next turn;
 * ``superseded``: a newer turn of the session holds its own blocks; the older hold
   ends ``superseded_hold_grace_s`` later, in case a pull of it is in flight;
-* ``reset``: an operator reset the engine's caches.
+* ``reset``: an operator reset the engine's caches;
+* ``kv_pressure``: holds pinned more of the engine's KV than
+  ``session_hold_max_kv_fraction``; the oldest ended first.  Sessions can outnumber
+  what device KV holds, and a held block cannot be evicted: without the cap, held
+  sessions would keep new requests waiting for a lease to end.  With a host tier
+  the session's KV is already on host (written through at the end of its turn), so
+  its next turn restores it from there.
 
 The scheduler asks the worker to release the last three itself, before NIXL's own
 expiry timer (a later backstop) would, because NIXL counts and logs an expiry as a
@@ -22,7 +28,7 @@ from dataclasses import dataclass
 
 __all__ = ["RELEASE_REASONS", "HoldTable"]
 
-RELEASE_REASONS = ("pulled", "lease_ended", "superseded", "reset")
+RELEASE_REASONS = ("pulled", "lease_ended", "superseded", "reset", "kv_pressure")
 
 
 @dataclass
@@ -31,6 +37,7 @@ class _Hold:
     until_s: float                 # when the lease (or a superseded hold's grace) ends
     ending: str | None = None      # release asked for, and why; None while it runs
     superseded: bool = False
+    num_blocks: int = 0            # device blocks it pins
 
 
 class HoldTable:
@@ -49,8 +56,13 @@ class HoldTable:
         """Holds whose blocks are still allocated, superseded ones included."""
         return len(self._holds)
 
+    @property
+    def held_blocks(self) -> int:
+        """Device blocks pinned by holds not yet asked to end."""
+        return sum(h.num_blocks for h in self._holds.values() if h.ending is None)
+
     def hold(self, session_id: str, request_id: str, until_s: float,
-             superseded_until_s: float) -> str | None:
+             superseded_until_s: float, num_blocks: int = 0) -> str | None:
         """Start a hold; a session's previous hold then ends by ``superseded_until_s``
         (returned, if any)."""
         previous = self._current.get(session_id)
@@ -61,7 +73,8 @@ class HoldTable:
             if old is not None:
                 old.superseded = True
                 old.until_s = min(old.until_s, superseded_until_s)
-        self._holds[request_id] = _Hold(session_id=session_id, until_s=until_s)
+        self._holds[request_id] = _Hold(session_id=session_id, until_s=until_s,
+                                        num_blocks=num_blocks)
         self._current[session_id] = request_id
         return previous
 
@@ -73,6 +86,24 @@ class HoldTable:
             if hold.ending is None and now_s >= hold.until_s:
                 hold.ending = "superseded" if hold.superseded else "lease_ended"
                 out[request_id] = hold.ending
+        return out
+
+    def over_cap(self, max_blocks: int, keep: str | None = None) -> list[str]:
+        """Ask the oldest running holds to end (``kv_pressure``) until the rest pin at
+        most ``max_blocks``; superseded ones go first, ``keep`` (the hold just made)
+        never.  Returns their request ids."""
+        held = self.held_blocks
+        out = []
+        # Insertion order is age: a hold is added when its turn finishes.
+        order = sorted(self._holds.items(), key=lambda kv: not kv[1].superseded)
+        for request_id, hold in order:
+            if held <= max_blocks:
+                break
+            if hold.ending is not None or request_id == keep:
+                continue
+            hold.ending = "kv_pressure"
+            held -= hold.num_blocks
+            out.append(request_id)
         return out
 
     def end_all(self, reason: str) -> list[str]:

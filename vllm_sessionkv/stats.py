@@ -154,7 +154,9 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "Session holds ended, by reason, each a normal outcome: pulled (the next "
             "turn's P read the blocks or declined them), lease_ended (no next turn "
             "within session_lease_s), superseded (a newer turn holds its own blocks), "
-            "reset (reset_prefix_cache with reset_external).", "reason", RELEASE_REASONS)
+            "reset (reset_prefix_cache with reset_external), kv_pressure (holds pinned "
+            "more than session_hold_max_kv_fraction of the KV; the oldest ended).",
+            "reason", RELEASE_REASONS)
         self._host_restore_s = create_metric_per_engine(
             _vllm.prom_histogram(self, name="sessionkv_host_restore_seconds",
                                  documentation="Time to restore one request's blocks from "

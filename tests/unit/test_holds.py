@@ -74,3 +74,20 @@ def test_every_reason_is_a_known_label():
     reasons = {holds.released(r) for r in ("1", "2", "3")} | {"pulled"}
     assert reasons <= set(RELEASE_REASONS)
     assert reasons == {"superseded", "lease_ended", "reset", "pulled"}
+
+
+def test_holds_over_the_kv_cap_end_oldest_first_superseded_before_current():
+    t = HoldTable()
+    t.hold("a", "a1", until_s=100, superseded_until_s=10, num_blocks=10)
+    t.hold("b", "b1", until_s=100, superseded_until_s=10, num_blocks=10)
+    t.hold("a", "a2", until_s=100, superseded_until_s=10, num_blocks=12)   # a1 superseded
+    t.hold("c", "c1", until_s=100, superseded_until_s=10, num_blocks=10)
+    assert t.held_blocks == 42
+    assert t.over_cap(100) == []                       # under the cap: nothing ends
+    # 42 -> at most 25: the superseded a1 first, then the oldest current (b1).
+    assert t.over_cap(25, keep="c1") == ["a1", "b1"]
+    assert t.held_blocks == 22
+    assert t.released("b1") == "kv_pressure" and t.released("a1") == "kv_pressure"
+    # The hold just made is kept even alone over the cap.
+    assert t.over_cap(0, keep="c1") == ["a2"]
+    assert t.released("c1") == "pulled"
