@@ -21,6 +21,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "DEFAULT_HOST_LINK",
     "DEFAULT_LINK",
     "DEFAULT_RECOMPUTE",
     "LinkModel",
@@ -30,6 +31,7 @@ __all__ = [
     "RecomputeModel",
     "attention_pairs",
     "decide_pull",
+    "decide_restore_for_pull",
     "decide_sync_load",
     "overlap_credit_blocks",
     "peer_credit_weight",
@@ -86,6 +88,8 @@ class LinkModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 DEFAULT_RECOMPUTE = RecomputeModel(s_per_token=2.0e-5, s_per_token_per_context_token=2.0e-8,
                                    load_slowdown_per_unit=0.25)
 DEFAULT_LINK = LinkModel(bytes_per_s=1.0e9, per_transfer_s=2.0e-3)
+# Host DRAM <-> engine KV copies (the host tier): a memcpy on CPU, a PCIe copy on GPU.
+DEFAULT_HOST_LINK = LinkModel(bytes_per_s=5.0e9, per_transfer_s=1.0e-4)
 
 
 def recompute_time_s(
@@ -179,12 +183,40 @@ def peer_credit_weight(
     link: LinkModel,
     engine_load: float = 0.0,
 ) -> float:
-    """Share of the recompute time a peer pull saves, in [0, 1]: ``1 - pull_s / recompute_s``."""
+    """Share of the recompute time a transfer saves, in [0, 1]: ``1 - transfer_s /
+    recompute_s``.  With a peer's link it prices a peer pull; with the host link
+    (``DEFAULT_HOST_LINK``, the connector's ``host_copy_*``) a host-tier restore, which
+    replaces Dynamo's fixed 0.75 host weight."""
     recompute_s = recompute_time_s(peer_tokens, context_tokens, recompute, engine_load)
     if recompute_s <= 0:
         return 0.0
     pull_s = transfer_time_s(peer_tokens * kv_bytes_per_token, link.bytes_per_s, link.per_transfer_s)
     return max(0.0, 1.0 - pull_s / recompute_s)
+
+
+def decide_restore_for_pull(
+    quote: PullQuote, recompute: RecomputeModel, host_link: LinkModel, link: LinkModel,
+    min_pull_tokens: int = 1,
+) -> PullDecision:
+    """Should D restore ``quote.pull_tokens`` from its host tier so that P pulls them?
+
+    The alternative to P recomputing them: D copies them host -> device, then P reads
+    them over the link, one after the other.  Priced with the same models as a pull
+    (:func:`decide_pull`); ties recompute, as there.
+    """
+    if quote.pull_tokens <= 0:
+        return PullDecision(False, 0.0, 0.0, "nothing to restore")
+    num_bytes = quote.pull_tokens * quote.kv_bytes_per_token
+    relay_s = (transfer_time_s(num_bytes, host_link.bytes_per_s, host_link.per_transfer_s)
+               + transfer_time_s(num_bytes + quote.queued_bytes, link.bytes_per_s,
+                                 link.per_transfer_s))
+    recompute_s = recompute_time_s(quote.pull_tokens, quote.context_tokens, recompute,
+                                   quote.engine_load)
+    if quote.pull_tokens < min_pull_tokens:
+        return PullDecision(False, relay_s, recompute_s, "below min_pull_tokens")
+    if relay_s < recompute_s:
+        return PullDecision(True, relay_s, recompute_s, "restore and pull faster")
+    return PullDecision(False, relay_s, recompute_s, "recompute faster")
 
 
 def overlap_credit_blocks(
@@ -193,16 +225,19 @@ def overlap_credit_blocks(
     peer_blocks: int,
     weights: OverlapWeights = OverlapWeights(),
     peer_weight: float | None = None,
+    host_weight: float | None = None,
 ) -> float:
     """Blocks of prefill a candidate engine is credited with.
 
     Tiers are disjoint increments of one prefix: ``host_blocks`` extend the device hit,
-    ``peer_blocks`` extend both.  ``peer_weight`` (from :func:`peer_credit_weight`)
-    overrides ``weights.peer`` when the router can price the pull.
+    ``peer_blocks`` extend both.  ``peer_weight`` and ``host_weight`` (each from
+    :func:`peer_credit_weight`, over the peer's and the host link) override
+    ``weights.peer`` and ``weights.host`` when the router can price the transfer.
     """
     peer = weights.peer if peer_weight is None else peer_weight
+    host = weights.host if host_weight is None else host_weight
     return (
         weights.device * max(0, device_blocks)
-        + weights.host * max(0, host_blocks)
+        + host * max(0, host_blocks)
         + peer * max(0, peer_blocks)
     )

@@ -136,6 +136,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # Session holds (D): which request's blocks each session keeps, until when.
         self._holds = HoldTable()
         self._holds_to_release: set[str] = set()   # for the next step's metadata
+        num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        self._max_held_blocks = (int(config.session_hold_max_kv_fraction * num_blocks)
+                                 if num_blocks else 1 << 62)
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
         self._publisher = HandlePublisher(config.redis_url, config.redis_namespace)
         # Host-DRAM tier: this side decides and tracks; the worker copies.
@@ -706,8 +709,14 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             now = time.perf_counter()
             deadline = now + lease_s
             self._holds.hold(session_id, request.request_id, until_s=deadline,
-                             superseded_until_s=now + self.config.superseded_hold_grace_s)
+                             superseded_until_s=now + self.config.superseded_hold_grace_s,
+                             num_blocks=len(block_ids[0]) if block_ids else 0)
             self._offload_to_host(request, block_ids, out["remote_num_tokens"])
+            for req_id in self._holds.over_cap(self._max_held_blocks, keep=request.request_id):
+                logger.info("sessionkv hold ends early request_id=%s reason=kv_pressure "
+                            "(holds over %.0f%% of the KV blocks)", req_id,
+                            self.config.session_hold_max_kv_fraction * 100)
+                self._holds_to_release.add(req_id)
             out["remote_blocks_expiry_time"] = deadline
             out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
                 **self._chain_export(request, out["remote_num_tokens"]),

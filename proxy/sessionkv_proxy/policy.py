@@ -19,9 +19,12 @@ P cost, in blocks of prefill work (Dynamo's linear cost)::
   plus its own; what the worker must compute before the first token.
 * ``credit_blocks``: prompt blocks the worker need not compute.  Tiers are disjoint
   increments of one prefix: ``device_blocks`` are its leading blocks in device KV
-  (weight 1.0: free), ``host_blocks`` extend them from the host tier (0.75: a PCIe
-  copy is cheap but not free), ``peer_blocks`` extend both from the D that holds the
-  session.  A peer pull crosses the network, so its weight is priced per request by
+  (weight 1.0: free), ``host_blocks`` extend them from the host tier, ``peer_blocks``
+  extend both from the D that holds the session.  A host block is a copy, cheap but
+  not free: its weight is ``1 - restore_s / recompute_s`` over ``host_link`` (the
+  connector's ``host_copy_*`` prior), near 1 for long context, lower for a short
+  one, where Dynamo uses a fixed 0.75 (``weights.host``, used while the model's KV
+  size is unknown).  A peer pull crosses the network, so its weight is priced per request by
   :func:`vllm_sessionkv.cost.peer_credit_weight`, ``1 - pull_s / recompute_s``
   clamped to [0, 1]: near 1 for long context on a fast link, 0 on a slow one.
 * ``decay = 1 / (1 + overlap_credit_decay * excess_blocks / prompt_blocks)``, with
@@ -111,9 +114,12 @@ import msgspec
 
 from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, PrefixMatch
 from vllm_sessionkv.cost import (
+    DEFAULT_HOST_LINK,
     LinkModel,
+    PullQuote,
     OverlapWeights,
     RecomputeModel,
+    decide_restore_for_pull,
     overlap_credit_blocks,
     peer_credit_weight,
 )
@@ -168,6 +174,11 @@ class RouteReason(str, enum.Enum):
     NO_DECODE = "no_decode"  # prefill only: at most one new token
     INCREMENT_TOO_LARGE = "increment_too_large"  # disaggregated
     DECODE_BUSY = "decode_busy"  # disaggregated: a small increment, but D has no room
+    # Decode only: the increment is small because D restores the prompt's prefix from
+    # its host tier.
+    HOST_TIER = "host_tier"
+    # Disaggregated: D restores the prompt's prefix from its host tier, P pulls it.
+    HOST_TIER_PULL = "host_tier_pull"
     # Decided by the router without the policy:
     ROUND_ROBIN = "round_robin"
     SINGLE_DECODE_WORKER = "single_decode_worker"
@@ -247,6 +258,9 @@ class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
 class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     recompute: RecomputeModel  # prices the peer credit; the connector's own model
     link: LinkModel  # D -> P link used by peer pulls
+    # Host DRAM -> engine KV copies: prices host-tier credits (the connector's
+    # ``host_copy_*``), in place of a fixed host weight.
+    host_link: LinkModel = DEFAULT_HOST_LINK
     weights: OverlapWeights = OverlapWeights()
     prefill_load_scale: float = 1.0
     decode_load_scale: float = 1.0
@@ -321,6 +335,7 @@ class PrefillTerms(msgspec.Struct, frozen=True, kw_only=True):
     prompt_blocks: int
     device_blocks: int
     host_blocks: int  # beyond device_blocks
+    host_weight: float  # credit per host block: the share of its recompute a restore saves
     peer_blocks: int  # beyond device_blocks and host_blocks
     peer_weight: float
     raw_credit_blocks: float
@@ -338,7 +353,9 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     url: str
     active_decode_blocks: float
     device_blocks: int  # prompt blocks D holds on device (index or verified session)
-    new_blocks: int
+    host_blocks: int = 0  # beyond device_blocks, on D's host tier (restored, not computed)
+    host_weight: float = 0.0  # share of their recompute a restore saves
+    new_blocks: int  # blocks D must receive or compute: the prompt less both
     kv_usage: float
     active_requests: int
     affinity: bool  # holds the request's live session
@@ -354,7 +371,10 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     decode_url: str  # with PREFILL_ONLY: the D that would have decoded, not called
     reason: str
     label: RouteReason
-    uncached_tokens: int  # prompt tokens the chosen D does not hold on device
+    uncached_tokens: int  # prompt tokens the chosen D holds on neither device nor host
+    # HOST_TIER_PULL: prompt tokens D restores from its host tier for P to pull (the
+    # router asks D for them first, as a one-token session turn); 0 otherwise.
+    restore_tokens: int = 0
     prefill_candidates: tuple[PrefillTerms, ...] = ()
     decode_candidates: tuple[DecodeTerms, ...] = ()
 
@@ -407,6 +427,19 @@ def _live_session_holder(inp: RouteInput, healthy_decode: set[str],
 # --------------------------------------------------------------------------- score
 
 
+def _host_weight(host_blocks: int, context_blocks: int, inp: RouteInput,
+                 params: RoutingParams) -> float:
+    """Credit per host-tier block: the share of its recompute a restore saves
+    (``peer_credit_weight`` over the host link), or ``weights.host`` while the model's
+    KV size is unknown."""
+    if host_blocks <= 0:
+        return 0.0
+    if inp.kv_bytes_per_token <= 0:
+        return params.weights.host
+    return peer_credit_weight(host_blocks * inp.block_size, context_blocks * inp.block_size,
+                              inp.kv_bytes_per_token, params.recompute, params.host_link)
+
+
 def score_prefill(
     inp: RouteInput, workers: Sequence[WorkerLoad], params: RoutingParams
 ) -> tuple[PrefillTerms, ...]:
@@ -432,7 +465,9 @@ def score_prefill(
             )
         else:
             peer_weight = params.weights.peer if peer else 0.0
-        raw_credit = overlap_credit_blocks(device, host, peer, params.weights, peer_weight)
+        host_weight = _host_weight(host, device, inp, params)
+        raw_credit = overlap_credit_blocks(device, host, peer, params.weights, peer_weight,
+                                           host_weight)
         excess = w.active_prefill_blocks - least_loaded
         decay = 1.0 / (1.0 + params.overlap_credit_decay * excess / max(1, prompt_blocks))
         credit = decay * raw_credit
@@ -442,7 +477,7 @@ def score_prefill(
         out.append(PrefillTerms(
             url=w.url, active_prefill_blocks=w.active_prefill_blocks,
             prompt_blocks=prompt_blocks, device_blocks=device, host_blocks=host,
-            peer_blocks=peer, peer_weight=peer_weight, raw_credit_blocks=raw_credit,
+            host_weight=host_weight, peer_blocks=peer, peer_weight=peer_weight, raw_credit_blocks=raw_credit,
             excess_blocks=excess, decay=decay, credit_blocks=credit,
             adjusted_prefill_blocks=adjusted, active_decode_blocks=w.active_decode_blocks,
             cost=cost,
@@ -460,14 +495,18 @@ def score_decode(
     fewest_placed = min(w.recent_placements for w in decode)
     out = []
     for w in decode:
-        device = inp.overlaps.get(w.url, TierOverlap()).device_blocks
+        ov = inp.overlaps.get(w.url, TierOverlap())
+        device = ov.device_blocks
         if w.url == holder:
             # The index may lag D's own events; the session's verified blocks do not.
             device = max(device, inp.peer_pullable_blocks)
         device = min(max(0, device), prompt_blocks)
-        new = prompt_blocks - device
+        host = max(device, min(max(0, ov.host_blocks), prompt_blocks)) - device
+        host_weight = _host_weight(host, device, inp, params)
+        new = prompt_blocks - device - host
         out.append(DecodeTerms(
             url=w.url, active_decode_blocks=w.active_decode_blocks, device_blocks=device,
+            host_blocks=host, host_weight=host_weight,
             new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
             affinity=w.url == holder,
             over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
@@ -475,8 +514,10 @@ def score_decode(
             # The placements surcharge prices the work this request adds here (its
             # new blocks), not its whole prompt: a worker that already holds the
             # prefix adds little work however many placements it took lately.
+            # A host block is a restore, priced at the share of a recompute it costs.
             cost=params.decode_load_scale * (
                 w.active_decode_blocks
+                + (1.0 - host_weight) * host
                 + new * (1.0 + params.decode_recent_weight
                          * (w.recent_placements - fewest_placed))),
         ))
@@ -510,10 +551,11 @@ def _prefix_holder(terms: Sequence[DecodeTerms], params: RoutingParams) -> Decod
     request there and the worker's load is within the bound."""
     if params.decode_affinity_load_bound <= 0 or len(terms) < 2:
         return None
-    ranked = sorted(terms, key=lambda t: (-t.device_blocks, t.cost, t.url))
+    # Reach: the prompt blocks a worker need not compute, on device or host.
+    ranked = sorted(terms, key=lambda t: (t.new_blocks, t.cost, t.url))
     best, runner_up = ranked[0], ranked[1]
-    prompt_blocks = best.device_blocks + best.new_blocks
-    gain = best.device_blocks - runner_up.device_blocks
+    prompt_blocks = best.device_blocks + best.host_blocks + best.new_blocks
+    gain = runner_up.new_blocks - best.new_blocks
     if gain <= 0 or gain < params.decode_affinity_min_gain * prompt_blocks:
         return None  # nobody, several alike, or too little to be worth a hot spot
     # With the new request counted: at most ``bound`` times the mean, or ``slack``
@@ -564,6 +606,9 @@ def _pick_decode(
         reason = "least loaded decode"
         prefix = _prefix_holder(under, params)
         if prefix is not None:
+            if prefix.host_blocks:
+                return (prefix.url, f"prefix affinity ({prefix.host_blocks} blocks on its "
+                        "host tier)", True)
             return prefix.url, "prefix affinity", True
     else:
         reason = "least loaded decode: every decode worker over kv pressure"
@@ -590,15 +635,18 @@ def route(
         decode_terms = tuple(msgspec.structs.replace(t, prefix_affinity=True)
                              if t.url == decode_url else t for t in decode_terms)
     chosen = next(t for t in decode_terms if t.url == decode_url)
-    uncached = max(0, inp.prompt_tokens - chosen.device_blocks * inp.block_size)
+    uncached = max(0, inp.prompt_tokens
+                   - (chosen.device_blocks + chosen.host_blocks) * inp.block_size)
     small = uncached <= params.decode_only_max_uncached_tokens
     room = (chosen.kv_usage < params.decode_only_max_kv_usage
             and chosen.active_requests < params.decode_only_max_active_requests)
     if small and room:
+        host_note = (f", {chosen.host_blocks} blocks restored from its host tier"
+                     if chosen.host_blocks else "")
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
-            reason=f"{decode_reason}; decode only: {uncached} uncached tokens",
-            label=RouteReason.SMALL_INCREMENT,
+            reason=f"{decode_reason}; decode only: {uncached} uncached tokens{host_note}",
+            label=RouteReason.HOST_TIER if chosen.host_blocks else RouteReason.SMALL_INCREMENT,
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
     no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
@@ -632,13 +680,42 @@ def route(
             decode_candidates=decode_terms,
         )
     why = "increment too large" if not small else "decode worker busy"
+    label = RouteReason.INCREMENT_TOO_LARGE if not small else RouteReason.DECODE_BUSY
+    prefill_chosen = next(t for t in prefill_terms if t.url == prefill_url)
+    restore = _restore_for_pull(inp, chosen, prefill_chosen, params)
+    if restore:
+        why += f"; D restores {restore} tokens from its host tier for P to pull"
+        label = RouteReason.HOST_TIER_PULL
     return RouteDecision(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
         reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)",
-        label=RouteReason.INCREMENT_TOO_LARGE if not small else RouteReason.DECODE_BUSY,
-        uncached_tokens=uncached, prefill_candidates=prefill_terms,
-        decode_candidates=decode_terms,
+        label=label, uncached_tokens=uncached, restore_tokens=restore,
+        prefill_candidates=prefill_terms, decode_candidates=decode_terms,
     )
+
+
+def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerms,
+                      params: RoutingParams) -> int:
+    """Prompt tokens D should restore from its host tier for P to pull, or 0.
+
+    Only where no handle already offers P the session's blocks on D (a handle's
+    blocks are ``peer_pullable_blocks``) and D's reach (device and host) goes beyond
+    P's own: P would
+    pull that difference after D's restore, and
+    :func:`vllm_sessionkv.cost.decide_restore_for_pull` prices the restore and the
+    pull against P recomputing it.  P's connector prices the pull again itself."""
+    if decode.host_blocks <= 0 or (decode.affinity and inp.peer_pullable_blocks > 0):
+        return 0
+    decode_reach = decode.device_blocks + decode.host_blocks
+    prefill_reach = prefill.device_blocks + prefill.host_blocks
+    if decode_reach <= prefill_reach:
+        return 0
+    priced = decide_restore_for_pull(
+        PullQuote(pull_tokens=(decode_reach - prefill_reach) * inp.block_size,
+                  context_tokens=prefill_reach * inp.block_size,
+                  kv_bytes_per_token=inp.kv_bytes_per_token, engine_load=0.0),
+        params.recompute, params.host_link, params.link)
+    return decode_reach * inp.block_size if priced.pull else 0
 
 
 def routing_params_from_config(raw: Mapping[str, Any]) -> RoutingParams:

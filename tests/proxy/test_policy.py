@@ -80,7 +80,11 @@ def test_prefill_terms_equal_hand_computation():
     recompute_s = 320 * 1e-4 + 1e-9 * (320 * 480 + 320 * 319 / 2)
     pull_s = 1e-3 + 320 * KV_BYTES_PER_TOKEN / 50e9
     peer_w = 1 - pull_s / recompute_s
-    raw = 1.0 * 20 + 0.75 * 10 + peer_w * 20
+    # Host restore of 10 blocks = 160 tokens after 20 device blocks = 320 tokens, over
+    # the default host link (5 GB/s, 0.1 ms a copy).
+    host_recompute_s = 160 * 1e-4 + 1e-9 * (160 * 320 + 160 * 159 / 2)
+    host_w = 1 - (1e-4 + 160 * KV_BYTES_PER_TOKEN / 5e9) / host_recompute_s
+    raw = 1.0 * 20 + host_w * 10 + peer_w * 20
     decay = 1 / (1 + 1.0 * (10 - 4) / 63)
     cost_p2 = 2.0 * max(0.0, 10 + 63 - decay * raw) + 0.5 * 8
     p2 = t["p2"]
@@ -114,7 +118,17 @@ def test_device_beats_host_beats_none_at_equal_load():
     workers = [P(u, active_prefill_blocks=5.0) for u in ("dev", "host", "none")] + [D("d1")]
     t = by_url(score_prefill(i, workers, params()))
     assert t["dev"].cost < t["host"].cost < t["none"].cost
-    assert t["dev"].cost == 5 + 20 - 10 and t["host"].cost == 5 + 20 - 7.5
+    # The host weight is the share of recompute a restore saves: 10 blocks = 160
+    # tokens at 0.1 ms a token against a 5 GB/s copy of 128 KiB a token.
+    restore_s = 1e-4 + 160 * KV_BYTES_PER_TOKEN / 5e9
+    host_w = 1 - restore_s / (160 * 1e-4 + 1e-9 * 160 * 159 / 2)
+    assert t["host"].host_weight == pytest.approx(host_w)
+    assert t["dev"].cost == 5 + 20 - 10
+    assert t["host"].cost == pytest.approx(5 + 20 - 10 * host_w)
+    # Without the model's KV size the configured weight stands (Dynamo's 0.75).
+    unknown = by_url(score_prefill(msgspec.structs.replace(i, kv_bytes_per_token=0.0),
+                                   workers, params()))
+    assert unknown["host"].cost == 5 + 20 - 7.5
     # Large increment, so disaggregated, and P goes to the device hit.
     d = route(i, workers, params(decode_only_max_uncached_tokens=-1), random.Random(0))
     assert d.mode is Mode.DISAGGREGATED and d.prefill_url == "dev"
@@ -527,7 +541,18 @@ def _reference_prefill_cost(i: RouteInput, w: WorkerLoad, t, least_loaded: float
     device = min(ov.device_blocks, pb)
     host = max(0, min(ov.host_blocks, pb) - device)
     assert (t.device_blocks, t.host_blocks) == (device, host)
-    credit = device + 0.75 * host + t.peer_weight * t.peer_blocks
+    if host and i.kv_bytes_per_token > 0:
+        host_w = 1 - (prm.host_link.per_transfer_s + host * i.block_size * i.kv_bytes_per_token
+                      / prm.host_link.bytes_per_s) / (
+            host * i.block_size * prm.recompute.s_per_token
+            + prm.recompute.s_per_token_per_context_token * (
+                host * i.block_size * device * i.block_size
+                + host * i.block_size * (host * i.block_size - 1) / 2))
+        host_w = max(0.0, host_w)
+    else:
+        host_w = 0.75 if host else 0.0
+    assert t.host_weight == pytest.approx(host_w, rel=1e-9)
+    credit = device + host_w * host + t.peer_weight * t.peer_blocks
     credit /= 1 + prm.overlap_credit_decay * (w.active_prefill_blocks - least_loaded) / max(1, pb)
     return (prm.prefill_load_scale * max(0.0, w.active_prefill_blocks + pb - credit)
             + w.active_decode_blocks)
@@ -665,10 +690,60 @@ def test_the_prefill_credit_is_the_cost_model_s_formula():
         [P("p"), D("d")], params())
     t = by_url(terms)["p"]
     assert t.raw_credit_blocks == overlap_credit_blocks(
-        t.device_blocks, t.host_blocks, t.peer_blocks, params().weights, t.peer_weight)
+        t.device_blocks, t.host_blocks, t.peer_blocks, params().weights, t.peer_weight,
+        t.host_weight)
 
 
 def test_one_role_enum():
     from sessionkv_proxy import config
 
     assert config.Role is policy.Role
+
+
+# --------------------------------------------------------------------------- host tier
+
+
+def test_a_session_on_a_decode_workers_host_tier_returns_there_decode_only():
+    # The session's lease ended (no live holder): d2 holds 18 of its 20 blocks on its
+    # host tier only, d1 nothing.  d2 takes it by prefix, restores, computes the rest.
+    i = inp(320, overlaps={"d2": TierOverlap(host_blocks=18)})
+    d = route(i, [P("p1"), D("d1"), D("d2")], params(), random.Random(0))
+    terms = by_url(d.decode_candidates)
+    assert (terms["d2"].device_blocks, terms["d2"].host_blocks, terms["d2"].new_blocks) == (0, 18, 2)
+    assert 0 < terms["d2"].host_weight < 1
+    assert d.decode_url == "d2" and d.mode is Mode.DECODE_ONLY
+    assert d.label is policy.RouteReason.HOST_TIER and d.uncached_tokens == 32
+    assert "host tier" in d.reason
+    # Control: without the host entries it is a plain placement and a large increment.
+    plain = route(inp(320), [P("p1"), D("d1"), D("d2")], params(), random.Random(0))
+    assert plain.mode is Mode.DISAGGREGATED and "host tier" not in plain.reason
+
+
+def test_a_large_increment_has_the_decode_worker_restore_for_the_prefill_to_pull():
+    # 20 of 63 blocks on d1's host tier, P holds nothing: D restores 320 tokens, P pulls.
+    i = inp(1000, overlaps={"d1": TierOverlap(host_blocks=20)})
+    d = route(i, [P("p1"), D("d1")], params(), random.Random(0))
+    assert d.mode is Mode.DISAGGREGATED and d.label is policy.RouteReason.HOST_TIER_PULL
+    assert d.restore_tokens == 320 and "host tier" in d.reason
+    # P already holds as much on its own device: nothing to restore.
+    p_has = inp(1000, overlaps={"d1": TierOverlap(host_blocks=20),
+                                "p1": TierOverlap(device_blocks=20)})
+    assert route(p_has, [P("p1"), D("d1")], params(), random.Random(0)).restore_tokens == 0
+    # A link too slow to beat recompute: P recomputes instead.
+    slow = params(link=LinkModel(bytes_per_s=1e6, per_transfer_s=1.0))
+    d_slow = route(i, [P("p1"), D("d1")], slow, random.Random(0))
+    assert d_slow.restore_tokens == 0 and d_slow.label is policy.RouteReason.INCREMENT_TOO_LARGE
+    # The session's D without a handle (its lease ended): it restores for P.
+    lapsed = msgspec.structs.replace(i, session=session("d1", expires_at_s=None))
+    assert route(lapsed, [P("p1"), D("d1")], params(), random.Random(0)).restore_tokens == 320
+    # The live session holder hands P its handle instead.
+    live = msgspec.structs.replace(i, session=session("d1"), peer_pullable_blocks=20)
+    assert route(live, [P("p1"), D("d1")], params(), random.Random(0)).restore_tokens == 0
+
+
+def test_device_blocks_beat_host_blocks_for_the_decode_choice():
+    i = inp(320, overlaps={"dev": TierOverlap(device_blocks=10),
+                           "host": TierOverlap(host_blocks=10)})
+    terms = by_url(score_decode(i, [D("dev"), D("host")], params()))
+    assert terms["dev"].cost < terms["host"].cost
+    assert terms["dev"].new_blocks == terms["host"].new_blocks == 10
