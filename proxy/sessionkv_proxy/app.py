@@ -27,6 +27,7 @@ from vllm_sessionkv.protocol import (
     EarlyDecodePush,
     PayloadError,
     SessionPayload,
+    handle_expired,
     handle_from_params,
     payload_from_params,
     with_payload,
@@ -496,6 +497,8 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
     With early decode (D has an early-decode socket) D's request goes out first,
     naming an id instead of P's parameters: D parses and queues it while P prefills,
     and holds it until the parameters are pushed under that id."""
+    if plan.restore_tokens:
+        await _restore_on_decode(state, plan, d_body, session_id, request_id)
     early = state.early
     endpoint = plan.decode.config.early_decode if early is not None else None
     decode_task = None
@@ -536,6 +539,48 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
     d_body["kv_transfer_params"] = p_params
     return (*await _answer(state, request, plan, Role.DECODE, path, d_body, request_id,
                            extra_headers), prefill_s)
+
+
+async def _restore_on_decode(state: ProxyState, plan: RoutePlan, body: dict[str, Any],
+                             session_id: str | None, request_id: str) -> None:
+    """Have D restore the prompt's prefix from its host tier, for P to pull.
+
+    D is sent that prefix as a one-token session turn: its connector restores the
+    blocks from host (priced against recomputing them, as for any turn), holds them
+    under a fresh lease and answers with their handle, which P's parameters then
+    carry; P verifies and prices the pull as for any handle.  Any failure costs speed
+    only: P then prefills without the handle."""
+    ids = plan.prompt_token_ids or []
+    # D computes at least the last token it is sent: one past the restored prefix.
+    upto = min(plan.restore_tokens, len(ids) - 1)
+    if upto <= 0 or not session_id:
+        return
+    restore_body: dict[str, Any] = {
+        "model": body.get("model"), "prompt": ids[:upto + 1], "max_tokens": 1,
+        "temperature": 0.0, "stream": False, "session_id": session_id,
+        "kv_transfer_params": with_payload(None, SessionPayload(session_id=session_id))}
+    if plan.tenant is not None:
+        restore_body["cache_salt"] = plan.tenant
+    outcome = "failed"
+    try:
+        resp = await _send(state, plan.decode, "/v1/completions", _json.encode(restore_body),
+                           f"{request_id}-restore")
+        data = await resp.read()
+        if resp.status == 200:
+            params = msgspec.json.decode(data).get("kv_transfer_params")
+            if params and params.get("do_remote_decode"):
+                handle = handle_from_params(params)
+                # A lease shorter than the margin gives a handle P would refuse.
+                if handle_expired(handle.expires_at_unix_s, time.time(),
+                                  state.router.params.handle_expiry_margin_s):
+                    outcome = "expired"
+                else:
+                    plan.prefill_params = handle.prefill_params()
+                    outcome = "handle"
+    except (_Upstream, ApiError, PayloadError, msgspec.DecodeError, AttributeError) as exc:
+        logger.warning("host-tier restore request_id=%s engine=%s failed: %r", request_id,
+                       plan.decode.url, exc)
+    state.metrics.host_tier_restores.labels(outcome).inc()
 
 
 def _pushed_by_prefill(p_params: dict[str, Any]) -> bool:

@@ -66,6 +66,13 @@ class ProxyMetrics:
                                  ["engine"], registry=r)
         self.errors = Counter("sessionkv_proxy_errors", "Errors by kind.", ["kind"],
                               registry=r)
+        self.host_tier_restores = Counter(
+            "sessionkv_proxy_host_tier_restores",
+            "Session prefixes a decode worker was asked to restore from its host tier "
+            "for the prefill worker to pull, by outcome (handle: P got the handle; "
+            "expired: D's lease is shorter than the handle expiry margin; failed: D did "
+            "not answer with one; P then prefills without it).",
+            ["outcome"], registry=r)
         self.retries = Counter("sessionkv_proxy_upstream_retries",
                                "Requests re-sent to another worker after a connection "
                                "failure.", ["role"], registry=r)

@@ -75,6 +75,10 @@ class RoutePlan:
     # Why this decision had less to go on than usual (e.g. Redis unavailable: the
     # index and sessions were read from this replica's own copy); None when not.
     degraded: str | None = None
+    # HOST_TIER_PULL: D first restores this many prompt tokens (``prompt_token_ids``)
+    # from its host tier as a one-token session turn, and P pulls them by its handle.
+    restore_tokens: int = 0
+    prompt_token_ids: list[int] | None = None
 
 
 class Router:
@@ -423,6 +427,10 @@ class Router:
         mode = decision.mode
         prefill_params = None
         used = mode is Mode.DISAGGREGATED and handle is not None
+        # A restore needs the prompt's ids and a session for D to hold the turn under;
+        # a usable handle already names the session's blocks.
+        restore = (decision.restore_tokens
+                   if token_ids and session_id and handle is None else 0)
         if mode is Mode.DISAGGREGATED:
             prefill_params = (handle.prefill_params() if handle is not None
                               else _fresh_prefill_params())
@@ -449,7 +457,9 @@ class Router:
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,
                          prompt_tokens=len(token_ids) if token_ids else num_tokens,
-                         max_output_tokens=max_output, degraded=degraded, tenant=tenant)
+                         max_output_tokens=max_output, degraded=degraded, tenant=tenant,
+                         restore_tokens=restore,
+                         prompt_token_ids=token_ids if restore else None)
 
 
 def request_tenant(body: dict[str, Any]) -> str | None:
