@@ -607,8 +607,8 @@ def _pick_decode(
         prefix = _prefix_holder(under, params)
         if prefix is not None:
             if prefix.host_blocks:
-                return (prefix.url, f"prefix affinity ({prefix.host_blocks} blocks on its "
-                        "host tier)", True)
+                return (prefix.url, f"prefix affinity ({_blocks(prefix.host_blocks)} on "
+                        "its host tier)", True)
             return prefix.url, "prefix affinity", True
     else:
         reason = "least loaded decode: every decode worker over kv pressure"
@@ -641,7 +641,7 @@ def route(
     room = (chosen.kv_usage < params.decode_only_max_kv_usage
             and chosen.active_requests < params.decode_only_max_active_requests)
     if small and room:
-        host_note = (f", {chosen.host_blocks} blocks restored from its host tier"
+        host_note = (f", {_blocks(chosen.host_blocks)} restored from its host tier"
                      if chosen.host_blocks else "")
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
@@ -692,6 +692,10 @@ def route(
         label=label, uncached_tokens=uncached, restore_tokens=restore,
         prefill_candidates=prefill_terms, decode_candidates=decode_terms,
     )
+
+
+def _blocks(n: int) -> str:
+    return f"{n} block" if n == 1 else f"{n} blocks"
 
 
 def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerms,
