@@ -574,6 +574,13 @@ async def _restore_on_decode(state: ProxyState, plan: RoutePlan, body: dict[str,
                 if handle_expired(handle.expires_at_unix_s, time.time(),
                                   state.router.params.handle_expiry_margin_s):
                     outcome = "expired"
+                    if not plan.decode.restore_handles_expire:
+                        plan.decode.restore_handles_expire = True
+                        logger.warning(
+                            "host-tier restores on %s stop: its handles expire within the "
+                            "proxy's handle_expiry_margin_s (%.0f s); its session_lease_s "
+                            "must be longer for P to pull restored KV", plan.decode.url,
+                            state.router.params.handle_expiry_margin_s)
                 else:
                     plan.prefill_params = handle.prefill_params()
                     outcome = "handle"

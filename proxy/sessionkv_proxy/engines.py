@@ -62,6 +62,10 @@ class Engine:
     # on the same port is a new one, and its NIXL memory holds none of the old KV.
     lost_at_unix_s: float = 0.0
     stalled: bool = False
+    # A host-tier restore on this D answered with a handle already inside the expiry
+    # margin: its session lease is shorter than the margin, so every such restore
+    # would be wasted.  No more are asked of it (until the proxy restarts).
+    restore_handles_expire: bool = False
     last_alive_s: float = field(default_factory=time.monotonic)
     last_scrape_s: float = 0.0
     consecutive_failures: int = 0

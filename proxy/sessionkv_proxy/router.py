@@ -430,7 +430,8 @@ class Router:
         # A restore needs the prompt's ids and a session for D to hold the turn under;
         # a usable handle already names the session's blocks.
         restore = (decision.restore_tokens
-                   if token_ids and session_id and handle is None else 0)
+                   if token_ids and session_id and handle is None
+                   and not decode.restore_handles_expire else 0)
         if mode is Mode.DISAGGREGATED:
             prefill_params = (handle.prefill_params() if handle is not None
                               else _fresh_prefill_params())
@@ -446,14 +447,20 @@ class Router:
             self.save_session_later(record)
         if not used:
             self._give_back(read, session_id, tenant)
+        label, detail = decision.label, decision.reason
+        if decision.restore_tokens and not restore:
+            label = RouteReason.INCREMENT_TOO_LARGE
+            detail += ("; not asked: this D's session lease is shorter than the handle "
+                       "expiry margin" if decode.restore_handles_expire
+                       else "; not asked: no session or token ids")
         terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
-                 "detail": decision.reason + (
+                 "detail": detail + (
                      "; index and sessions from this replica (redis unavailable)"
                      if degraded else ""),
                  "prefill": {t.url: round(t.cost, 3) for t in decision.prefill_candidates},
                  "decode": {t.url: round(t.cost, 3) for t in decision.decode_candidates}}
-        return RoutePlan(mode, prefill, decode, decision.label,
+        return RoutePlan(mode, prefill, decode, label,
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,
                          prompt_tokens=len(token_ids) if token_ids else num_tokens,
