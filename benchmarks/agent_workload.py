@@ -118,6 +118,13 @@ FULL = {
                         tool_output_tokens=128, output_tokens=24, think_tokens=8,
                         tool_delay_s=0.3, strip_share=0.3, subagent_share=0.0,
                         skew=1.5, stagger_s=0.1, seed=3),
+    # The host tier: sixteen sessions whose tool gaps (10-30 s) outlast the host-tier
+    # arms' 15 s session lease, ending at about 1,700 tokens each: together about twice
+    # the 160 blocks of D's KV in those arms.
+    "host": AgentConfig(sessions=16, steps=4, prefix_tokens=512, task_tokens=48,
+                        tool_output_tokens=256, output_tokens=24, think_tokens=8,
+                        tool_delay_s=20.0, strip_share=0.3, subagent_share=0.0,
+                        stagger_s=0.5, seed=4),
     "probe_steps": 6, "mooncake_requests": 40,
     # A run still going after this long is cut and its unfinished steps reported
     # (stock bidirectional NIXL's D keeps every conversation's blocks until their
@@ -137,11 +144,16 @@ QUICK = {
                         tool_output_tokens=64, output_tokens=8, think_tokens=2,
                         tool_delay_s=0.1, strip_share=0.0, subagent_share=0.0,
                         skew=1.5, stagger_s=0.05, seed=3),
+    "host": AgentConfig(sessions=4, steps=3, prefix_tokens=256, task_tokens=32,
+                        tool_output_tokens=96, output_tokens=12, think_tokens=4,
+                        tool_delay_s=20.0, strip_share=0.0, subagent_share=0.0,
+                        stagger_s=0.3, seed=4),
     "probe_steps": 3, "mooncake_requests": 8, "run_cap_s": 120.0,
 }
 SKEW_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "7-ours")
 MOONCAKE_ARMS = ("1-rr", "2-ours-coloc", "5-vr-cache-coloc")
 MULTI_TURN_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "7-ours")
+HOST_ARMS = ("8-ours-nohost", "8-ours-host")
 
 
 def _override(cfg: AgentConfig, text: str | None) -> AgentConfig:
@@ -171,10 +183,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arms", default=",".join(a.key for a in armlib.ARMS),
                    help="comma-separated arm keys (default: all)")
     p.add_argument("--workloads", default="r1,r2,skew,mooncake",
-                   help="comma-separated: r1, r2, skew, mooncake, multi_turn")
+                   help="comma-separated: r1, r2, skew, mooncake, multi_turn, host "
+                        "(the host tier: arms 8-*)")
     p.add_argument("--r1", help="regime 1 overrides, key=value,... (AgentConfig fields)")
     p.add_argument("--r2", help="regime 2 overrides")
     p.add_argument("--skew", help="skewed workload overrides")
+    p.add_argument("--host", help="host-tier workload overrides")
+    p.add_argument("--report-stem", help="report file names under --out-dir (default: "
+                   "agent_workload, or agent_workload_quick with --quick)")
     p.add_argument("--probe-steps", type=int)
     p.add_argument("--mooncake", default=str(DEFAULT_MOONCAKE), help="Mooncake trace JSONL")
     p.add_argument("--mooncake-requests", type=int)
@@ -230,7 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not args.model:
             raise SystemExit("--external needs --model: the model the engines serve")
     args.cfg = {"r1": _override(base["r1"], args.r1), "r2": _override(base["r2"], args.r2),
-                "skew": _override(base["skew"], args.skew)}
+                "skew": _override(base["skew"], args.skew),
+                "host": _override(base["host"], args.host)}
     args.arm_keys = [k for k in args.arms.split(",") if k]
     unknown = [k for k in args.arm_keys if k not in armlib.ARM_BY_KEY]
     if unknown:
@@ -260,6 +277,9 @@ def build_workloads(args, tokenizer_dir: str) -> dict[str, tuple[Workload, list[
     if "skew" in args.workload_names:
         out["skew"] = (agent_workload(args.cfg["skew"], name="skew"),
                        [k for k in SKEW_ARMS if k in selected])
+    if "host" in args.workload_names:
+        out["host"] = (agent_workload(args.cfg["host"], name="host"),
+                       [k for k in HOST_ARMS if k in selected])
     if "mooncake" in args.workload_names and args.mooncake:
         lines = Path(args.mooncake).read_text().splitlines()
         out["mooncake"] = (mooncake_workload(lines, max_requests=args.mooncake_requests,
@@ -353,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         meta["mooncake_file"] = str(Path(args.mooncake).name)
     results: dict = {"meta": meta, "runs": {}, "probes": {}, "ceilings": {},
                      "commands": {}, "notes": [], "failures": failures, "order": []}
-    selected = [armlib.ARM_BY_KEY[k] for k in args.arm_keys]
+    # Only arms some workload runs: a cluster none of them needs is not started.
+    used = {k for _, wl_arms in workloads.values() for k in wl_arms}
+    selected = [armlib.ARM_BY_KEY[k] for k in args.arm_keys if k in used]
     if not have_side:
         dropped = [a.key for a in selected if a.router.startswith(("toy", "vr"))]
         selected = [a for a in selected if a.key not in dropped]
@@ -377,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                                 extra_args=["--enable-prompt-tokens-details",
                                             "--dtype", args.dtype],
                                 external=args.external_clusters)
+    if any(a.cluster in ("hostless", "host") for a in selected):
+        results["meta"]["host_arms"] = {"d_blocks": opts.host_d_blocks,
+                                        "lease_s": opts.host_lease_s,
+                                        "host_tier_bytes": opts.host_tier_bytes}
     ports = PortPool(31000, 31899)
     reference: dict[str, dict] = {}
     ref_outputs: dict[str, dict] = {}
@@ -421,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
         failures.append("interrupted")
     results["meta"]["wall_s"] = time.perf_counter() - started
     out_dir = Path(args.out_dir)
-    stem = "agent_workload_quick" if args.quick else "agent_workload"
+    stem = args.report_stem or ("agent_workload_quick" if args.quick else "agent_workload")
     failures += write_report(results, out_dir, stem, have_side)
     log(f"report in {out_dir / (stem + '.md')}, data in {out_dir / (stem + '.json')}, wall "
         f"{results['meta']['wall_s']:.0f} s")

@@ -47,9 +47,13 @@ ARMS = [
     # Mooncake replay only: vllm-router's cache-aware policy over the co-located pair.
     Arm("5-vr-cache-coloc", "5 vllm-router cache_aware (co-located)", "coloc",
         "vr:cache_aware"),
+    # The host-tier workload only: ours with a short session lease and a small D, with
+    # and without the host tier.
+    Arm("8-ours-nohost", "8 ours, short lease, no host tier", "hostless", "cluster"),
+    Arm("8-ours-host", "8 ours, short lease, host tier", "host", "cluster"),
 ]
 ARM_BY_KEY = {a.key: a for a in ARMS}
-CLUSTERS = ("coloc", "stock", "bidi", "nopull", "ours")
+CLUSTERS = ("coloc", "stock", "bidi", "nopull", "ours", "hostless", "host")
 
 # Counters read from every engine before and after each run.
 SOURCE_METRICS = ("vllm:prompt_tokens_by_source_total", "sessionkv_prompt_tokens_total")
@@ -97,6 +101,13 @@ class EngineOptions:
     kv_cache_gb: float = 1.0
     gpus: list[str] | None = None
     ours_sessionkv: dict = field(default_factory=dict)
+    # The host-tier arms (clusters "hostless" and "host"): D's KV blocks, the session
+    # lease (shorter than the workload's tool delays) and the host tier's bytes.
+    host_d_blocks: int = 160   # 5,120 tokens: above a 4,096-token max_model_len
+    # Above the handle expiry margins (10 s by default): a restore for P's pull gives a
+    # handle P can still use.
+    host_lease_s: float = 15.0
+    host_tier_bytes: int = 256 << 20
     extra_args: list[str] = field(default_factory=lambda: ["--enable-prompt-tokens-details"])
     # Cluster name -> engines already running elsewhere (``--external``): nothing is
     # launched for that cluster, only its routers.
@@ -217,8 +228,9 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
     # Ours with Redis: D publishes each session's handle there, the only way the proxy
     # learns it when the client streams (a streamed answer carries no handle back).
     # Without it P never has D's blocks to pull, and no D->P pull can happen.
-    ours = name in ("ours", "nopull")
+    ours = name in ("ours", "nopull", "hostless", "host")
     spec_kw: dict = {"connector": "sessionkv", "proxy": ours, "redis": ours}
+    d_blocks = opts.d_blocks
     if name == "stock":
         spec_kw.update(connector="nixl", nixl_extra={"bidirectional_kv_xfer": False})
     elif name == "bidi":
@@ -226,12 +238,17 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         spec_kw.update(connector="nixl", nixl_extra={"kv_recompute_threshold": 64})
     elif name == "nopull":
         spec_kw.update(sessionkv={**opts.ours_sessionkv, "session_pulls": False})
+    elif name in ("hostless", "host"):
+        d_blocks = opts.host_d_blocks
+        spec_kw.update(sessionkv={**opts.ours_sessionkv, "session_lease_s": opts.host_lease_s,
+                                  "host_tier_bytes": opts.host_tier_bytes if name == "host"
+                                  else 0})
     else:
         spec_kw.update(sessionkv=dict(opts.ours_sessionkv))
     cluster = LocalCluster(ClusterSpec(
         model=opts.model, prefill=1, decode=1, base_port=ports.take(12),
         block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
-        kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=opts.d_blocks,
+        kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=d_blocks,
         prefill_num_gpu_blocks_override=opts.p_blocks,
         engine_extra_args=list(opts.extra_args), gpus=opts.gpus, log_dir=log_dir / name,
         fail_fast=True, **spec_kw))
@@ -356,30 +373,46 @@ def engine_counters(run: Running) -> list[dict[str, float]]:
     return [scrape(url) for _, url in run.engines]
 
 
+# The warm-up burst: as many concurrent prompts of about a workload's first prompt.
+WARM_BURST_REQUESTS = 8
+WARM_BURST_TOKENS = 560
+
+
 def warm_up(run: Running, model: str) -> dict[str, str]:
     """First requests of a fresh engine pay compilation and NIXL wiring: a few short
-    requests through every router of the cluster.  A router that cannot serve them is
-    dropped from ``run.routers``; returns arm key -> why."""
+    requests through every router of the cluster, then a concurrent burst.  The burst
+    is there because the first batch of several long prefills paid 2-5 s on an engine
+    (new batch shapes) in a skewed run, whichever arm met it first, and that set the
+    arm's p99.  A router that cannot serve them is dropped from ``run.routers``;
+    returns arm key -> why."""
     import random
+    from concurrent.futures import ThreadPoolExecutor
 
     import requests
 
     rng = random.Random(7)
     failed: dict[str, str] = {}
+
+    def send(key: str, url: str, n: int, tag: str) -> str | None:
+        body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n)],
+                "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        try:
+            resp = requests.post(url + "/v1/completions", json=body,
+                                 headers={"X-Session-ID": f"warm-{key}-{tag}"}, timeout=600)
+        except requests.RequestException as exc:
+            return repr(exc)[:300]
+        return None if resp.status_code == 200 else f"{resp.status_code} {resp.text[:300]}"
+
     for key, url in list(run.routers.items()):
-        for n in (300, 40):
-            body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n)],
-                    "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            try:
-                resp = requests.post(url + "/v1/completions", json=body,
-                                     headers={"X-Session-ID": f"warm-{key}-{n}"}, timeout=600)
-                ok, why = resp.status_code == 200, f"{resp.status_code} {resp.text[:300]}"
-            except requests.RequestException as exc:
-                ok, why = False, repr(exc)[:300]
-            if not ok:
-                failed[key] = f"warm-up request failed: {why}"
-                del run.routers[key]
-                break
+        why = send(key, url, 300, "300") or send(key, url, 40, "40")
+        if why is None:
+            with ThreadPoolExecutor(WARM_BURST_REQUESTS) as pool:
+                errors = list(pool.map(lambda i: send(key, url, WARM_BURST_TOKENS, f"b{i}"),
+                                       range(WARM_BURST_REQUESTS)))
+            why = next((e for e in errors if e), None)
+        if why is not None:
+            failed[key] = f"warm-up request failed: {why}"
+            del run.routers[key]
     return failed
 
 

@@ -19,6 +19,8 @@ ARM_LABELS = {
     "6-ours-nopull": "6 ours, D->P pulls off",
     "7-ours": "7 ours in full",
     "5-vr-cache-coloc": "5 vllm-router cache_aware (co-located)",
+    "8-ours-nohost": "8 ours, short lease, no host tier",
+    "8-ours-host": "8 ours, short lease, host tier",
 }
 ARM_ORDER = list(ARM_LABELS)
 
@@ -48,7 +50,9 @@ def _sources(s: dict) -> str:
     d = [e for n, e in s["engines"].items() if n.startswith("D")]
     if d:
         e = d[0]
-        parts.append(f"D: computed {e['computed']:.0f}")
+        host = (e.get("sessionkv") or {}).get("pulled_from_host", 0.0)
+        parts.append(f"D: computed {e['computed']:.0f}"
+                     + (f" / host {host:.0f}" if host else ""))
     if s.get("routes"):
         parts.append("routes " + ", ".join(f"{k} {v}" for k, v in sorted(s["routes"].items())))
     return "; ".join(parts)
@@ -111,6 +115,21 @@ def probe_lines(probes: dict) -> list[str]:
                          f"{_f(ratio)} | {sum(eq)}/{len(eq)} |")
         lines.append("")
     return lines
+
+
+def _host_tier_headline(host: dict) -> list[str]:
+    """Ours with the host tier against ours without it, on the host-tier workload."""
+    a, b = host.get("8-ours-host"), host.get("8-ours-nohost")
+    if not (a and b):
+        return []
+    restored = sum((e.get("sessionkv") or {}).get("pulled_from_host", 0.0)
+                   for e in a["engines"].values())
+    ratio = lambda k: (b[k] / a[k]) if a.get(k) and b.get(k) else None  # noqa: E731
+    return [f"- host: with the host tier ours computed {a['computed_tokens']:.0f} prompt "
+            f"tokens against {b['computed_tokens']:.0f} without it "
+            f"({_f(ratio('computed_tokens'))}x fewer; {restored:.0f} restored from host); "
+            f"TTFT p50 {_f(ratio('ttft_p50_s'))}x lower, p99 {_f(ratio('ttft_p99_s'))}x "
+            f"lower (without / with)"]
 
 
 def headlines(results: dict) -> list[str]:
@@ -177,6 +196,7 @@ def headlines(results: dict) -> list[str]:
                        f"{key} {a[0]}/{a[1]} steps equal ({a[2]}/{a[3]} in the stripping "
                        "session)" for key, a in ((k, strict[k]) for k in ARM_ORDER
                                                  if k in strict)))
+    out += _host_tier_headline(runs.get("host", {}))
     sk = runs.get("skew", {})
     for a, b in (("2-ours-coloc", "1-rr"), ("7-ours", "3-nixl-rr")):
         if a in sk and b in sk:
@@ -388,7 +408,11 @@ def render(results: dict) -> str:
              f"{_f(pre.get('engine_s_per_1k'), '{:.3f}')} s per 1,000 tokens (engine's "
              f"prefill-time histogram), {_f(pre.get('client_s_per_1k'), '{:.3f}')} s (client)",
              f"- KV: P {meta['p_blocks']} blocks, D {meta['d_blocks']} blocks, each co-located "
-             f"engine {meta['coloc_blocks']} blocks (32 tokens a block); two engines per arm",
+             f"engine {meta['coloc_blocks']} blocks (32 tokens a block); two engines per arm"
+             + (f"; the host-tier arms (8-*): D {meta['host_arms']['d_blocks']} blocks, "
+                f"session lease {meta['host_arms']['lease_s']:g} s, host tier "
+                f"{meta['host_arms']['host_tier_bytes'] / 2**20:.0f} MiB on each engine of "
+                "arm 8-ours-host" if meta.get("host_arms") else ""),
              f"- cluster order: {', '.join(results.get('order', []))} (the co-located pair "
              "first: it serves the reference); arms sharing a cluster in a shuffled order per "
              f"workload and round ({meta.get('rounds', 1)} round(s)), every cache reset before "
@@ -400,7 +424,8 @@ def render(results: dict) -> str:
              f"- wall time {meta.get('wall_s', 0):.0f} s", ""]
     for name, desc in meta.get("workloads", {}).items():
         lines.append(f"- **{name}**: {desc}")
-    lines += ["", "## Must-shows (issue 22)", ""] + must_shows(results)
+    if set(results.get("runs", {})) - {"host"}:
+        lines += ["", "## Must-shows (issue 22)", ""] + must_shows(results)
     lines += ["", "## Headlines", ""] + headlines(results)
     for wname, runs in results.get("runs", {}).items():
         lines += ["", f"## {wname}", ""]
