@@ -373,46 +373,30 @@ def engine_counters(run: Running) -> list[dict[str, float]]:
     return [scrape(url) for _, url in run.engines]
 
 
-# The warm-up burst: as many concurrent prompts of about a workload's first prompt.
-WARM_BURST_REQUESTS = 8
-WARM_BURST_TOKENS = 560
-
-
 def warm_up(run: Running, model: str) -> dict[str, str]:
     """First requests of a fresh engine pay compilation and NIXL wiring: a few short
-    requests through every router of the cluster, then a concurrent burst.  The burst
-    is there because the first batch of several long prefills paid 2-5 s on an engine
-    (new batch shapes) in a skewed run, whichever arm met it first, and that set the
-    arm's p99.  A router that cannot serve them is dropped from ``run.routers``;
-    returns arm key -> why."""
+    requests through every router of the cluster.  A router that cannot serve them is
+    dropped from ``run.routers``; returns arm key -> why."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
     import requests
 
     rng = random.Random(7)
     failed: dict[str, str] = {}
-
-    def send(key: str, url: str, n: int, tag: str) -> str | None:
-        body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n)],
-                "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        try:
-            resp = requests.post(url + "/v1/completions", json=body,
-                                 headers={"X-Session-ID": f"warm-{key}-{tag}"}, timeout=600)
-        except requests.RequestException as exc:
-            return repr(exc)[:300]
-        return None if resp.status_code == 200 else f"{resp.status_code} {resp.text[:300]}"
-
     for key, url in list(run.routers.items()):
-        why = send(key, url, 300, "300") or send(key, url, 40, "40")
-        if why is None:
-            with ThreadPoolExecutor(WARM_BURST_REQUESTS) as pool:
-                errors = list(pool.map(lambda i: send(key, url, WARM_BURST_TOKENS, f"b{i}"),
-                                       range(WARM_BURST_REQUESTS)))
-            why = next((e for e in errors if e), None)
-        if why is not None:
-            failed[key] = f"warm-up request failed: {why}"
-            del run.routers[key]
+        for n in (300, 40):
+            body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n)],
+                    "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            try:
+                resp = requests.post(url + "/v1/completions", json=body,
+                                     headers={"X-Session-ID": f"warm-{key}-{n}"}, timeout=600)
+                ok, why = resp.status_code == 200, f"{resp.status_code} {resp.text[:300]}"
+            except requests.RequestException as exc:
+                ok, why = False, repr(exc)[:300]
+            if not ok:
+                failed[key] = f"warm-up request failed: {why}"
+                del run.routers[key]
+                break
     return failed
 
 
