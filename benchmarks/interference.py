@@ -69,7 +69,9 @@ from agentload import arms as armlib  # noqa: E402
 from bench_common import (  # noqa: E402
     SIDE_PY,
     PortPool,
+    call_in_side_venv,
     ensure_side_venv,
+    histogram_buckets,
     log,
     machine_line,
     metric_sums,
@@ -268,6 +270,7 @@ def run_arm_step(run: armlib.Running, url: str, arm: ArmPlan, rate: float, arriv
     if note:
         raise fairness.FairnessError(f"{arm.key}: prefix caches not reset: {note}")
     before = [metric_sums(u, report.COUNTERS) for _, u in run.engines]
+    itl_before = [histogram_buckets(u, report.ENGINE_ITL) for _, u in run.engines]
     injections = load.schedule(arrivals, rate, args.duration_s)
     streams = asyncio.run(load.run_step(
         url, model, injections, victims=args.victims,
@@ -276,11 +279,14 @@ def run_arm_step(run: armlib.Running, url: str, arm: ArmPlan, rate: float, arriv
         drain_s=args.drain_s, seed=args.seed))
     time.sleep(1.0)   # the engines' stat loggers catch up with the last step
     after = [metric_sums(u, report.COUNTERS) for _, u in run.engines]
+    itl_after = [histogram_buckets(u, report.ENGINE_ITL) for _, u in run.engines]
     step = report.summarize_step(streams, rate, args.warm_s, args.duration_s,
-                                 report.pools(run.engines, before, after))
+                                 report.pools(run.engines, before, after),
+                                 report.engine_itl(itl_before, itl_after))
     log(f"{arm.key} @ {rate:g}/s: victims ITL p50/p95/p99 "
-        f"{report._p3(step['victim_itl_s'])} ms ({step['victim_gaps']} gaps), long TTFT "
-        f"p50/p95/p99 {report._p3(step['injected_ttft_s'])} ms ({step['injected']} sent, "
+        f"{report.pcts_ms(step['victim_itl_s'])} ms ({step['victim_gaps']} gaps; engines' "
+        f"{report.pcts_ms(step['engine_itl_s'])} ms), long TTFT "
+        f"p50/p95/p99 {report.pcts_ms(step['injected_ttft_s'])} ms ({step['injected']} sent, "
         f"{step['injected_unfinished']} unfinished), routes {step['routes']}, errors "
         f"{step['errors']}")
     return step
@@ -301,13 +307,10 @@ def write_report(results: dict, out_dir: Path, stem: str) -> list[str]:
     (out_dir / f"{stem}.md").write_text(text + "\n")
     if not SIDE_PY.exists():
         return ["no plot: the side venv (matplotlib) is missing"]
-    out = subprocess.run([str(SIDE_PY), "-c",
-                          "import sys; sys.path[:0] = [sys.argv[1]]; "
-                          "from interfere import report; report.plot(sys.argv[2], sys.argv[3])",
-                          str(BENCH_DIR), str(json_path), str(out_dir / f"{stem}.png")],
-                         capture_output=True, text=True, check=False)
-    if out.returncode:
-        log(f"plot failed: {out.stderr[-1500:]}")
+    err = call_in_side_venv("interfere.report", "plot", str(json_path),
+                            str(out_dir / f"{stem}.png"))
+    if err:
+        log(f"plot failed: {err}")
         return ["plot failed"]
     return []
 
@@ -318,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     stem = "interference_quick" if args.quick else "interference"
     if args.render_only:
         path = Path(args.render_only)
-        write_report(json.loads(path.read_text()), out_dir, path.stem)
+        results = json.loads(path.read_text())
+        meta = results["meta"]
+        results["verdict"] = report.verdict(results["arms"], meta["rates"],
+                                            meta["ttft_target_s"], meta["itl_target_s"])
+        write_report(results, out_dir, path.stem)
         return 0
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)

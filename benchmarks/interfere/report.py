@@ -9,7 +9,7 @@ import json
 import statistics
 from pathlib import Path
 
-from bench_common import pct
+from bench_common import histogram_quantile, pct
 
 # Engine counters read around every step (summed over label sets).
 COUNTERS = (
@@ -20,6 +20,23 @@ COUNTERS = (
     "vllm:nixl_bytes_transferred_sum",
     "sessionkv_sync_load_wait_seconds_sum", "sessionkv_sync_load_wait_seconds_count",
 )
+
+
+# vLLM's own inter-token latency, stamped by the engine core: it leaves out the
+# delays of the API server, the proxy and the client that the streamed gaps include.
+ENGINE_ITL = "vllm:inter_token_latency_seconds"
+
+
+def engine_itl(before: list[dict[float, float]], after: list[dict[float, float]]) -> dict:
+    """p50/p95/p99 of the engines' ITL histograms over a step (every engine's tokens
+    together: victims' and the long prompts' few), interpolated within buckets."""
+    delta: dict[float, float] = {}
+    for b, a in zip(before, after):
+        for le, n in a.items():
+            delta[le] = delta.get(le, 0.0) + n - b.get(le, 0.0)
+    out = {f"p{round(q * 100)}": histogram_quantile(delta, q) for q in (0.5, 0.95, 0.99)}
+    out["tokens"] = max(delta.values()) if delta else 0.0
+    return out
 
 
 def _pcts(xs: list[float], qs=(0.5, 0.95, 0.99)) -> dict[str, float | None]:
@@ -58,7 +75,7 @@ def pools(engines: list[tuple[str, str]], before: list[dict], after: list[dict])
 
 
 def summarize_step(streams: list, rate: float, warm_s: float, duration_s: float,
-                   pool_stats: dict) -> dict:
+                   pool_stats: dict, engine_itl_s: dict) -> dict:
     """One step: what the client measured inside [warm_s, duration_s], and the pools."""
     window = duration_s - warm_s
     victims = [s for s in streams if s.kind == "victim"]
@@ -78,6 +95,7 @@ def summarize_step(streams: list, rate: float, warm_s: float, duration_s: float,
         "victim_requests_started": sum(warm_s <= s.sent_s < duration_s for s in victims),
         "victim_tokens_per_s": (len(gaps) + len(v_ttft)) / window,
         "victim_itl_s": _pcts(gaps), "victim_gaps": len(gaps),
+        "engine_itl_s": engine_itl_s,
         "victim_itl_mean_s": statistics.mean(gaps) if gaps else None,
         "victim_ttft_s": _pcts(v_ttft),
         "injected": len(injected), "injected_ttft_s": _pcts(i_ttft),
@@ -113,6 +131,18 @@ def _itl_p99_under_injection(steps: dict[str, dict]) -> float | None:
     return statistics.mean(xs) if xs else None
 
 
+def itl_p99_added(steps: dict[str, dict]) -> dict[str, float | None]:
+    """Per injected rate, victims' ITL p99 minus its value with no injection: the
+    interference itself, with the arm's own baseline taken out."""
+    base = (steps.get("0") or {}).get("victim_itl_s", {}).get("p99")
+    out = {}
+    for key, s in steps.items():
+        p99 = s["victim_itl_s"]["p99"]
+        if s["rate"] > 0:
+            out[key] = p99 - base if p99 is not None and base is not None else None
+    return out
+
+
 def verdict(arms: dict[str, dict], rates: list[float], ttft_target_s: float,
             itl_target_s: float) -> dict:
     """Best co-located arm against best P/D arm, by goodput, then by victims' ITL p99
@@ -133,10 +163,24 @@ def verdict(arms: dict[str, dict], rates: list[float], ttft_target_s: float,
     c, d = best("coloc"), best("pd")
     out = {"goodput": {k: v[0] for k, v in scored.items()},
            "itl_p99_under_injection_s": {k: v[1] for k, v in scored.items()},
+           "itl_p99_added_s": {k: itl_p99_added(arms[k]["steps"]) for k in scored},
            "best_coloc": c, "best_pd": d}
     if c is None or d is None:
         out.update(decision="inconclusive", why="an arm did not run")
         return out
+    # An arm that misses the ITL target with no long prompts at all fails for a
+    # reason other than prefill interference (on a 2-core machine: CPU starvation of
+    # the processes no core is left for); goodput cannot tell the arms apart then.
+    for key in (c, d):
+        base = (arms[key]["steps"].get("0") or {}).get("victim_itl_s", {}).get("p99")
+        if base is not None and base > itl_target_s:
+            out.update(decision="inconclusive",
+                       why=f"{key} misses the victims' ITL target with no long prompts at "
+                           f"all (p99 {base * 1e3:.0f} ms at rate 0, target "
+                           f"{itl_target_s * 1e3:.0f} ms), so its failures are not "
+                           f"interference from prefill; goodput {scored[c][0]:g} "
+                           f"(co-located, {c}) against {scored[d][0]:g} req/s (P/D, {d})")
+            return out
     (gc, ic), (gd, idd) = scored[c], scored[d]
     top = max(r for r in rates)
     itl_ratio = (ic / idd) if ic and idd else None
@@ -169,7 +213,7 @@ def _ms(x) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}"
 
 
-def _p3(d: dict) -> str:
+def pcts_ms(d: dict) -> str:
     return "/".join(_ms(d.get(k)) for k in ("p50", "p95", "p99"))
 
 
@@ -188,12 +232,31 @@ def _routes(step: dict) -> str:
     return "; ".join(parts) or "-"
 
 
+def _proxy_choices(arms: dict) -> list[str]:
+    """What the proxy's defaults chose at each rate (conditional disaggregation)."""
+    arm = arms.get("pd-defaults")
+    if not arm:
+        return []
+    parts = []
+    for step in sorted(arm["steps"].values(), key=lambda s: s["rate"]):
+        routes = step.get("routes", {})
+
+        def via_p(kind: str) -> str:
+            r = routes.get(kind, {})
+            return f"{r.get('disaggregated', 0)}/{sum(r.values())}"
+        parts.append(f"at {step['rate']:g}/s long prompts {via_p('injected')} and victims "
+                     f"{via_p('victim')} through P")
+    return ["What the proxy's defaults chose (the rest went to D alone): "
+            + "; ".join(parts) + ".", ""]
+
+
 def step_table(arms: dict) -> list[str]:
     lines = ["| arm | injector req/s (prompt tok/s) | victims tok/s | victims' ITL "
-             "p50/p95/p99 ms | victims' TTFT p50/p99 ms | long TTFT p50/p95/p99 ms | "
+             "p50/p95/p99 ms | engines' ITL p50/p95/p99 ms | victims' TTFT p50/p99 ms | "
+             "long TTFT p50/p95/p99 ms | "
              "long sent (unfinished) | routed through P | queue mean ms | prefix hits | "
              "KV moved MB | KV MB/s | ms per transfer | D's wait for reads ms |",
-             "|" + "---|" * 14]
+             "|" + "---|" * 15]
     for key, arm in arms.items():
         for step in sorted((arm.get("steps") or {}).values(), key=lambda s: s["rate"]):
             pools = step["pools"]
@@ -201,9 +264,10 @@ def step_table(arms: dict) -> list[str]:
             lines.append(
                 f"| {arm['label']} | {step['offered_injected_rps']:.2f} "
                 f"({step['offered_injected_prompt_tok_s']:.0f}) | "
-                f"{step['victim_tokens_per_s']:.1f} | {_p3(step['victim_itl_s'])} | "
+                f"{step['victim_tokens_per_s']:.1f} | {pcts_ms(step['victim_itl_s'])} | "
+                f"{pcts_ms(step.get('engine_itl_s') or {})} | "
                 f"{_ms(step['victim_ttft_s']['p50'])}/{_ms(step['victim_ttft_s']['p99'])} | "
-                f"{_p3(step['injected_ttft_s'])} | {step['injected']} "
+                f"{pcts_ms(step['injected_ttft_s'])} | {step['injected']} "
                 f"({step['injected_unfinished']}) | {_routes(step)} | "
                 f"{_pool_cell(pools, 'queue_mean_s', _ms)} | "
                 f"{_pool_cell(pools, 'prefix_hit_rate', lambda x: f'{x:.0%}')} | "
@@ -238,11 +302,16 @@ def render(results: dict) -> str:
     if v:
         out += [f"**Verdict: {v['decision']}.** {v['why']}.", ""]
         out += ["| arm | goodput (req/s of long prompts) | victims' ITL p99 under "
-                "injection, mean over rates (ms) |", "|---|---|---|"]
+                "injection, mean over rates (ms) | ITL p99 added by injection, per rate "
+                "(ms) |", "|---|---|---|---|"]
         for key, arm in results["arms"].items():
+            added = (v.get("itl_p99_added_s") or {}).get(key) or {}
             out.append(f"| {arm['label']} | {v['goodput'].get(key, '-')} | "
-                       f"{_ms(v['itl_p99_under_injection_s'].get(key))} |")
+                       f"{_ms(v['itl_p99_under_injection_s'].get(key))} | "
+                       + ", ".join(f"{r}/s: {'-' if x is None else f'{x * 1e3:+.0f}'}"
+                                   for r, x in added.items()) + " |")
         out.append("")
+        out += _proxy_choices(results["arms"])
     out += ["Every latency beside its offered load.  \"routed through P\": requests our "
             "proxy sent P then D (the rest went to D alone, or to a co-located engine); "
             "queue, prefix hits, KV and D's wait for reads per pool from the engines' "

@@ -155,3 +155,19 @@ def test_verdict_follows_goodput_and_says_inconclusive_on_a_tie():
     flipped = arms(0.05)
     flipped["c"]["kind"], flipped["p"]["kind"] = "pd", "coloc"
     assert report.verdict(flipped, [0, 1], 2.0, 0.1)["decision"] == "stay co-located"
+
+
+def test_histogram_quantile_interpolates_within_the_bucket():
+    from bench_common import histogram_quantile
+
+    # 100 observations: 50 under 10 ms, 40 in 10-50 ms, 10 in 50-100 ms.
+    buckets = {0.01: 50.0, 0.05: 90.0, 0.1: 100.0, float("inf"): 100.0}
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.01)
+    assert histogram_quantile(buckets, 0.7) == pytest.approx(0.03)
+    assert histogram_quantile(buckets, 0.99) == pytest.approx(0.095)
+    assert histogram_quantile({0.01: 0.0, float("inf"): 0.0}, 0.5) is None
+    # Past the last finite bound: that bound, not infinity.
+    assert histogram_quantile({0.01: 1.0, float("inf"): 10.0}, 0.99) == 0.01
+    before = [{0.01: 50.0, 0.05: 90.0, float("inf"): 100.0}]
+    after = [{0.01: 50.0, 0.05: 90.0, float("inf"): 110.0}]
+    assert report.engine_itl(before, after)["p50"] == 0.05   # only the new, slow ones
