@@ -97,6 +97,7 @@ class Stream:
     sent_s: float
     chunk_s: list[float] = field(default_factory=list)   # chunks carrying tokens
     route: str | None = None     # our proxy's x-sessionkv-route
+    reason: str | None = None    # and its x-sessionkv-route-reason
     error: str | None = None
     unfinished: bool = False     # an injection with no first token by the drain's end
 
@@ -116,6 +117,7 @@ async def _stream(http, url: str, body: dict, s: Stream, t0: float) -> None:
     try:
         async with http.post(url + "/v1/completions", json=body) as resp:
             s.route = resp.headers.get("x-sessionkv-route")
+            s.reason = resp.headers.get("x-sessionkv-route-reason")
             if resp.status != 200:
                 s.error = f"{resp.status}: {(await resp.text())[:300]}"
                 return

@@ -6,6 +6,7 @@ python (matplotlib lives there)."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -84,10 +85,14 @@ def summarize_step(streams: list, rate: float, warm_s: float, duration_s: float,
     v_ttft = [s.ttft_s for s in victims if warm_s <= s.sent_s and s.ttft_s is not None]
     i_ttft = [s.ttft_s for s in injected if s.ttft_s is not None]
     routes: dict[str, dict[str, int]] = {}
+    long_alone: dict[str, int] = {}   # why long prompts went to D alone
     for s in victims + injected:
         if s.route:
             r = routes.setdefault(s.kind, {})
             r[s.route] = r.get(s.route, 0) + 1
+        if s.kind == "injected" and s.route == "decode_only" and s.reason:
+            why = re.sub(r"\d+", "N", s.reason)
+            long_alone[why] = long_alone.get(why, 0) + 1
     return {
         "rate": rate,
         "offered_injected_rps": len(injected) / window,
@@ -102,7 +107,7 @@ def summarize_step(streams: list, rate: float, warm_s: float, duration_s: float,
         "injected_unfinished": sum(s.unfinished for s in injected),
         "errors": sum(s.error is not None for s in victims + injected),
         "first_error": next((s.error for s in streams if s.error), None),
-        "routes": routes, "pools": pool_stats,
+        "routes": routes, "long_prompts_to_d_alone": long_alone, "pools": pool_stats,
     }
 
 
@@ -244,8 +249,11 @@ def _proxy_choices(arms: dict) -> list[str]:
         def via_p(kind: str) -> str:
             r = routes.get(kind, {})
             return f"{r.get('disaggregated', 0)}/{sum(r.values())}"
+        alone = step.get("long_prompts_to_d_alone") or {}
+        why = (" (long prompts to D alone: " + "; ".join(f"{n}x {r}" for r, n in alone.items())
+               + ")") if alone else ""
         parts.append(f"at {step['rate']:g}/s long prompts {via_p('injected')} and victims "
-                     f"{via_p('victim')} through P")
+                     f"{via_p('victim')} through P{why}")
     return ["What the proxy's defaults chose (the rest went to D alone): "
             + "; ".join(parts) + ".", ""]
 
