@@ -443,6 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     for d in results["fairness"]["config_diffs"]:
         if d["kind"] != "instance":
             log(f"config diff ({d['kind']}) {d['key']}: {d['values']}")
+    n_engines = max(results["fairness"]["servers"].values(), default=0)
+    if not args.gpus and not args.external_clusters and (os.cpu_count() or 1) < 2 * n_engines:
+        results["notes"].append(
+            f"This machine has {os.cpu_count()} cores for {n_engines} engines.  Each "
+            "engine's model thread has a core of its own, but the API servers, the engine "
+            "cores, the proxy, Redis and this client have none: their CPU time comes out "
+            "of the engines' cores in both arms and shows as gaps in the streams even "
+            "with no long prompts (the rate-0 rows; the engines' own ITL leaves the "
+            "client's and proxy's share out).  A verdict from such a machine is weak.")
     results["meta"]["wall_s"] = time.perf_counter() - started
     if args.check_only or refused:
         print(json.dumps(results["fairness"], indent=1, default=str)[:4000])

@@ -350,8 +350,8 @@ def render(results: dict) -> str:
     out += ["", f"({n_inst} per-server keys (ports, addresses, ids) and "
             f"{max(0, len(connector_keys) - 2)} more keys of the P/D engines' connector "
             "config left out; all are in the JSON.)", ""]
-    for note in results.get("notes", []):
-        out.append(f"- {note}")
+    if results.get("notes"):
+        out += ["## Notes", ""] + [f"- {note}" for note in results["notes"]] + [""]
     if results.get("failures"):
         out += ["", "## Failures", ""] + [f"- {f}" for f in results["failures"]]
     return "\n".join(out)
