@@ -271,7 +271,7 @@ def run_arm_step(run: armlib.Running, url: str, arm: ArmPlan, rate: float, arriv
         raise fairness.FairnessError(f"{arm.key}: prefix caches not reset: {note}")
     before = [metric_sums(u, report.COUNTERS) for _, u in run.engines]
     itl_before = [histogram_buckets(u, report.ENGINE_ITL) for _, u in run.engines]
-    injections = load.schedule(arrivals, rate, args.duration_s)
+    injections = load.schedule(arrivals, rate, args.duration_s, args.step_starts[rate])
     streams = asyncio.run(load.run_step(
         url, model, injections, victims=args.victims,
         victim_prompt_tokens=args.victim_prompt_tokens,
@@ -350,13 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.arrivals:
         arrivals_path = Path(args.arrivals)
     else:
-        n = math.ceil(args.duration_s * max(args.rate_list)) + 2
+        n = sum(math.ceil(args.duration_s * r) + 1 for r in args.rate_list) + 1
         arrivals_path = load.write_arrivals(workdir / "arrivals.jsonl", n, 1.0,
                                             args.prompt_tokens, args.injected_max_tokens,
                                             seed=args.seed)
     arrivals = load.read_arrivals(arrivals_path)
-    for r in args.rate_list:
-        load.schedule(arrivals, r, args.duration_s)   # refuses a file too short, now
+    # Refuses a file too short now, not after the first arm.
+    args.step_starts = load.step_starts(arrivals, args.rate_list, args.duration_s)
     digest = fairness.file_digest(arrivals_path)
     clusters = plan(args)
     prompt_lens = sorted({len(a.prompt) if isinstance(a.prompt, list) else -1

@@ -5,8 +5,9 @@
 * Injector: long prompts replayed from an arrival file (JSONL, one request a line:
   ``{"t_s": 0.0, "prompt": [ids] | "text", "max_tokens": 8}``).  A step at rate
   ``r`` replays the file's requests in order with their times scaled by
-  ``file_rate / r``, so every arm and every rate sees the same prompts in the same
-  order, and an operator can replay traffic of their own.
+  ``file_rate / r``; the steps take consecutive slices of the file (ascending
+  rates), so every arm sees the same prompts at the same times at each rate, no step
+  repeats an earlier step's prompt, and an operator can replay traffic of their own.
 
 Prompts are token ids, so no arm tokenizes and the prefix cache sees the same blocks.
 """
@@ -67,20 +68,37 @@ def file_rate(arrivals: list[Arrival]) -> float:
     return (len(arrivals) - 1) / span
 
 
-def schedule(arrivals: list[Arrival], rate_per_s: float, duration_s: float
-             ) -> list[tuple[float, Arrival]]:
+def schedule(arrivals: list[Arrival], rate_per_s: float, duration_s: float,
+             start: int = 0) -> list[tuple[float, Arrival]]:
     """(send time from the step's start, request) at ``rate_per_s``, within
-    ``duration_s``; rate 0 sends nothing."""
+    ``duration_s``, from the file's request ``start`` on; rate 0 sends nothing."""
     if rate_per_s <= 0:
         return []
     scale = file_rate(arrivals) / rate_per_s
-    t0 = arrivals[0].t_s
-    out = [((a.t_s - t0) * scale, a) for a in arrivals]
+    rest = arrivals[start:]
+    if not rest:
+        raise ValueError(f"the arrival file has no request left after {start}: give a "
+                         "longer file")
+    t0 = rest[0].t_s
+    out = [((a.t_s - t0) * scale, a) for a in rest]
     kept = [x for x in out if x[0] < duration_s]
     if len(kept) == len(out) and out[-1][0] + 1 / rate_per_s < duration_s:
         raise ValueError(f"the arrival file runs out at {out[-1][0]:.1f} s of a "
-                         f"{duration_s:.0f} s step at {rate_per_s} req/s: give a longer file")
+                         f"{duration_s:.0f} s step at {rate_per_s} req/s (from request "
+                         f"{start}): give a longer file")
     return kept
+
+
+def step_starts(arrivals: list[Arrival], rates: list[float], duration_s: float
+                ) -> dict[float, int]:
+    """Where each rate's step starts in the file: the steps take consecutive slices,
+    so no step repeats a prompt an earlier step sent (a router that remembers where it
+    sent a prompt would otherwise carry it from one step into the next)."""
+    out, start = {}, 0
+    for rate in sorted(rates):
+        out[rate] = start
+        start += len(schedule(arrivals, rate, duration_s, start))
+    return out
 
 
 def victim_prompt(seed: int, victim: int, index: int, tokens: int) -> list[int]:

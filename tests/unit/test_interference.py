@@ -112,6 +112,13 @@ def test_arrival_file_is_deterministic_and_replays_at_any_rate(tmp_path):
     assert load.schedule(arrivals, 0.0, 5.0) == []
     with pytest.raises(ValueError, match="runs out"):
         load.schedule(arrivals, 0.5, 60.0)
+    # Steps take consecutive slices: no prompt is sent by two steps.
+    starts = load.step_starts(arrivals, [2.0, 0.0, 1.0], 3.0)
+    assert starts == {0.0: 0, 1.0: 0, 2.0: 3}
+    assert [x.prompt for _, x in load.schedule(arrivals, 2.0, 3.0, starts[2.0])] == \
+        [x.prompt for x in arrivals[3:9]]
+    with pytest.raises(ValueError, match="runs out"):
+        load.step_starts(arrivals, [1.0, 2.0], 5.0)
 
 
 def test_a_bad_arrival_line_is_refused_naming_it(tmp_path):
