@@ -148,6 +148,26 @@ def itl_p99_added(steps: dict[str, dict]) -> dict[str, float | None]:
     return out
 
 
+def _deciding_numbers(arms: dict, c: str, d: str, top: float) -> str:
+    """The trade, in numbers: victims' ITL p99 (streamed and the engines' own) under
+    injection, and long prompts' TTFT p99 at the highest rate."""
+    def mean_p99(key: str, field: str) -> str:
+        xs = [(s.get(field) or {}).get("p99") for s in arms[key]["steps"].values()
+              if s["rate"] > 0]
+        xs = [x for x in xs if x is not None]
+        return f"{statistics.mean(xs) * 1e3:.0f}" if xs else "-"
+
+    def ttft_top(key: str) -> str:
+        step = next((s for s in arms[key]["steps"].values() if s["rate"] == top), None)
+        return _ms(step["injected_ttft_s"]["p99"]) if step else "-"
+    return (f"Under injection the victims' ITL p99, mean over the injected rates, was "
+            f"{mean_p99(c, 'victim_itl_s')} ms co-located ({c}) against "
+            f"{mean_p99(d, 'victim_itl_s')} ms P/D ({d}) as streamed, "
+            f"{mean_p99(c, 'engine_itl_s')} against {mean_p99(d, 'engine_itl_s')} ms by the "
+            f"engines' own count; the long prompts' TTFT p99 at {top:g} req/s was "
+            f"{ttft_top(c)} ms against {ttft_top(d)} ms")
+
+
 def verdict(arms: dict[str, dict], rates: list[float], ttft_target_s: float,
             itl_target_s: float) -> dict:
     """Best co-located arm against best P/D arm, by goodput, then by victims' ITL p99
@@ -166,13 +186,15 @@ def verdict(arms: dict[str, dict], rates: list[float], ttft_target_s: float,
         return max(keys, key=lambda k: (scored[k][0], -(scored[k][1] or float("inf"))))
 
     c, d = best("coloc"), best("pd")
-    out = {"goodput": {k: v[0] for k, v in scored.items()},
+    out: dict = {"goodput": {k: v[0] for k, v in scored.items()},
            "itl_p99_under_injection_s": {k: v[1] for k, v in scored.items()},
            "itl_p99_added_s": {k: itl_p99_added(arms[k]["steps"]) for k in scored},
            "best_coloc": c, "best_pd": d}
     if c is None or d is None:
         out.update(decision="inconclusive", why="an arm did not run")
         return out
+    top = max(rates)
+    numbers = _deciding_numbers(arms, c, d, top)
     # An arm that misses the ITL target with no long prompts at all fails for a
     # reason other than prefill interference (on a 2-core machine: CPU starvation of
     # the processes no core is left for); goodput cannot tell the arms apart then.
@@ -184,20 +206,20 @@ def verdict(arms: dict[str, dict], rates: list[float], ttft_target_s: float,
                            f"all (p99 {base * 1e3:.0f} ms at rate 0, target "
                            f"{itl_target_s * 1e3:.0f} ms), so its failures are not "
                            f"interference from prefill; goodput {scored[c][0]:g} "
-                           f"(co-located, {c}) against {scored[d][0]:g} req/s (P/D, {d})")
+                           f"(co-located, {c}) against {scored[d][0]:g} req/s (P/D, {d}). "
+                           + numbers)
             return out
     (gc, ic), (gd, idd) = scored[c], scored[d]
-    top = max(r for r in rates)
     itl_ratio = (ic / idd) if ic and idd else None
     out["itl_p99_ratio_coloc_over_pd"] = itl_ratio
     if gd > gc:
         out.update(decision="disaggregate",
                    why=f"P/D ({d}) met both targets up to {gd:g} req/s of long prompts, "
-                       f"co-located ({c}) only up to {gc:g} req/s")
+                       f"co-located ({c}) only up to {gc:g} req/s" + ". " + numbers)
     elif gd < gc:
         out.update(decision="stay co-located",
                    why=f"co-located ({c}) met both targets up to {gc:g} req/s of long "
-                       f"prompts, P/D ({d}) only up to {gd:g} req/s")
+                       f"prompts, P/D ({d}) only up to {gd:g} req/s" + ". " + numbers)
     else:
         if gc == top:
             where = "every rate swept (sweep higher rates)"
@@ -209,7 +231,7 @@ def verdict(arms: dict[str, dict], rates: list[float], ttft_target_s: float,
         if ic and idd:
             why += (f"; victims' ITL p99 under injection, mean over rates: co-located "
                     f"{ic * 1e3:.0f} ms, P/D {idd * 1e3:.0f} ms")
-        out.update(decision="inconclusive", why=why)
+        out.update(decision="inconclusive", why=why + ". " + numbers)
     return out
 
 
