@@ -351,7 +351,7 @@ def render(results: dict) -> str:
     out += ["", "![victims' ITL percentiles against injector rate](interference.png)", ""]
     out += ["## Fairness", "",
             f"- servers per arm: {fair['servers']}",
-            f"- arrival file per arm (sha256): "
+            "- arrival file per arm (sha256): "
             + ", ".join(f"{k} {d[:12]}" for k, d in fair["arrivals_by_arm"].items()),
             f"- prefix caches: {fair['cache_policy']}",
             "- resolved engine configs (`/server_info`), keys that differ between engines "
