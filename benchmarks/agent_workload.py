@@ -88,6 +88,7 @@ from agentload.workload import (  # noqa: E402
 from bench_common import (  # noqa: E402
     SIDE_PY,
     PortPool,
+    call_in_side_venv,
     ensure_side_venv,
     log,
     machine_line,
@@ -310,14 +311,9 @@ def write_report(results: dict, out_dir: Path, stem: str, have_side: bool) -> li
     (out_dir / f"{stem}.md").write_text(text + "\n")
     if not have_side:
         return []
-    out = subprocess.run([str(SIDE_PY), "-c",
-                          "import sys; sys.path.insert(0, sys.argv[1]); "
-                          "from agentload import report; "
-                          "report.plot(sys.argv[2], sys.argv[3], sys.argv[4])",
-                          str(BENCH_DIR), str(json_path), str(out_dir), stem],
-                         capture_output=True, text=True, check=False)
-    if out.returncode:
-        log(f"plots failed: {out.stderr[-1500:]}")
+    err = call_in_side_venv("agentload.report", "plot", str(json_path), str(out_dir), stem)
+    if err:
+        log(f"plots failed: {err}")
         return ["plots failed"]
     return []
 

@@ -56,6 +56,18 @@ def ensure_side_venv() -> None:
     subprocess.run([str(SIDE_PY), "-m", "pip", "install", "-q", *SIDE_PACKAGES], check=True)
 
 
+def call_in_side_venv(module: str, func: str, *args: str) -> str | None:
+    """``module.func(*args)`` (a benchmark's plot: matplotlib lives in the side venv)
+    run by the side venv's python with benchmarks/ on its path; the error output when
+    it failed, else None."""
+    out = subprocess.run([str(SIDE_PY), "-c",
+                          "import importlib, sys; sys.path.insert(0, sys.argv[1]); "
+                          "getattr(importlib.import_module(sys.argv[2]), sys.argv[3])"
+                          "(*sys.argv[4:])", str(BENCH_DIR), module, func, *args],
+                         capture_output=True, text=True, check=False)
+    return out.stderr[-1500:] if out.returncode else None
+
+
 class PortPool:
     """Free ports from 30000-31999 (the UCX range excluded), never handed out twice."""
 
@@ -225,6 +237,38 @@ def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
             except ValueError:
                 pass
     return out
+
+
+def histogram_buckets(url: str, name: str) -> dict[float, float]:
+    """A Prometheus histogram's cumulative bucket counts, ``le`` -> count, summed
+    over its other labels."""
+    import requests
+
+    out: dict[float, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "_bucket{") and 'le="' in line:
+            le = float(line.split('le="', 1)[1].split('"', 1)[0])
+            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Prometheus's estimate: linear within the bucket the quantile falls in (the
+    lower bound of the first bucket is 0; past the last finite bound, that bound)."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below
+                                           else 1.0)
+        lower, below = le, count
+    return lower
 
 
 def reset_prefix_caches(urls: list[str]) -> None:

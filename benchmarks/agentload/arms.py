@@ -112,6 +112,9 @@ class EngineOptions:
     # Cluster name -> engines already running elsewhere (``--external``): nothing is
     # launched for that cluster, only its routers.
     external: dict[str, ExternalCluster] = field(default_factory=dict)
+    # Environment added per engine, in start order (coloc0, coloc1; P, D), e.g. a
+    # VLLM_CPU_OMP_THREADS_BIND each so that two engines do not compute on one core.
+    engine_env: list[dict[str, str]] = field(default_factory=list)
 
 
 class ExternalEngine(msgspec.Struct, forbid_unknown_fields=True):
@@ -191,6 +194,7 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
     from vllm_sessionkv.dev.launch import (
         ClusterSpec,
         EngineSpec,
+        Host,
         LocalCluster,
         start_engine,
         wait_healthy,
@@ -211,6 +215,7 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
                                   kv_cache_space_gb=opts.kv_cache_gb,
                                   num_gpu_blocks_override=opts.coloc_blocks,
                                   extra_args=list(opts.extra_args),
+                                  extra_env=dict(opts.engine_env[i]) if opts.engine_env else {},
                                   gpus=opts.gpus[i % len(opts.gpus)] if opts.gpus else None)
                 run.procs.append(start_engine(spec, f"coloc{i}", log_dir))
                 run.engines.append(("coloc", spec.url))
@@ -251,7 +256,9 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=d_blocks,
         prefill_num_gpu_blocks_override=opts.p_blocks,
         engine_extra_args=list(opts.extra_args), gpus=opts.gpus, log_dir=log_dir / name,
-        fail_fast=True, **spec_kw))
+        fail_fast=True, placement={proc: Host(env=env) for proc, env in
+                                   zip(("prefill0", "decode0"), opts.engine_env)},
+        **spec_kw))
     run = Running(name, [], cluster=cluster)
     try:
         cluster.start(timeout_s=900)
