@@ -177,5 +177,9 @@ async def reset(state: ProxyState, request: Request) -> Response:
     timeout_s = _timeout_from_query(request.query)
     dropped = await withdraw_sessions(state)
     status, body = await reset_engines(state, timeout_s)
+    if state.router is not None:
+        # The routes it remembers name prefixes the engines no longer hold: kept, they
+        # sent long prompts to D alone as if D still had them.
+        state.router.recent.clear()
     body["dropped"] = dropped
     return Response(status, _json.encode(body))

@@ -59,6 +59,11 @@ class RecentRoutes:
         while len(table) > self.max_keys:
             table.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every route: the engines' caches were reset, so none holds them."""
+        self._keys.clear()
+        self._placed.clear()
+
     def record_placement(self, engine: str, now_s: float) -> None:
         """``engine`` was chosen by cost for a request no affinity tied to a worker."""
         if self.ttl_s:

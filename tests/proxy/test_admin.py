@@ -9,6 +9,7 @@ engines' side is tested end to end in ``tests/e2e/test_pd_foundation.py``.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from types import SimpleNamespace
 
@@ -164,6 +165,24 @@ async def test_sessions_and_published_handles_are_withdrawn_before_the_engines_r
         assert await client.get(handle_keys[0]) is None
     finally:
         await client.aclose()
+
+
+async def test_the_reset_forgets_the_routes_the_proxy_remembers(free_port):
+    """The recent-routes credit names prefixes on engines; after the reset they hold
+    none, and a prompt sent again must not be routed as a cache hit."""
+    recent = []
+
+    async def before(proxy):
+        router = proxy.state.router
+        router.recent.record([1, 2, 3], ["http://d"], time.time())
+        recent.append(router.recent)
+        assert router.recent.overlaps([1, 2, 3], time.time()) == {"http://d": 3}
+
+    ok = {"success": True}
+    status, body, _ = await _admin_reset(free_port, StubEngine((200, ok)),
+                                         StubEngine((200, ok)), before=before)
+    assert status == 200, body
+    assert recent[0].overlaps([1, 2, 3], time.time()) == {} and len(recent[0]) == 0
 
 
 @pytest.mark.parametrize("peer, token, header, allowed", [
