@@ -206,6 +206,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="CPU KV space per engine (the block counts cap it)")
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES, one per engine")
+    # vLLM's binding by default here: with an engine bound to core 0, stock NIXL's P
+    # hung in its first execute_model (RPC timeout after 300 s), ending arms 3 and 4;
+    # with "auto" the co-located arms' start-of-run stall was gone.
+    p.add_argument("--cores", default="vllm", help=armlib.CORES_HELP)
     p.add_argument("--dtype", default="float32",
                    help="engines' --dtype.  float32 by default: in bfloat16 on this CPU "
                         "build, answers depend on which requests share a batch and on where "
@@ -394,7 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                                 gpus=args.gpus.split(",") if args.gpus else None,
                                 extra_args=["--enable-prompt-tokens-details",
                                             "--dtype", args.dtype],
-                                external=args.external_clusters)
+                                external=args.external_clusters,
+                                engine_env=armlib.engine_cores_env(args.cores, args.gpus))
+    results["meta"]["engine_cores"] = [e.get("VLLM_CPU_OMP_THREADS_BIND")
+                                       for e in opts.engine_env]
     if any(a.cluster in ("hostless", "host") for a in selected):
         results["meta"]["host_arms"] = {"d_blocks": opts.host_d_blocks,
                                         "lease_s": opts.host_lease_s,

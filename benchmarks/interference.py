@@ -150,10 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32",
                    help="engines' --dtype (float32: the bench model's measured prefill "
                         "rate in docs/benchmarks/agent_workload.md)")
-    p.add_argument("--cores", default="auto",
-                   help="CPU only: VLLM_CPU_OMP_THREADS_BIND per engine in start order "
-                        "(coloc0,coloc1 / P,D), comma-separated; 'auto': engine i on "
-                        "core i; 'vllm': vLLM's own binding")
+    p.add_argument("--cores", default="auto", help=armlib.CORES_HELP)
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES, one per engine")
     p.add_argument("--coloc-extra-args", default="",
                    help="extra vLLM arguments for the co-located engines")
@@ -217,12 +214,7 @@ def plan(args) -> list[ClusterPlan]:
 
 
 def engine_options(args, model: str, extra: tuple[str, ...]) -> armlib.EngineOptions:
-    engine_env: list[dict[str, str]] = []
-    if not args.gpus and args.cores != "vllm":
-        cores = (["0", "1"] if args.cores == "auto" else args.cores.split(","))
-        if args.cores == "auto" and (os.cpu_count() or 1) < 2:
-            cores = []
-        engine_env = [{"VLLM_CPU_OMP_THREADS_BIND": c} for c in cores]
+    engine_env = armlib.engine_cores_env(args.cores, args.gpus)
     return armlib.EngineOptions(
         model=model, max_model_len=args.max_model_len, p_blocks=args.blocks,
         d_blocks=args.blocks, coloc_blocks=args.blocks, kv_cache_gb=args.kv_cache_gb,

@@ -117,6 +117,26 @@ class EngineOptions:
     engine_env: list[dict[str, str]] = field(default_factory=list)
 
 
+CORES_HELP = ("CPU only: VLLM_CPU_OMP_THREADS_BIND per engine in start order "
+              "(coloc0,coloc1 / P,D), comma-separated; 'auto': engine i on core i; "
+              "'vllm': vLLM's own binding")
+
+
+def engine_cores_env(cores: str, gpus: str | None) -> list[dict[str, str]]:
+    """``EngineOptions.engine_env`` for ``--cores`` (``CORES_HELP``).  With the
+    launcher's one reserved CPU, vLLM's auto binding puts every engine's model thread
+    on core 0 of a 2-core machine, so two engines of an arm compute on one core."""
+    if gpus or cores == "vllm":
+        return []
+    if cores == "auto":
+        if (os.cpu_count() or 1) < 2:
+            return []
+        bind = ["0", "1"]
+    else:
+        bind = cores.split(",")
+    return [{"VLLM_CPU_OMP_THREADS_BIND": c} for c in bind]
+
+
 class ExternalEngine(msgspec.Struct, forbid_unknown_fields=True):
     """One engine started outside the bench: its URL and, for our proxy's arms, its
     KV-event publisher and replay endpoints (and D's early-decode endpoint)."""

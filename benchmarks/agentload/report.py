@@ -419,6 +419,10 @@ def render(results: dict) -> str:
              f"each; an arm's run is cut after {meta.get('run_cap_s', '-')} s"
              + (f"; external engines for {', '.join(meta['external'])}"
                 if meta.get("external") else ""),
+             "- cores: " + (f"each arm's engines' model threads on cores "
+                            f"{', '.join(meta['engine_cores'])} (VLLM_CPU_OMP_THREADS_BIND, "
+                            "in start order)" if meta.get("engine_cores")
+                            else "vLLM's own binding"),
              f"- our connector's recompute price from the measured prefill: "
              f"{json.dumps(meta.get('ours_cost'))}",
              f"- wall time {meta.get('wall_s', 0):.0f} s", ""]
