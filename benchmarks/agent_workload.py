@@ -10,14 +10,19 @@ session; regime 2, where the sessions' context is several times P's KV and long
 outputs stay in history; a skewed workload (a few hot sessions carry most steps);
 a Mooncake trace slice (``--mooncake``, default: 60 requests of the FAST'25
 conversation trace in ``benchmarks/data``); optionally vLLM multi_turn
-conversations (``--multi-turn FILE``).  Each regime also runs one *probe* session
+conversations (``--multi-turn FILE``); and the host-tier workload (``--workloads host``:
+tool gaps longer than the session lease, sessions about twice D's KV) for arms 8.
+Each regime also runs one *probe* session
 alone, step after step, reading the engines' counters around every step: KV bytes
 moved and computed prompt tokens against the session's length.
 
 Arms (``agentload/arms.py``), two engines each: 1 co-located + round robin, 2
 co-located + our proxy, 3 stock NIXL P/D + round robin (the toy proxy), 4 stock
 bidirectional NIXL + a conversation-keyed proxy, 5 vllm-router P/D (round_robin,
-cache_aware) on our engines, 6 ours with D->P pulls off, 7 ours in full.  A
+cache_aware) on our engines, 6 ours with D->P pulls off, 7 ours in full; for the
+host-tier workload only, 8 ours with a 15 s lease and a 160-block D, without and
+with the host tier.  ``--cores auto`` gives each engine's model thread a core of its
+own (vLLM's binding, the default, puts both on core 0 of a 2-core machine).  A
 co-located reference run (sessions pinned, no tool delays) first fixes every
 answer; every arm then sends exactly the prompts the reference's answers give and
 its answers are compared with the reference's (token ids and top-5 logprobs, the
