@@ -269,7 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_workloads(args, tokenizer_dir: str) -> dict[str, tuple[Workload, list[str]]]:
     """name -> (workload, arm keys that run it)."""
     selected = args.arm_keys
-    regime_arms = [k for k in selected if k != "5-vr-cache-coloc"]
+    # Arms 5-vr-cache-coloc and 8-* are for their own workloads only.
+    regime_arms = [k for k in selected if k != "5-vr-cache-coloc" and k not in HOST_ARMS]
     out: dict[str, tuple[Workload, list[str]]] = {}
     for name in ("r1", "r2"):
         if name in args.workload_names:

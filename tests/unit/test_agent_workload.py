@@ -163,3 +163,14 @@ def test_multi_turn_replay_uses_the_models_answers():
     outs = {(s.sid, 0): [1, 2, 3], (s.sid, 1): [4]}
     assert w.prompt(s.sid, 1, outs)[:len(s.steps[0].new_tokens) + 3] == \
         list(s.steps[0].new_tokens) + [1, 2, 3]
+
+
+def test_the_host_tier_arms_run_the_host_workload_only():
+    import agent_workload as bench
+
+    by_name = {name: arms for name, (_, arms)
+               in bench.build_workloads(bench.parse_args(["--quick"]), None).items()}
+    assert by_name and not any(a.startswith("8-") for arms in by_name.values() for a in arms)
+    host = bench.build_workloads(bench.parse_args(["--quick", "--workloads", "host,r1"]), None)
+    assert host["host"][1] == ["8-ours-nohost", "8-ours-host"]
+    assert not any(a.startswith("8-") for a in host["r1"][1])
