@@ -494,7 +494,7 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
             steps = per_arm[key]
             i = ARM_ORDER.index(key)
             ax.plot([s["step"] for s in steps], [s["computed"] for s in steps],
-                    marker="os^vD<>px"[i], linestyle=("-", "--", ":", "-.")[i % 4],
+                    marker="os^vD<>px"[i % 9], linestyle=("-", "--", ":", "-.")[i % 4],
                     label=ARM_LABELS[key])
         ax.set_xlabel("step of the session")
         ax.set_ylabel("prompt tokens computed (engine counters)")
@@ -531,7 +531,7 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
             if any(s["bytes"] for s in steps):
                 i = ARM_ORDER.index(key)
                 ax.plot([s["session_tokens"] for s in steps], [s["bytes"] / 1e3 for s in steps],
-                        marker="os^vD<>px"[i], linestyle=("-", "--", ":", "-.")[i % 4],
+                        marker="os^vD<>px"[i % 9], linestyle=("-", "--", ":", "-.")[i % 4],
                         label=ARM_LABELS[key])
         ax.set_xlabel("session length (prompt tokens)")
         ax.set_ylabel("KV moved in the step (KB, NIXL counters)")
