@@ -507,6 +507,11 @@ def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
     return total_bytes / num_blocks / block_size
 
 
+def kv_num_blocks(kv_cache_config: Any) -> int:
+    """Blocks in the engine's KV cache (0 when not known)."""
+    return getattr(kv_cache_config, "num_blocks", 0) or 0
+
+
 def kv_bytes_per_block(kv_cache_config: Any) -> int:
     """Bytes one block occupies across all layers (host-tier slot size)."""
     if not kv_cache_config.num_blocks:

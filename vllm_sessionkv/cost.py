@@ -137,16 +137,23 @@ def decide_pull(
     """
     if quote.pull_tokens <= 0:
         return PullDecision(False, 0.0, 0.0, "nothing to pull")
+    pull_bytes = quote.pull_tokens * quote.kv_bytes_per_token
+    pull_s = transfer_time_s(pull_bytes + quote.queued_bytes, link.bytes_per_s, link.per_transfer_s)
+    return _transfer_or_recompute(quote, pull_s, recompute, min_pull_tokens, "pull faster")
+
+
+def _transfer_or_recompute(quote: PullQuote, transfer_s: float, recompute: RecomputeModel,
+                           min_pull_tokens: int, faster: str) -> PullDecision:
+    """Transfer iff at least ``min_pull_tokens`` and strictly faster than recomputing
+    ``quote.pull_tokens``; ties recompute."""
     recompute_s = recompute_time_s(
         quote.pull_tokens, quote.context_tokens, recompute, quote.engine_load
     )
-    pull_bytes = quote.pull_tokens * quote.kv_bytes_per_token
-    pull_s = transfer_time_s(pull_bytes + quote.queued_bytes, link.bytes_per_s, link.per_transfer_s)
     if quote.pull_tokens < min_pull_tokens:
-        return PullDecision(False, pull_s, recompute_s, "below min_pull_tokens")
-    if pull_s < recompute_s:
-        return PullDecision(True, pull_s, recompute_s, "pull faster")
-    return PullDecision(False, pull_s, recompute_s, "recompute faster")
+        return PullDecision(False, transfer_s, recompute_s, "below min_pull_tokens")
+    if transfer_s < recompute_s:
+        return PullDecision(True, transfer_s, recompute_s, faster)
+    return PullDecision(False, transfer_s, recompute_s, "recompute faster")
 
 
 def decide_sync_load(read_s: float, engine_load: float, max_stall_s: float) -> bool:
@@ -210,13 +217,8 @@ def decide_restore_for_pull(
     relay_s = (transfer_time_s(num_bytes, host_link.bytes_per_s, host_link.per_transfer_s)
                + transfer_time_s(num_bytes + quote.queued_bytes, link.bytes_per_s,
                                  link.per_transfer_s))
-    recompute_s = recompute_time_s(quote.pull_tokens, quote.context_tokens, recompute,
-                                   quote.engine_load)
-    if quote.pull_tokens < min_pull_tokens:
-        return PullDecision(False, relay_s, recompute_s, "below min_pull_tokens")
-    if relay_s < recompute_s:
-        return PullDecision(True, relay_s, recompute_s, "restore and pull faster")
-    return PullDecision(False, relay_s, recompute_s, "recompute faster")
+    return _transfer_or_recompute(quote, relay_s, recompute, min_pull_tokens,
+                                  "restore and pull faster")
 
 
 def overlap_credit_blocks(

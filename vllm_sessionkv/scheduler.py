@@ -136,7 +136,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # Session holds (D): which request's blocks each session keeps, until when.
         self._holds = HoldTable()
         self._holds_to_release: set[str] = set()   # for the next step's metadata
-        num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        num_blocks = _vllm.kv_num_blocks(kv_cache_config)
         self._max_held_blocks = (int(config.session_hold_max_kv_fraction * num_blocks)
                                  if num_blocks else 1 << 62)
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change

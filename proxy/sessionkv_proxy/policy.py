@@ -204,6 +204,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     active_decode_blocks: float = 0.0  # KV blocks of requests routed here and still running
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc as a fraction in [0, 1]
     recent_placements: int = 0  # requests placed here by cost in the last window
+    # A host-tier restore here gave a handle already inside the expiry margin (its
+    # session lease is shorter): no restore for P's pull is asked of it.
+    restores_expire: bool = False
 
 
 class TierOverlap(msgspec.Struct, frozen=True):
@@ -242,6 +245,10 @@ class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
     # The request's cap on new tokens (max_tokens / max_completion_tokens); None when
     # the request sets none, so the engine's default applies.
     max_output_tokens: int | None = None
+    # D may be asked to restore for P's pull: the router has the prompt's ids and a
+    # session to hold the restored turn under, and no usable handle offers P the
+    # session's blocks already.
+    restore_allowed: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -683,12 +690,23 @@ def route(
     label = RouteReason.INCREMENT_TOO_LARGE if not small else RouteReason.DECODE_BUSY
     prefill_chosen = next(t for t in prefill_terms if t.url == prefill_url)
     restore = _restore_for_pull(inp, chosen, prefill_chosen, params)
+    not_asked = ""
     if restore:
+        decode_worker = next(w for w in workers if w.url == decode_url)
+        if decode_worker.restores_expire:
+            not_asked = ("; not asked: this D's session lease is shorter than the handle "
+                         "expiry margin")
+        elif not inp.restore_allowed:
+            not_asked = "; not asked: no session or token ids"
+    if not_asked:
+        restore = 0
+    elif restore:
         why += f"; D restores {restore} tokens from its host tier for P to pull"
         label = RouteReason.HOST_TIER_PULL
     return RouteDecision(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
-        reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)",
+        reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)"
+               f"{not_asked}",
         label=label, uncached_tokens=uncached, restore_tokens=restore,
         prefill_candidates=prefill_terms, decode_candidates=decode_terms,
     )

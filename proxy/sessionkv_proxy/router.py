@@ -398,7 +398,8 @@ class Router:
                                 int(e.running_requests + e.waiting_requests)),
             active_prefill_blocks=e.active_prefill_tokens / block_size,
             active_decode_blocks=e.active_decode_tokens / block_size,
-            kv_usage=e.kv_usage, recent_placements=placed.get(e.url, 0))
+            kv_usage=e.kv_usage, recent_placements=placed.get(e.url, 0),
+            restores_expire=e.restore_handles_expire)
             for e in self.pool.engines]
         # Without token ids, estimate the size from the text (about 3 characters a
         # token) so a long prompt is not mistaken for a small increment.
@@ -410,7 +411,12 @@ class Router:
                                   overlaps=policy.overlaps_from_match(matches),
                                   session=session_view, peer_pullable_blocks=peer_blocks,
                                   kv_bytes_per_token=self.kv_bytes_per_token,
-                                  max_output_tokens=max_output),
+                                  max_output_tokens=max_output,
+                                  # A restore needs the prompt's ids and a session for
+                                  # D to hold the turn under; a usable handle already
+                                  # names the session's blocks.
+                                  restore_allowed=bool(token_ids and session_id
+                                                       and handle is None)),
                 workers, self.params, self.rng)
         except policy.NoWorkerAvailable as exc:
             self._give_back(read, session_id, tenant)
@@ -427,11 +433,6 @@ class Router:
         mode = decision.mode
         prefill_params = None
         used = mode is Mode.DISAGGREGATED and handle is not None
-        # A restore needs the prompt's ids and a session for D to hold the turn under;
-        # a usable handle already names the session's blocks.
-        restore = (decision.restore_tokens
-                   if token_ids and session_id and handle is None
-                   and not decode.restore_handles_expire else 0)
         if mode is Mode.DISAGGREGATED:
             prefill_params = (handle.prefill_params() if handle is not None
                               else _fresh_prefill_params())
@@ -447,20 +448,15 @@ class Router:
             self.save_session_later(record)
         if not used:
             self._give_back(read, session_id, tenant)
-        label, detail = decision.label, decision.reason
-        if decision.restore_tokens and not restore:
-            label = RouteReason.INCREMENT_TOO_LARGE
-            detail += ("; not asked: this D's session lease is shorter than the handle "
-                       "expiry margin" if decode.restore_handles_expire
-                       else "; not asked: no session or token ids")
+        restore = decision.restore_tokens
         terms = {"decision_s": time.perf_counter() - started, "prompt_tokens": num_tokens,
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
-                 "detail": detail + (
+                 "detail": decision.reason + (
                      "; index and sessions from this replica (redis unavailable)"
                      if degraded else ""),
                  "prefill": {t.url: round(t.cost, 3) for t in decision.prefill_candidates},
                  "decode": {t.url: round(t.cost, 3) for t in decision.decode_candidates}}
-        return RoutePlan(mode, prefill, decode, label,
+        return RoutePlan(mode, prefill, decode, decision.label,
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,
                          prompt_tokens=len(token_ids) if token_ids else num_tokens,

@@ -736,6 +736,15 @@ def test_a_large_increment_has_the_decode_worker_restore_for_the_prefill_to_pull
     # The session's D without a handle (its lease ended): it restores for P.
     lapsed = msgspec.structs.replace(i, session=session("d1", expires_at_s=None))
     assert route(lapsed, [P("p1"), D("d1")], params(), random.Random(0)).restore_tokens == 320
+    # A D whose restored handles expire, or a request the router cannot restore for
+    # (no session, no token ids, a handle already offered), is not asked; the reason
+    # says why.
+    expiring = route(i, [P("p1"), D("d1", restores_expire=True)], params(), random.Random(0))
+    assert expiring.restore_tokens == 0 and "lease is shorter" in expiring.reason
+    assert expiring.label is policy.RouteReason.INCREMENT_TOO_LARGE
+    barred = route(msgspec.structs.replace(i, restore_allowed=False), [P("p1"), D("d1")],
+                   params(), random.Random(0))
+    assert barred.restore_tokens == 0 and "not asked" in barred.reason
     # The live session holder hands P its handle instead.
     live = msgspec.structs.replace(i, session=session("d1"), peer_pullable_blocks=20)
     assert route(live, [P("p1"), D("d1")], params(), random.Random(0)).restore_tokens == 0
