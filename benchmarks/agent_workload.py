@@ -21,8 +21,10 @@ co-located + our proxy, 3 stock NIXL P/D + round robin (the toy proxy), 4 stock
 bidirectional NIXL + a conversation-keyed proxy, 5 vllm-router P/D (round_robin,
 cache_aware) on our engines, 6 ours with D->P pulls off, 7 ours in full; for the
 host-tier workload only, 8 ours with a 15 s lease and a 160-block D, without and
-with the host tier.  ``--cores auto`` gives each engine's model thread a core of its
-own (vLLM's binding, the default, puts both on core 0 of a 2-core machine).  A
+with the host tier.  ``--cores auto`` (the default) gives each engine's model thread a
+core of its own: vLLM's binding (``--cores vllm``) puts both on core 0 of a 2-core
+machine.  The stock NIXL clusters keep vLLM's binding, since their NIXL worker moves
+the model thread to the last core itself (``arms.STOCK_NIXL_CLUSTERS``).  A
 co-located reference run (sessions pinned, no tool delays) first fixes every
 answer; every arm then sends exactly the prompts the reference's answers give and
 its answers are compared with the reference's (token ids and top-5 logprobs, the
@@ -214,7 +216,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # vLLM's binding by default here: with an engine bound to core 0, stock NIXL's P
     # hung in its first execute_model (RPC timeout after 300 s), ending arms 3 and 4;
     # with "auto" the co-located arms' start-of-run stall was gone.
-    p.add_argument("--cores", default="vllm", help=armlib.CORES_HELP)
+    p.add_argument("--cores", default="auto", help=armlib.CORES_HELP)
     p.add_argument("--dtype", default="float32",
                    help="engines' --dtype.  float32 by default: in bfloat16 on this CPU "
                         "build, answers depend on which requests share a batch and on where "

@@ -137,6 +137,22 @@ def engine_cores_env(cores: str, gpus: str | None) -> list[dict[str, str]]:
     return [{"VLLM_CPU_OMP_THREADS_BIND": c} for c in bind]
 
 
+# Clusters on the stock NixlConnector.  Its worker moves the model thread onto the
+# last core of each NUMA node as it is built (``_vllm.keep_thread_affinity`` says
+# where), whatever binding the engine was started with, so ``--cores`` cannot give
+# these engines a core each.  Pinned explicitly anyway (P to core 0, D to core 1), the
+# first P->D read never completed in a run here: P released the blocks after their
+# lease "retrieved by 0 remote worker(s)" and D waited on them until the RPC timeout.
+# They keep vLLM's binding, under which both model threads end on the last core.
+STOCK_NIXL_CLUSTERS = ("stock", "bidi")
+
+
+def cluster_engine_env(cluster: str, opts: EngineOptions) -> list[dict[str, str]]:
+    """The per-engine environment a cluster starts with: ``opts.engine_env``, except for
+    the stock NIXL clusters (``STOCK_NIXL_CLUSTERS``), which keep vLLM's binding."""
+    return [] if cluster in STOCK_NIXL_CLUSTERS else opts.engine_env
+
+
 class ExternalEngine(msgspec.Struct, forbid_unknown_fields=True):
     """One engine started outside the bench: its URL and, for our proxy's arms, its
     KV-event publisher and replay endpoints (and D's early-decode endpoint)."""
@@ -277,7 +293,7 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         prefill_num_gpu_blocks_override=opts.p_blocks,
         engine_extra_args=list(opts.extra_args), gpus=opts.gpus, log_dir=log_dir / name,
         fail_fast=True, placement={proc: Host(env=env) for proc, env in
-                                   zip(("prefill0", "decode0"), opts.engine_env)},
+                                   zip(("prefill0", "decode0"), cluster_engine_env(name, opts))},
         **spec_kw))
     run = Running(name, [], cluster=cluster)
     try:

@@ -340,7 +340,14 @@ def must_shows(results: dict) -> list[str]:
                "none: served on D alone), second step -> last step: "
                + "; ".join(f"{w} {b1 / 1e3:.0f} -> {bl / 1e3:.0f} KB" for w, b1, bl, _ in flat)
                + f" (last within 1.5x of the second): {verdict(all(f[3] for f in flat) if flat else None)}"
-               + f"; arm 4: {'; '.join(bidi) or 'not measured'}")
+               + f"; arm 4: {'; '.join(bidi) or 'not measured'}"
+               # The issue expected arm 4 to grow ("pulls the whole session"); stock
+               # 0.32 does not, and the report says why rather than leaving it implied.
+               + (" (stock 0.32 pulls only what P's own cache lacks, "
+                  "min(remote_num_tokens, prompt) - num_computed_tokens in nixl/"
+                  "pull_scheduler.py, and skips pulls under kv_recompute_threshold, 64 "
+                  "tokens; a probe session runs alone, so P's cache still holds its "
+                  "history and arm 4's bytes do not grow with it)" if bidi else ""))
     bad = []
     strict_ok = True
     for w, per_arm in runs.items():
@@ -421,7 +428,9 @@ def render(results: dict) -> str:
                 if meta.get("external") else ""),
              "- cores: " + (f"each arm's engines' model threads on cores "
                             f"{', '.join(meta['engine_cores'])} (VLLM_CPU_OMP_THREADS_BIND, "
-                            "in start order)" if meta.get("engine_cores")
+                            "in start order), except the stock NIXL clusters' (stock, "
+                            "bidi): their NIXL worker moves the model thread to the last core "
+                            "itself, so they keep vLLM's binding" if meta.get("engine_cores")
                             else "vLLM's own binding"),
              f"- our connector's recompute price from the measured prefill: "
              f"{json.dumps(meta.get('ours_cost'))}",
