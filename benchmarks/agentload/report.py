@@ -430,7 +430,11 @@ def render(results: dict) -> str:
                             f"{', '.join(meta['engine_cores'])} (VLLM_CPU_OMP_THREADS_BIND, "
                             "in start order), except the stock NIXL clusters' (stock, "
                             "bidi): their NIXL worker moves the model thread to the last core "
-                            "itself, so they keep vLLM's binding" if meta.get("engine_cores")
+                            "itself, so they keep vLLM's binding and both of their engines "
+                            "compute on that one core. That is stock vLLM on CPU, not a choice "
+                            "of this bench, and it slows arms 3 and 4; arm 5 (vllm-router on "
+                            "our engines, a core each) is the like-for-like P/D comparison"
+                            if meta.get("engine_cores")
                             else "vLLM's own binding"),
              f"- our connector's recompute price from the measured prefill: "
              f"{json.dumps(meta.get('ours_cost'))}",
