@@ -5,7 +5,7 @@ bytes back, and nothing else.
 ``router_bench.py`` runs it beside the routers as the "bare relay" arm, so the CPU a
 router spends per request can be read against what any proxy on the same parts pays
 just to relay a request over two sockets: uvloop, aiohttp's low-level server (its
-llhttp parser) and the proxy's upstream pool (an ``aiohttp.ClientSession``).  It does
+llhttp parser) and the proxy's upstream pool (aiohttp's client protocol).  It does
 no validation, no routing, no metrics; it is not a router and is never a candidate
 for one.
 

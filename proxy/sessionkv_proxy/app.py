@@ -998,6 +998,7 @@ def create_app(config: ProxyConfig, index: KVIndex | None = None) -> ProxyApp:
 
 async def serve(config: ProxyConfig, shutdown_grace_s: float = 30.0) -> None:
     """Run until SIGINT or SIGTERM, then shut down gracefully."""
+    import gc
     import signal
 
     app = create_app(config)
@@ -1007,6 +1008,10 @@ async def serve(config: ProxyConfig, shutdown_grace_s: float = 30.0) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await app.start()
+        # What start-up built (config, tokenizer, chat templates, metrics, the index's
+        # tables) lives as long as the process: moved out of the collector's reach, it
+        # is not walked again by every full collection a busy proxy triggers.
+        gc.freeze()
         await stop.wait()
         logger.info("shutting down: finishing in-flight requests (up to %.0f s)",
                     shutdown_grace_s)

@@ -173,3 +173,141 @@ def test_slow_engine_times_out_and_its_connection_is_dropped(free_port):
 def test_only_plain_http_urls():
     with pytest.raises(ValueError, match="http://host:port"):
         UpstreamPool().check_url("https://example.com")
+
+
+@contextlib.asynccontextmanager
+async def _raw_engine(port: int, answer):
+    """An engine written on raw sockets: ``answer(request_bytes, writer)`` decides what
+    it sends back on each connection (malformed heads, early closes, broken bodies)."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        connections.append(writer.get_extra_info("peername")[1])
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                if not await answer(head, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}", connections
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_malformed_answer_is_a_connect_error_and_the_next_request_is_served(free_port):
+    calls = []
+
+    async def answer(head, writer):
+        calls.append(head)
+        if len(calls) == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nBad Header Line\r\n\r\nok")
+            return False
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    async def main():
+        async with _raw_engine(free_port(), answer) as (url, connections):
+            pool = UpstreamPool(connect_timeout_s=1.0)
+            try:
+                with pytest.raises(UpstreamConnectError):
+                    await pool.post(url, "/x", b"{}")
+                assert await (await pool.post(url, "/x", b"{}")).read() == b"ok"
+            finally:
+                await pool.close()
+            assert len(connections) == 2
+
+    _run(main())
+
+
+def test_a_new_connection_closed_without_an_answer_is_not_retried(free_port):
+    calls = []
+
+    async def answer(head, writer):
+        calls.append(head)
+        return False   # read the request, close without a word
+
+    async def main():
+        async with _raw_engine(free_port(), answer) as (url, _):
+            pool = UpstreamPool(connect_timeout_s=1.0)
+            try:
+                with pytest.raises(UpstreamConnectError):
+                    await pool.post(url, "/x", b"{}")
+            finally:
+                await pool.close()
+        # Sent once: only a kept-alive connection's silent close is retried (that
+        # request may have never reached the engine; this one did).
+        assert len(calls) == 1
+
+    _run(main())
+
+
+def test_connection_close_answer_and_idle_connections_are_not_reused(free_port, monkeypatch):
+    from sessionkv_proxy import upstream as upstream_mod
+
+    async def answer(head, writer):
+        close = b"/close" in head
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
+                     + (b"Connection: close\r\n" if close else b"") + b"\r\nok")
+        return not close
+
+    async def main():
+        async with _raw_engine(free_port(), answer) as (url, connections):
+            pool = UpstreamPool(connect_timeout_s=1.0)
+            try:
+                for path in ("/close", "/a", "/b"):
+                    assert await (await pool.post(url, path, b"{}")).read() == b"ok"
+                assert len(connections) == 2   # /a and /b shared one
+                monkeypatch.setattr(upstream_mod, "_IDLE_KEEPALIVE_S", 0.05)
+                await asyncio.sleep(0.2)
+                assert await (await pool.post(url, "/c", b"{}")).read() == b"ok"
+                assert len(connections) == 3   # idle past the keep-alive: a new one
+            finally:
+                await pool.close()
+
+    _run(main())
+
+
+def test_a_body_cut_off_mid_stream_raises_connection_reset(free_port):
+    async def answer(head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"9\r\ndata: 0\n\n\r\n")
+        await writer.drain()
+        writer.transport.abort()
+        return False
+
+    async def main():
+        async with _raw_engine(free_port(), answer) as (url, _):
+            pool = UpstreamPool(connect_timeout_s=1.0)
+            try:
+                resp = await pool.post(url, "/x", b"{}")
+                got = []
+                with pytest.raises(ConnectionResetError):
+                    async for chunk in resp.iter_chunks():
+                        got.append(chunk)
+                assert got == [b"data: 0\n\n"]
+            finally:
+                await pool.close()
+
+    _run(main())
+
+
+def test_header_values_with_line_breaks_are_refused(free_port):
+    async def main():
+        pool = UpstreamPool()
+        try:
+            with pytest.raises(ValueError, match="line break"):
+                await pool.post(f"http://127.0.0.1:{free_port()}", "/x", b"{}",
+                                 {"X-Request-Id": "a\r\nX-Evil: 1"})
+        finally:
+            await pool.close()
+
+    _run(main())
