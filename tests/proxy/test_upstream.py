@@ -177,8 +177,9 @@ def test_only_plain_http_urls():
 
 @contextlib.asynccontextmanager
 async def _raw_engine(port: int, answer):
-    """An engine written on raw sockets: ``answer(request_bytes, writer)`` decides what
-    it sends back on each connection (malformed heads, early closes, broken bodies)."""
+    """An engine written on raw sockets, and a pool to it: ``answer(request_bytes,
+    writer)`` decides what it sends back on each connection (malformed heads, early
+    closes, broken bodies)."""
     connections: list[int] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -196,9 +197,11 @@ async def _raw_engine(port: int, answer):
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port)
+    pool = UpstreamPool(connect_timeout_s=1.0)
     try:
-        yield f"http://127.0.0.1:{port}", connections
+        yield f"http://127.0.0.1:{port}", connections, pool
     finally:
+        await pool.close()
         server.close()
         await server.wait_closed()
 
@@ -215,14 +218,10 @@ def test_malformed_answer_is_a_connect_error_and_the_next_request_is_served(free
         return True
 
     async def main():
-        async with _raw_engine(free_port(), answer) as (url, connections):
-            pool = UpstreamPool(connect_timeout_s=1.0)
-            try:
-                with pytest.raises(UpstreamConnectError):
-                    await pool.post(url, "/x", b"{}")
-                assert await (await pool.post(url, "/x", b"{}")).read() == b"ok"
-            finally:
-                await pool.close()
+        async with _raw_engine(free_port(), answer) as (url, connections, pool):
+            with pytest.raises(UpstreamConnectError):
+                await pool.post(url, "/x", b"{}")
+            assert await (await pool.post(url, "/x", b"{}")).read() == b"ok"
             assert len(connections) == 2
 
     _run(main())
@@ -236,13 +235,9 @@ def test_a_new_connection_closed_without_an_answer_is_not_retried(free_port):
         return False   # read the request, close without a word
 
     async def main():
-        async with _raw_engine(free_port(), answer) as (url, _):
-            pool = UpstreamPool(connect_timeout_s=1.0)
-            try:
-                with pytest.raises(UpstreamConnectError):
-                    await pool.post(url, "/x", b"{}")
-            finally:
-                await pool.close()
+        async with _raw_engine(free_port(), answer) as (url, _, pool):
+            with pytest.raises(UpstreamConnectError):
+                await pool.post(url, "/x", b"{}")
         # Sent once: only a kept-alive connection's silent close is retried (that
         # request may have never reached the engine; this one did).
         assert len(calls) == 1
@@ -254,24 +249,22 @@ def test_connection_close_answer_and_idle_connections_are_not_reused(free_port, 
     from sessionkv_proxy import upstream as upstream_mod
 
     async def answer(head, writer):
+        # "Connection: close", yet the socket stays open: only the client's reading
+        # of the header keeps it from sending the next request there.
         close = b"/close" in head
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
                      + (b"Connection: close\r\n" if close else b"") + b"\r\nok")
-        return not close
+        return True
 
     async def main():
-        async with _raw_engine(free_port(), answer) as (url, connections):
-            pool = UpstreamPool(connect_timeout_s=1.0)
-            try:
-                for path in ("/close", "/a", "/b"):
-                    assert await (await pool.post(url, path, b"{}")).read() == b"ok"
-                assert len(connections) == 2   # /a and /b shared one
-                monkeypatch.setattr(upstream_mod, "_IDLE_KEEPALIVE_S", 0.05)
-                await asyncio.sleep(0.2)
-                assert await (await pool.post(url, "/c", b"{}")).read() == b"ok"
-                assert len(connections) == 3   # idle past the keep-alive: a new one
-            finally:
-                await pool.close()
+        async with _raw_engine(free_port(), answer) as (url, connections, pool):
+            for path in ("/close", "/a", "/b"):
+                assert await (await pool.post(url, path, b"{}")).read() == b"ok"
+            assert len(connections) == 2   # /a and /b shared one
+            monkeypatch.setattr(upstream_mod, "_IDLE_KEEPALIVE_S", 0.05)
+            await asyncio.sleep(0.2)
+            assert await (await pool.post(url, "/c", b"{}")).read() == b"ok"
+            assert len(connections) == 3   # idle past the keep-alive: a new one
 
     _run(main())
 
@@ -285,17 +278,13 @@ def test_a_body_cut_off_mid_stream_raises_connection_reset(free_port):
         return False
 
     async def main():
-        async with _raw_engine(free_port(), answer) as (url, _):
-            pool = UpstreamPool(connect_timeout_s=1.0)
-            try:
-                resp = await pool.post(url, "/x", b"{}")
-                got = []
-                with pytest.raises(ConnectionResetError):
-                    async for chunk in resp.iter_chunks():
-                        got.append(chunk)
-                assert got == [b"data: 0\n\n"]
-            finally:
-                await pool.close()
+        async with _raw_engine(free_port(), answer) as (url, _, pool):
+            resp = await pool.post(url, "/x", b"{}")
+            got = []
+            with pytest.raises(ConnectionResetError):
+                async for chunk in resp.iter_chunks():
+                    got.append(chunk)
+            assert got == [b"data: 0\n\n"]
 
     _run(main())
 
