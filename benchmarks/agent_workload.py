@@ -213,9 +213,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="CPU KV space per engine (the block counts cap it)")
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES, one per engine")
-    # vLLM's binding by default here: with an engine bound to core 0, stock NIXL's P
-    # hung in its first execute_model (RPC timeout after 300 s), ending arms 3 and 4;
-    # with "auto" the co-located arms' start-of-run stall was gone.
+    # A core per engine by default: vLLM's binding put both engines of an arm on core 0
+    # (the co-located arms' start-of-run stall, and D->P pulls waiting for the core).
+    # The stock NIXL clusters keep vLLM's binding (arms.STOCK_NIXL_CLUSTERS).
     p.add_argument("--cores", default="auto", help=armlib.CORES_HELP)
     p.add_argument("--dtype", default="float32",
                    help="engines' --dtype.  float32 by default: in bfloat16 on this CPU "

@@ -113,7 +113,7 @@ class _Endpoint:
     def __init__(self, host: str, port: int) -> None:
         self.host = host
         self.port = port
-        # The request head up to the path, and after it: Host, the content type.
+        # The header lines every request to this engine carries, after its request line.
         self.head = (f"Host: {host}:{port}\r\n"
                      "Content-Type: application/json\r\n").encode("latin-1")
         self.idle: list[tuple[float, ResponseHandler]] = []
