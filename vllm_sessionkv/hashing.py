@@ -20,6 +20,7 @@ import array
 import base64
 import hashlib
 import pickle
+import sys
 from collections.abc import Sequence
 from typing import NewType
 
@@ -44,6 +45,8 @@ EngineHash = NewType("EngineHash", bytes)
 # mismatch anywhere changes every later hash, so 8 bytes per block (2^-64 per block)
 # is ample and keeps a 128k-token chain at 8 KiB for block size 128.
 CHAIN_HASH_BYTES = 8
+# request_keys reads the digests as an array of these.
+assert array.array("Q").itemsize == CHAIN_HASH_BYTES
 
 _NONE_HASH_SEED = "vllm-none-hash"
 
@@ -150,15 +153,17 @@ def request_keys(token_ids: Sequence[int], block_size: int, salt: str | None = N
     n_blocks = full_blocks(len(token_ids), block_size)
     if not n_blocks:
         return []
-    # One conversion for the whole prompt, then a view per block (the hot path
-    # hashes every routed prompt).
-    data = memoryview(array.array("I", token_ids[:n_blocks * block_size]).tobytes())
+    # One conversion for the whole prompt, one hash call per block, and the digests
+    # read as little-endian 64-bit ints in one go (the hot path hashes every routed
+    # prompt).
+    data = array.array("I", token_ids[:n_blocks * block_size]).tobytes()
     step = block_size * 4
     blake2b = hashlib.blake2b
-    keys: list[RequestKey] = []
+    digests: list[bytes] = []
     for offset in range(0, n_blocks * step, step):
-        h = blake2b(prev, digest_size=CHAIN_HASH_BYTES)
-        h.update(data[offset:offset + step])
-        prev = h.digest()
-        keys.append(int.from_bytes(prev, "little"))
-    return keys
+        prev = blake2b(prev + data[offset:offset + step], digest_size=CHAIN_HASH_BYTES).digest()
+        digests.append(prev)
+    keys = array.array("Q", b"".join(digests))
+    if sys.byteorder != "little":
+        keys.byteswap()
+    return keys.tolist()

@@ -70,14 +70,14 @@ class Engine:
     last_scrape_s: float = 0.0
     consecutive_failures: int = 0
     served_requests: int = 0
+    # The config's, copied: routing reads them on every request, and a plain
+    # attribute costs less than a property.
+    url: str = field(init=False)
+    role: Role = field(init=False)
 
-    @property
-    def url(self) -> str:
-        return self.config.url
-
-    @property
-    def role(self) -> Role:
-        return self.config.role
+    def __post_init__(self) -> None:
+        self.url = self.config.url
+        self.role = self.config.role
 
     @property
     def available(self) -> bool:

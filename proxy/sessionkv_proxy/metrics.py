@@ -13,6 +13,7 @@ The rarer series (errors, retries, gauges) stay prometheus_client objects.
 
 from __future__ import annotations
 
+import enum
 from bisect import bisect_left
 from typing import Iterator
 
@@ -107,10 +108,11 @@ class ProxyMetrics:
         counts = self._requests
         counts[key] = counts.get(key, 0) + 1
 
-    def count_route(self, mode: str, reason: str, handle_outcome: str, decision_s: float,
-                    prompt_blocks: int) -> None:
-        """One routing decision: its mode and reason, the session handle's outcome, the
-        time it took and the prompt's full blocks."""
+    def count_route(self, mode: enum.Enum, reason: enum.Enum, handle_outcome: str,
+                    decision_s: float, prompt_blocks: int) -> None:
+        """One routing decision: its mode and reason (enum members, whose values are
+        the labels: read at scrape time, not per request), the session handle's
+        outcome, the time it took and the prompt's full blocks."""
         key = (mode, reason)
         counts = self._decisions
         counts[key] = counts.get(key, 0) + 1
@@ -124,11 +126,12 @@ def _counter(spec: tuple, counts: dict | None) -> CounterMetricFamily:
     name, documentation, labels = spec
     family = CounterMetricFamily(name, documentation, labels=labels)
     if counts:
-        # Label values as prometheus_client writes them (str); keys that read alike
-        # add up.
+        # Label values as prometheus_client writes them (str; an enum member's
+        # value); keys that read alike add up.
         merged: dict[tuple[str, ...], int] = {}
         for key, n in list(counts.items()):
-            values = tuple(map(str, key if isinstance(key, tuple) else (key,)))
+            values = tuple(v.value if isinstance(v, enum.Enum) else str(v)
+                           for v in (key if isinstance(key, tuple) else (key,)))
             merged[values] = merged.get(values, 0) + n
         for values, n in merged.items():
             family.add_metric(values, float(n))

@@ -14,8 +14,7 @@ and states its limits instead of inheriting them:
   dropped for at most ``lingering_s`` (so a client still sending reads the answer),
   then a closed connection; ``Expect: 100-continue`` is answered.
 
-Handlers see a small :class:`Request` (method, path, query, lower-case headers, the
-whole body) and answer with one :class:`Response`, or stream:
+Handlers see a small :class:`Request` (method, path, query, headers, the whole body) and answer with one :class:`Response`, or stream:
 :meth:`Request.start_stream` then :meth:`Request.write` per chunk (chunked encoding;
 a write waits while the client's socket buffer is full) and :meth:`Request.end_stream`.
 A client that leaves mid-answer makes the next write raise ``ConnectionResetError``,
@@ -34,6 +33,7 @@ from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web, web_protocol
 from aiohttp.http_parser import RawRequestMessage
+from multidict import CIMultiDict, CIMultiDictProxy
 
 __all__ = ["FrontLimits", "HttpServer", "Request", "Response"]
 
@@ -50,7 +50,7 @@ class Response:
                  content_type: str | None = "application/json") -> None:
         self.status = status
         self.body = body
-        self.headers = headers if headers is not None else []   # (str | bytes) pairs
+        self.headers = headers if headers is not None else []
         if content_type is not None:
             self.headers.append(("Content-Type", content_type))
 
@@ -82,16 +82,10 @@ class FrontLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(f"front.{name} must be within (0, 3600]")
 
 
-def _text(value) -> str:
-    # Headers relayed from an engine arrive as bytes; the proxy's own are str.
-    return value.decode("latin-1") if value.__class__ is bytes else value
-
-
 def _web_response(response: Response) -> web.Response:
-    out = web.Response(status=response.status, body=response.body)
-    for name, value in response.headers:
-        out.headers.add(_text(name), _text(value))
-    return out
+    # One multidict built from the pairs, not an ``add`` per header.
+    return web.Response(status=response.status, body=response.body,
+                        headers=CIMultiDict(response.headers))
 
 
 class _RequestTooLarge(Exception):
@@ -109,8 +103,9 @@ class Request:
         self.method = raw.method
         self.path = raw.raw_path.partition("?")[0]
         self.query = raw.query_string
-        # Lower-case names; a repeated header keeps its last value.
-        self.headers = {k.lower(): v for k, v in raw.headers.items()}
+        # aiohttp's parsed headers: any case of a name finds it, and ``get`` gives a
+        # repeated header's first value.
+        self.headers: CIMultiDictProxy[str] = raw.headers
         self.body = body
         self._stream: web.StreamResponse | None = None
         self._ended = False
@@ -131,9 +126,7 @@ class Request:
 
     async def start_stream(self, status: int, headers: list[tuple[str, str]]) -> None:
         """Send the head of a streamed answer; the body follows in :meth:`write`."""
-        stream = web.StreamResponse(status=status)
-        for name, value in headers:
-            stream.headers.add(_text(name), _text(value))
+        stream = web.StreamResponse(status=status, headers=CIMultiDict(headers))
         if self._raw.version >= (1, 1):
             stream.enable_chunked_encoding()
         else:
@@ -269,8 +262,16 @@ class HttpServer:
             raise _RequestTooLarge(f"{raw.content_length} bytes")
         if raw.headers.get("Expect", "").lower() == "100-continue":
             await raw.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        content = raw.content
+        if content.is_eof():
+            # The whole body came with the head (the usual small request): take it
+            # without the read loop.
+            body = content.read_nowait()
+            if len(body) > limit:
+                raise _RequestTooLarge("more than that")
+            return body
         parts, size = [], 0
-        async for chunk in raw.content.iter_any():
+        async for chunk in content.iter_any():
             size += len(chunk)
             if size > limit:
                 raise _RequestTooLarge("more than that")

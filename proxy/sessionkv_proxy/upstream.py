@@ -35,6 +35,7 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
+from multidict import CIMultiDictProxy
 
 __all__ = ["UpstreamConnectError", "UpstreamPool", "UpstreamResponse"]
 
@@ -63,9 +64,9 @@ class UpstreamResponse:
         self._released = False
 
     @property
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        """As the engine sent them: relayed without decoding."""
-        return list(self._message.raw_headers)
+    def headers(self) -> CIMultiDictProxy[str]:
+        """As the engine sent them, parsed by aiohttp."""
+        return self._message.headers
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as the engine chunked it: one server-sent event per chunk from

@@ -25,9 +25,10 @@ def test_parse_sums_label_sets_and_skips_nan():
                    "vllm:kv_cache_usage_perc": 0.25}
 
 
-async def _serve(port: int, delay_s: float) -> tuple[web.AppRunner, str]:
+async def _serve(port: int, delay_s: dict[str, float]) -> tuple[web.AppRunner, str]:
+    """An engine's /metrics, answered after ``delay_s["s"]`` (changeable while it runs)."""
     async def metrics(_request):
-        await asyncio.sleep(delay_s)
+        await asyncio.sleep(delay_s["s"])
         return web.Response(text=METRICS)
 
     app = web.Application()
@@ -40,19 +41,18 @@ async def _serve(port: int, delay_s: float) -> tuple[web.AppRunner, str]:
 
 def test_slow_scrape_keeps_engine_healthy_and_its_last_load(free_port):
     async def main():
-        fast_runner, url = await _serve(free_port(), 0.0)
+        delay = {"s": 0.0}
+        runner, url = await _serve(free_port(), delay)
         pool = EnginePool.from_configs([EngineConfig(url=url, role=Role.DECODE)])
         engine = pool.engines[0]
         slow = []
         async with aiohttp.ClientSession() as http:
             await pool._scrape(http, engine, 1.0)
             assert (engine.running_requests, engine.kv_usage) == (3.0, 0.25)
-            await fast_runner.cleanup()
-            slow_runner, slow_url = await _serve(free_port(), 0.5)
-            engine.config = EngineConfig(url=slow_url, role=Role.DECODE)
+            delay["s"] = 0.5
             for _ in range(3):
                 await pool._scrape(http, engine, 0.1, on_slow=slow.append)
-            await slow_runner.cleanup()
+            await runner.cleanup()
         return engine, slow
 
     engine, slow = asyncio.run(main())
@@ -62,7 +62,8 @@ def test_slow_scrape_keeps_engine_healthy_and_its_last_load(free_port):
 
 def test_refused_scrapes_mark_engine_unhealthy_until_it_answers(free_port):
     async def main():
-        dead = f"http://127.0.0.1:{free_port()}"
+        port = free_port()
+        dead = f"http://127.0.0.1:{port}"
         pool = EnginePool.from_configs([EngineConfig(url=dead, role=Role.DECODE)])
         engine = pool.engines[0]
         async with aiohttp.ClientSession() as http:
@@ -70,8 +71,8 @@ def test_refused_scrapes_mark_engine_unhealthy_until_it_answers(free_port):
             after_one = engine.healthy
             await pool._scrape(http, engine, 1.0)
             after_two = engine.healthy
-            runner, url = await _serve(free_port(), 0.0)
-            engine.config = EngineConfig(url=url, role=Role.DECODE)
+            # The engine comes back on its port.
+            runner, _ = await _serve(port, {"s": 0.0})
             await pool._scrape(http, engine, 1.0)
             await runner.cleanup()
         return after_one, after_two, engine.healthy

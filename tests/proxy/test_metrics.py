@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
 from sessionkv_proxy.metrics import ProxyMetrics
+from sessionkv_proxy.policy import Mode, RouteReason
 
 DECISION_BOUNDS = (1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2)
 PROMPT_BOUNDS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
@@ -58,13 +59,15 @@ def test_request_counts_by_endpoint_and_status():
 
 def test_route_counts_decisions_and_handles():
     m = ProxyMetrics()
-    m.count_route("disaggregated", "prefix", "none", 1e-4, 3)
-    m.count_route("disaggregated", "prefix", "attached", 1e-4, 3)
-    m.count_route("decode_only", "session", "attached", 1e-4, 3)
+    # The app passes the enum members; their values are the labels, and a member
+    # adds up with the string it reads as.
+    m.count_route(Mode.DISAGGREGATED, RouteReason.INCREMENT_TOO_LARGE, "none", 1e-4, 3)
+    m.count_route("disaggregated", "increment_too_large", "attached", 1e-4, 3)
+    m.count_route(Mode.DECODE_ONLY, RouteReason.SMALL_INCREMENT, "attached", 1e-4, 3)
     get = m.registry.get_sample_value
     dec = "sessionkv_proxy_routing_decisions_total"
-    assert get(dec, {"mode": "disaggregated", "reason": "prefix"}) == 2.0
-    assert get(dec, {"mode": "decode_only", "reason": "session"}) == 1.0
+    assert get(dec, {"mode": "disaggregated", "reason": "increment_too_large"}) == 2.0
+    assert get(dec, {"mode": "decode_only", "reason": "small_increment"}) == 1.0
     hnd = "sessionkv_proxy_session_handles_total"
     assert get(hnd, {"outcome": "attached"}) == 2.0
     assert get(hnd, {"outcome": "none"}) == 1.0

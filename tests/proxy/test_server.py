@@ -187,6 +187,17 @@ async def test_chunked_body_growing_past_the_limit_gets_413(served):
     _assert_error_body(body, b"HTTP/1.1 413", raw)
 
 
+async def test_chunked_body_over_the_limit_that_arrives_whole_gets_413(served):
+    """Sent in one write, the whole body is buffered before the handler starts: the
+    server takes it without its read loop, and must still count it."""
+    _, _, port = served
+    chunk = b"%x\r\n%s\r\n" % (LIMIT // 2 + 1, b"z" * (LIMIT // 2 + 1))
+    raw = await _raw(port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                           b"\r\n" + chunk * 2 + b"0\r\n\r\n")
+    _, body = _split(raw)
+    _assert_error_body(body, b"HTTP/1.1 413", raw)
+
+
 async def test_oversized_body_from_a_real_client_reads_413(served):
     """The client is still sending when the 413 goes out; it must still read it."""
     _, _, port = served
