@@ -162,7 +162,7 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
             body["stream"] = _lax_bool(body["stream"])
         except ValueError:
             raise ApiError(400, "'stream' must be a boolean", param="stream") from None
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "n"):
         if key not in body:
             continue
         try:

@@ -179,6 +179,9 @@ class RouteReason(str, enum.Enum):
     HOST_TIER = "host_tier"
     # Disaggregated: D restores the prompt's prefix from its host tier, P pulls it.
     HOST_TIER_PULL = "host_tier_pull"
+    # Decode only: the request is several engine requests (n > 1, a batch of prompts),
+    # and one P -> D hand-off carries one.
+    SEVERAL_ENGINE_REQUESTS = "several_engine_requests"
     # Decided by the router without the policy:
     ROUND_ROBIN = "round_robin"
     SINGLE_DECODE_WORKER = "single_decode_worker"
@@ -249,12 +252,18 @@ class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
     # session to hold the restored turn under, and no usable handle offers P the
     # session's blocks already.
     restore_allowed: bool = True
+    # The engine requests vLLM makes of this one: ``n`` samples, one per prompt of a
+    # batch.  A P -> D hand-off carries one request's KV, so a request of several is
+    # not split over P and D (see ``route``).
+    engine_requests: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.prompt_tokens < 0:
             raise ValueError(f"prompt_tokens must be >= 0, got {self.prompt_tokens}")
+        if self.engine_requests < 1:
+            raise ValueError(f"engine_requests must be >= 1, got {self.engine_requests}")
 
     @property
     def prompt_blocks(self) -> int:
@@ -658,6 +667,19 @@ def route(
         )
     no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
                  and inp.max_output_tokens <= 1)
+    if inp.engine_requests > 1 and not no_decode:
+        # P answers with one hand-off, naming one engine request's KV (vLLM returns one
+        # set of kv_transfer_params per client request), while D would run several:
+        # the others would compute their prompts anyway, after verification refused
+        # P's blocks, or wait out an early-decode hold meant for one.  D computes them
+        # from the start instead.  (Prefill only is fine: P serves them all.)
+        return RouteDecision(
+            mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
+            reason=f"{decode_reason}; decode only: {inp.engine_requests} engine requests "
+                   "(n or a batch of prompts), one P -> D hand-off carries one",
+            label=RouteReason.SEVERAL_ENGINE_REQUESTS,
+            uncached_tokens=uncached, decode_candidates=decode_terms,
+        )
     try:
         # A prefill-only request is a plain request on P: no handle, so no peer pull.
         prefill_terms = score_prefill(

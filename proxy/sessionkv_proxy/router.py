@@ -51,7 +51,7 @@ from sessionkv_proxy.sessions import (
     encode_record,
 )
 
-__all__ = ["RoutePlan", "Router", "request_tenant"]
+__all__ = ["RoutePlan", "Router", "engine_requests", "request_tenant"]
 
 logger = logging.getLogger("sessionkv_proxy.router")
 
@@ -337,6 +337,10 @@ class Router:
             if not has_prefill_pool:
                 return RoutePlan(Mode.DECODE_ONLY, None, decode, RouteReason.COLOCATED,
                                  max_output_tokens=max_output, tenant=tenant)
+            if engine_requests(body, is_chat) > 1:   # as the policy rules (``route``)
+                return RoutePlan(Mode.DECODE_ONLY, None, decode,
+                                 RouteReason.SEVERAL_ENGINE_REQUESTS,
+                                 max_output_tokens=max_output, tenant=tenant)
             prefill = self._next(Role.PREFILL)
             return RoutePlan(Mode.DISAGGREGATED, prefill, decode, RouteReason.ROUND_ROBIN,
                              prefill_params=_fresh_prefill_params(),
@@ -416,7 +420,8 @@ class Router:
                                   # D to hold the turn under; a usable handle already
                                   # names the session's blocks.
                                   restore_allowed=bool(token_ids and session_id
-                                                       and handle is None)),
+                                                       and handle is None),
+                                  engine_requests=engine_requests(body, is_chat)),
                 workers, self.params, self.rng)
         except policy.NoWorkerAvailable as exc:
             self._give_back(read, session_id, tenant)
@@ -469,6 +474,21 @@ def request_tenant(body: dict[str, Any]) -> str | None:
     """A request's tenant: vLLM's ``cache_salt``, which the engines hash into every
     block, so KV is never shared across tenants."""
     return body.get("cache_salt")
+
+
+def engine_requests(body: dict[str, Any], is_chat: bool) -> int:
+    """The engine requests vLLM makes of a validated request: ``n`` samples of each
+    prompt, one per prompt of a completions batch (a list of strings or of token-id
+    lists; a list of ints is one prompt); beam search counts as several."""
+    n = body.get("n")
+    count = n if n.__class__ is int and n > 1 else 1
+    if not is_chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            count *= len(prompt)
+    if body.get("use_beam_search"):
+        count = max(count, 2)
+    return count
 
 
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:

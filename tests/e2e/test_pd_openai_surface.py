@@ -3,8 +3,9 @@
 Requests beyond the plain prompt-and-decode case, each sent through the proxy
 (P -> NIXL -> D) and to the co-located server: every choice's text, token ids,
 finish reason and logprobs must be equal, and an error must be an error in both with
-the same status.  Batch prompts are the sharp case: P's one set of transfer
-parameters names one prompt's KV, so D must verify before it attaches anything.
+the same status.  Requests vLLM runs as several engine requests (a batch of prompts,
+``n`` > 1) are the sharp case: P's one set of transfer parameters names one engine
+request's KV, so the proxy sends them to D alone (checked here by the route header).
 
 Named to sort after test_pd_foundation: that module starts the session's cluster
 (its start-up time is checked) and measures the idle cluster's CPU before any test
@@ -102,7 +103,7 @@ def _normalized(resp: requests.Response, stream: bool):
     return 200, {"choices": [merged[i] for i in sorted(merged)], "usage": usage}
 
 
-def _compare(cluster, path: str, body: dict) -> dict:
+def _compare(cluster, path: str, body: dict) -> requests.Response:
     stream = bool(body.get("stream"))
     got = requests.post(cluster.proxy + path, json=body, timeout=300)
     base = requests.post(cluster.colocated + path, json=body, timeout=300)
@@ -110,13 +111,20 @@ def _compare(cluster, path: str, body: dict) -> dict:
     assert proxied == colocated, (f"{path} {json.dumps(body)[:300]}\nproxy:     "
                                   f"{json.dumps(proxied)[:1500]}\nco-located: "
                                   f"{json.dumps(colocated)[:1500]}")
+    return got
+
+
+# Several engine requests each: D alone serves them.
+SEVERAL_ENGINE_REQUESTS = {"batch-of-strings", "batch-of-token-id-lists", "seeded-n-2"}
 
 
 @pytest.mark.parametrize("case", sorted(COMPLETION_CASES))
 def test_completions_surface_equals_colocated(pd_cluster, case):
     body = {"model": pd_cluster.model, "temperature": 0, "return_token_ids": True,
             **COMPLETION_CASES[case]}
-    _compare(pd_cluster, "/v1/completions", body)
+    got = _compare(pd_cluster, "/v1/completions", body)
+    if case in SEVERAL_ENGINE_REQUESTS:
+        assert got.headers.get("x-sessionkv-route") == "decode_only", got.headers
 
 
 @pytest.mark.parametrize("case", sorted(CHAT_CASES))

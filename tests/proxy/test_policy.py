@@ -509,6 +509,23 @@ def test_prefill_only_credits_no_peer_pull():
     assert alone.mode is Mode.PREFILL_ONLY and alone.prefill_candidates[0].peer_blocks == 0
 
 
+def test_several_engine_requests_are_not_split_over_p_and_d():
+    # n > 1 or a batch: P would hand over one engine request's KV, so D computes
+    # them; with at most one new token P serves them all, as for any request.
+    big = inp(3200)
+    workers = [P("p1"), D("d1")]
+    assert route(big, workers, params(), random.Random(0)).mode is Mode.DISAGGREGATED
+    fan = route(msgspec.structs.replace(big, engine_requests=2), workers, params(),
+                random.Random(0))
+    assert fan.mode is Mode.DECODE_ONLY and fan.prefill_url is None
+    assert fan.label is policy.RouteReason.SEVERAL_ENGINE_REQUESTS
+    assert "2 engine requests" in fan.reason
+    one_token = msgspec.structs.replace(big, engine_requests=3, max_output_tokens=1)
+    assert route(one_token, workers, params(), random.Random(0)).mode is Mode.PREFILL_ONLY
+    with pytest.raises(ValueError, match="engine_requests"):
+        inp(100, engine_requests=0)
+
+
 # --------------------------------------------------------------------------- pick
 
 

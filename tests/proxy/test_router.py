@@ -12,7 +12,7 @@ from sessionkv_proxy.config import load_config
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.memory import MemoryIndex
-from sessionkv_proxy.router import Router
+from sessionkv_proxy.router import Router, engine_requests
 from sessionkv_proxy.upstream import UpstreamPool
 
 P_URL, D1, D2 = "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11"
@@ -185,3 +185,39 @@ def test_router_policy_and_engine_share_one_expiry_margin() -> None:
         == HANDLE_EXPIRY_MARGIN_S
     assert not handle_expired(0.0, 1e9)            # no expiry known
     assert handle_expired(100.0, 95.0, 10.0) and not handle_expired(100.0, 89.0, 10.0)
+
+
+@pytest.mark.parametrize("body,is_chat,count", [
+    ({"prompt": "a b c"}, False, 1),
+    ({"prompt": [5, 6, 7]}, False, 1),                     # token ids: one prompt
+    ({"prompt": "a b c", "n": 2}, False, 2),
+    ({"prompt": ["a", "b", "c"]}, False, 3),               # a batch of strings
+    ({"prompt": [[5, 6], [7, 8]], "n": 3}, False, 6),       # a batch of id lists, n each
+    ({"prompt": "a", "n": 1, "use_beam_search": True}, False, 2),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 4}, True, 4),
+    ({"messages": [{"role": "user", "content": "hi"}]}, True, 1),
+])
+def test_engine_requests_counts_what_vllm_runs(body, is_chat, count) -> None:
+    assert engine_requests(body, is_chat) == count
+
+
+@pytest.mark.parametrize("policy_name", ["cost", "round_robin"])
+async def test_several_engine_requests_go_to_d_alone(policy_name) -> None:
+    """n > 1 (or a batch) is not split over P and D under either policy: P's one
+    hand-off names one engine request's KV."""
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none",
+                                "routing": {"policy": policy_name}})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    router = Router(config, EnginePool.from_configs(config.engines), MemoryIndex(),
+                    upstream)
+    try:
+        one = await router.plan(_body(list(range(1000, 1640))), False, None)
+        assert one.mode == "disaggregated"
+        two = await router.plan({**_body(list(range(3000, 3640))), "n": 2}, False, None)
+        assert (two.mode, two.reason, two.prefill) == (
+            "decode_only", "several_engine_requests", None)
+        assert two.decode.url == D1
+    finally:
+        await upstream.close()
