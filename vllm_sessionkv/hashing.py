@@ -45,8 +45,10 @@ EngineHash = NewType("EngineHash", bytes)
 # mismatch anywhere changes every later hash, so 8 bytes per block (2^-64 per block)
 # is ample and keeps a 128k-token chain at 8 KiB for block size 128.
 CHAIN_HASH_BYTES = 8
-# request_keys reads the digests as an array of these.
-assert array.array("Q").itemsize == CHAIN_HASH_BYTES
+# request_keys reads the digests as an array of these (a check that ``python -O`` keeps).
+if array.array("Q").itemsize != CHAIN_HASH_BYTES:
+    raise ImportError(f"array 'Q' items are {array.array('Q').itemsize} bytes on this "
+                      f"platform, request_keys needs {CHAIN_HASH_BYTES}")
 
 _NONE_HASH_SEED = "vllm-none-hash"
 
@@ -161,7 +163,8 @@ def request_keys(token_ids: Sequence[int], block_size: int, salt: str | None = N
     blake2b = hashlib.blake2b
     digests: list[bytes] = []
     for offset in range(0, n_blocks * step, step):
-        prev = blake2b(prev + data[offset:offset + step], digest_size=CHAIN_HASH_BYTES).digest()
+        prev = blake2b(prev + data[offset:offset + step],
+                       digest_size=CHAIN_HASH_BYTES).digest()
         digests.append(prev)
     keys = array.array("Q", b"".join(digests))
     if sys.byteorder != "little":

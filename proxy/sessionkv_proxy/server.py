@@ -14,7 +14,8 @@ and states its limits instead of inheriting them:
   dropped for at most ``lingering_s`` (so a client still sending reads the answer),
   then a closed connection; ``Expect: 100-continue`` is answered.
 
-Handlers see a small :class:`Request` (method, path, query, headers, the whole body) and answer with one :class:`Response`, or stream:
+Handlers see a small :class:`Request` (method, path, query, headers, the whole body)
+and answer with one :class:`Response`, or stream:
 :meth:`Request.start_stream` then :meth:`Request.write` per chunk (chunked encoding;
 a write waits while the client's socket buffer is full) and :meth:`Request.end_stream`.
 A client that leaves mid-answer makes the next write raise ``ConnectionResetError``,
