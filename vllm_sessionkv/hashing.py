@@ -28,6 +28,7 @@ __all__ = [
     "CHAIN_HASH_BYTES",
     "EngineHash",
     "RequestKey",
+    "chained_keys",
     "decode_chain",
     "encode_chain",
     "engine_block_hashes",
@@ -159,10 +160,15 @@ def request_keys(token_ids: Sequence[int], block_size: int, salt: str | None = N
     # read as little-endian 64-bit ints in one go (the hot path hashes every routed
     # prompt).
     data = array.array("I", token_ids[:n_blocks * block_size]).tobytes()
-    step = block_size * 4
+    return chained_keys(prev, data, block_size * 4)
+
+
+def chained_keys(prev: bytes, data: bytes, step: int) -> list[RequestKey]:
+    """One 64-bit key per full ``step``-byte block of ``data``, each hashing the one
+    before it (``prev`` seeds the first): the chain under ``request_keys``."""
     blake2b = hashlib.blake2b
     digests: list[bytes] = []
-    for offset in range(0, n_blocks * step, step):
+    for offset in range(0, len(data) - step + 1, step):
         prev = blake2b(prev + data[offset:offset + step],
                        digest_size=CHAIN_HASH_BYTES).digest()
         digests.append(prev)

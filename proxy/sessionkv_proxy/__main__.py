@@ -38,11 +38,12 @@ def _parser() -> argparse.ArgumentParser:
                         "for a Redis Cluster")
     p.add_argument("--policy", choices=["cost", "round_robin"])
     p.add_argument("--block-size", type=int, help="engines' --block-size (default 32)")
-    p.add_argument("--tokenizer", metavar="engine|none|PATH",
+    p.add_argument("--tokenizer", metavar="engine|none|text|PATH",
                    help="token ids for routing: 'engine' asks an engine's /tokenize "
-                        "(default), 'none' routes without them, PATH (the model directory "
-                        "given to vllm serve, or its tokenizer.json) tokenizes completions "
-                        "string prompts in the proxy once they match the engine's")
+                        "(default), 'none' routes without them, 'text' routes on blocks "
+                        "of the prompt's text (engines without KV events), PATH (the "
+                        "model directory given to vllm serve, or its tokenizer.json) "
+                        "tokenizes prompts in the proxy once they match the engine's")
     p.add_argument("--decode-only-max-uncached-tokens", type=int,
                    help="serve on D directly when at most this many prompt tokens are "
                         "uncached there (-1: never)")

@@ -124,7 +124,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # model directory given to `vllm serve`, or its tokenizer.json) tokenizes
     # completions string prompts in the proxy, and renders chat prompts with that
     # directory's chat template, each checked against an engine's /tokenize once
-    # (see tokenizer.py and chat_template.py).
+    # (see tokenizer.py and chat_template.py); "text" computes no token ids: the
+    # router's keys are blocks of the prompt's text (about 3 characters a token),
+    # matched against its own recent routes only, as vllm-router's cache_aware does.
+    # That is for pools whose engines publish no KV events (which are keyed by
+    # tokens): it saves each request its /tokenize round trip, the engine's
+    # API server a request, and the host-tier restore (which needs token ids).
     tokenizer: str = "engine"
     block_size: int = 32
     max_body_bytes: int = 8 * 1024 * 1024
@@ -166,7 +171,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("engines: at least one engine with role 'decode' is required")
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        if self.tokenizer not in ("engine", "none"):
+        if self.tokenizer == "text":
+            publishing = [e.url for e in self.engines if e.kv_events]
+            if publishing:
+                raise ValueError(
+                    "tokenizer: 'text' keys routing on the prompt's text, which KV "
+                    f"events (keyed by tokens) never match, but {publishing[0]} "
+                    "publishes them: use 'engine' or a tokenizer path")
+        elif self.tokenizer not in ("engine", "none"):
             from sessionkv_proxy.tokenizer import LocalTokenizer
 
             LocalTokenizer.load(self.tokenizer)  # fail at start-up, naming the key

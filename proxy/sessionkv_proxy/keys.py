@@ -1,4 +1,4 @@
-"""Router request keys chained from a known parent key.
+"""Router request keys chained from a known parent key, and keys over a prompt's text.
 
 ``vllm_sessionkv.hashing.request_keys`` hashes a whole prompt from block 0.  KV
 events describe runs of blocks that continue an earlier run: ``BlockStored`` gives the
@@ -9,11 +9,12 @@ implementation in ``hashing.request_keys``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
-from vllm_sessionkv.hashing import RequestKey, request_keys
+from vllm_sessionkv.hashing import CHAIN_HASH_BYTES, RequestKey, chained_keys, request_keys
 
-__all__ = ["chain_request_keys"]
+__all__ = ["chain_request_keys", "text_keys"]
 
 
 def chain_request_keys(token_ids: Sequence[int], block_size: int,
@@ -27,3 +28,17 @@ def chain_request_keys(token_ids: Sequence[int], block_size: int,
     """
     return request_keys(token_ids, block_size, salt=salt, lora_name=lora_name,
                         parent=parent)
+
+
+def text_keys(text: bytes, block_bytes: int, salt: str | None = None) -> list[int]:
+    """Chained 64-bit keys over the full ``block_bytes``-byte blocks of a prompt's text
+    (``tokenizer: text``): two prompts share their first n keys exactly when their
+    first n blocks of text are the same, as ``request_keys`` does for token ids.
+
+    The chain is seeded apart from ``request_keys``' (with ``text`` and the tenant's
+    ``salt``): a text key and a token key agree only by a 64-bit collision, so the
+    engines' KV events, keyed by tokens, do not match text keys.
+    """
+    prev = hashlib.blake2b(b"text\x00" + (salt or "").encode("utf-8", "surrogatepass"),
+                           digest_size=CHAIN_HASH_BYTES).digest()
+    return chained_keys(prev, text, block_bytes)

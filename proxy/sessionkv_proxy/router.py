@@ -4,7 +4,8 @@ The policy (``policy.py``) is a pure function of plain data.  This module does t
 I/O around it: token ids for the prompt (the engine's ``/tokenize``, or, once
 they matched the engine's at start-up, the same tokenizer in-process for
 completions text and the model's chat template rendered in-process for chat, so
-they equal vLLM's), then the session record, the engines' published handle and the
+they equal vLLM's; or, with ``tokenizer: text``, no ids: keys over the prompt's
+text, for pools without KV events), then the session record, the engines' published handle and the
 index lookup in one read (``KVIndex.route_read``: one Redis round trip, or none
 in-process), and the engines' load.  What the decision writes (a consumed handle
 cleared from the record, an unused published handle given back, the record after
@@ -39,6 +40,7 @@ from sessionkv_proxy.policy import Mode, Role, RouteReason
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex, RouteRead
+from sessionkv_proxy.keys import text_keys
 from sessionkv_proxy.recent import RecentRoutes
 from sessionkv_proxy.chat_template import ChatRenderer
 from sessionkv_proxy.tokenizer import LocalTokenizer
@@ -51,7 +53,8 @@ from sessionkv_proxy.sessions import (
     encode_record,
 )
 
-__all__ = ["RoutePlan", "Router", "engine_requests", "request_tenant"]
+__all__ = ["CHARS_PER_TOKEN", "RoutePlan", "Router", "engine_requests", "prompt_text",
+           "request_tenant"]
 
 logger = logging.getLogger("sessionkv_proxy.router")
 
@@ -106,8 +109,10 @@ class Router:
         # engine's (``local_tokenizer_ok``); the app sets ``check_local_tokenizer``,
         # run in the background on a request while no check has given a verdict, and
         # drops ``local_tokenizer`` on a mismatch.
-        self.local_tokenizer = (None if config.tokenizer in ("engine", "none")
+        self.local_tokenizer = (None if config.tokenizer in ("engine", "none", "text")
                                 else LocalTokenizer.load(config.tokenizer))
+        # Keys over the prompt's text instead of its token ids (``tokenizer: text``).
+        self.text_keys = config.tokenizer == "text"
         self.local_tokenizer_ok = False
         # Chat requests likewise, with the model's chat template, once probe
         # conversations matched an engine's (``local_chat_ok``); a request's own
@@ -202,6 +207,22 @@ class Router:
             return None
         tokens = out.get("tokens") if isinstance(out, dict) else None
         return tokens if isinstance(tokens, list) else None
+
+    async def content_keys(self, body: dict[str, Any], is_chat: bool, tenant: str | None
+                           ) -> tuple[list[int] | None, list[int]]:
+        """(token ids, block keys) of the prompt: keys over its token ids, or over its
+        text with ``tokenizer: text`` (no ids then, unless the client sent ids)."""
+        block_size = self.config.block_size
+        if self.text_keys:
+            prompt = None if is_chat else body.get("prompt")
+            if not (prompt.__class__ is list and prompt
+                    and all(t.__class__ is int for t in prompt)):
+                text = prompt_text(body, is_chat)
+                return None, (text_keys(text, block_size * CHARS_PER_TOKEN, tenant)
+                              if text else [])
+        token_ids = await self.prompt_token_ids(body, is_chat)
+        return token_ids, (request_keys(token_ids, block_size, salt=tenant)
+                           if token_ids else [])
 
     # ------------------------------------------------------------ sessions
     def _session_raw(self, key: str, stored: bytes | None) -> bytes | None:
@@ -360,9 +381,7 @@ class Router:
                                         "detail": "single decode worker; decode only"},
                                  prompt_tokens=_estimate_tokens(body, is_chat),
                                  max_output_tokens=max_output)
-        token_ids = await self.prompt_token_ids(body, is_chat)
-        keys = (request_keys(token_ids, self.config.block_size, salt=tenant)
-                if token_ids else [])
+        token_ids, keys = await self.content_keys(body, is_chat, tenant)
         # Everything the decision reads from the store, in one round trip.  Only a P
         # request can use the session's handle, so only then is the published copy
         # taken: atomically, so that of several replicas one gets it (single use).
@@ -491,21 +510,39 @@ def engine_requests(body: dict[str, Any], is_chat: bool) -> int:
     return count
 
 
+# Characters per token for a prompt the router has no token ids of: enough to tell a
+# long prompt from a short one, and the size of a text key's block in tokens.
+CHARS_PER_TOKEN = 3
+
+
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:
-    """About 3 characters a token: enough to tell a long prompt from a short one."""
+    """The prompt's size in tokens, from its text (``CHARS_PER_TOKEN``)."""
     if not is_chat:
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return len(prompt) // 3
+            return len(prompt) // CHARS_PER_TOKEN
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
             return len(prompt)
-        return len(json.dumps(prompt, default=str)) // 3
+        return len(json.dumps(prompt, default=str)) // CHARS_PER_TOKEN
     chars = 0
     for message in body.get("messages") or ():
         content = message.get("content") if isinstance(message, dict) else None
         chars += len(content) if isinstance(content, str) else \
             len(json.dumps(content, default=str))
-    return chars // 3
+    return chars // CHARS_PER_TOKEN
+
+
+def prompt_text(body: dict[str, Any], is_chat: bool) -> bytes | None:
+    """What ``tokenizer: text`` keys a prompt on: a completions string as UTF-8, a
+    chat request's tools and messages as JSON (a conversation's next turn re-sends
+    them with more at the end, so its text extends the last turn's); None for a
+    batch of prompts."""
+    if is_chat:
+        tools = body.get("tools")
+        messages = _json.encode(body.get("messages"))
+        return _json.encode(tools) + messages if tools else messages
+    prompt = body.get("prompt")
+    return prompt.encode("utf-8", "surrogatepass") if isinstance(prompt, str) else None
 
 
 def _max_output_tokens(body: dict[str, Any], is_chat: bool) -> int | None:

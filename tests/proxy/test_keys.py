@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import random
 
 import pytest
@@ -33,3 +34,26 @@ def test_chaining_from_a_parent_continues_the_whole_prompt_chain(salt):
 def test_salt_separates_tenants():
     tokens = list(range(32))
     assert chain_request_keys(tokens, 16, salt="a") != chain_request_keys(tokens, 16, salt="b")
+
+
+def test_text_keys_follow_the_texts_common_full_blocks():
+    """Keys over a prompt's text (``tokenizer: text``): one per full block, equal
+    exactly as far as the two texts' blocks are equal, apart per tenant, and apart
+    from token keys over the same bytes."""
+    from sessionkv_proxy.keys import text_keys
+
+    base = bytes(random.Random(3).randrange(256) for _ in range(10 * 48))
+    keys = text_keys(base, 48)
+    assert len(keys) == 10 and len(set(keys)) == 10
+    assert text_keys(base + b"x" * 47, 48) == keys            # a partial block: no key
+    edited = base[:4 * 48 + 5] + b"!" + base[4 * 48 + 6:]
+    other = text_keys(edited, 48)
+    assert other[:4] == keys[:4] and all(a != b for a, b in zip(other[4:], keys[4:]))
+    assert not set(text_keys(base, 48, salt="tenant-a")) & set(keys)
+    assert text_keys(base, 48, salt="tenant-a") == text_keys(base, 48, salt="tenant-a")
+    # The bytes request_keys hashes for these ids: without its own seed, a text key
+    # would equal the token key.
+    ids = list(range(7, 7 + 16 * 3))
+    as_bytes = array.array("I", ids).tobytes()
+    assert not set(text_keys(as_bytes, 16 * 4)) & set(request_keys(ids, 16))
+    assert text_keys(b"short", 48) == []
