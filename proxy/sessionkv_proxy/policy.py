@@ -680,6 +680,14 @@ def route(
             label=RouteReason.SEVERAL_ENGINE_REQUESTS,
             uncached_tokens=uncached, decode_candidates=decode_terms,
         )
+    # A deployment without P (co-located) is not one whose P are down.
+    if not any(w.role is Role.PREFILL for w in workers):
+        return RouteDecision(
+            mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
+            reason=f"{decode_reason}; decode only: co-located, no prefill pool",
+            label=RouteReason.COLOCATED, uncached_tokens=uncached,
+            decode_candidates=decode_terms,
+        )
     try:
         # A prefill-only request is a plain request on P: no handle, so no peer pull.
         prefill_terms = score_prefill(
@@ -688,15 +696,11 @@ def route(
     except NoWorkerAvailable:
         if not params.decode_only_without_prefill:
             raise
-        # A deployment without P (co-located) is not one whose P are down.
-        has_prefill_pool = any(w.role is Role.PREFILL for w in workers)
-        why = "no healthy prefill worker" if has_prefill_pool else "co-located, no prefill pool"
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
-            reason=f"{decode_reason}; decode only: {why}",
-            label=(RouteReason.NO_PREFILL_WORKER if has_prefill_pool
-                   else RouteReason.COLOCATED),
-            uncached_tokens=uncached, decode_candidates=decode_terms,
+            reason=f"{decode_reason}; decode only: no healthy prefill worker",
+            label=RouteReason.NO_PREFILL_WORKER, uncached_tokens=uncached,
+            decode_candidates=decode_terms,
         )
     prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
     if no_decode:

@@ -477,9 +477,10 @@ class Router:
                  "peer_pullable_blocks": peer_blocks, "uncached_tokens": decision.uncached_tokens,
                  "detail": decision.reason + (
                      "; index and sessions from this replica (redis unavailable)"
-                     if degraded else ""),
-                 "prefill": {t.url: round(t.cost, 3) for t in decision.prefill_candidates},
-                 "decode": {t.url: round(t.cost, 3) for t in decision.decode_candidates}}
+                     if degraded else "")}
+        if logger.isEnabledFor(logging.DEBUG):   # only the debug log reads the costs
+            terms["prefill"] = {t.url: round(t.cost, 3) for t in decision.prefill_candidates}
+            terms["decode"] = {t.url: round(t.cost, 3) for t in decision.decode_candidates}
         return RoutePlan(mode, prefill, decode, decision.label,
                          prefill_params=prefill_params, prompt_keys=list(keys), terms=terms,
                          handle_outcome=outcome,

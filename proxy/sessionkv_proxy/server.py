@@ -159,17 +159,22 @@ class _Protocol(web_protocol.RequestHandler):
         self.in_request = False
 
     def data_received(self, data: bytes) -> None:
-        if not self.in_request and self.head_deadline is None and self.transport is not None:
-            self.head_deadline = asyncio.get_running_loop().call_later(
-                self.header_timeout_s, self._head_overdue)
         super().data_received(data)
-        # A request aiohttp could not parse (a limit, garbage) is queued as an error
-        # to answer, but aiohttp keeps reading: each later chunk of a 64 MiB request
-        # line queued another error whose traceback held that chunk, about 15 MiB of
-        # cyclic garbage per such request.  The connection is done: read no more.
         messages = self._messages
-        if messages and not isinstance(messages[-1][0], RawRequestMessage) \
+        if not messages:
+            # A head still incomplete: its deadline runs from here.  (A head that came
+            # whole, the usual case, is queued for its handler and needs none.)
+            if not self.in_request and self.head_deadline is None \
+                    and self.transport is not None:
+                self.head_deadline = asyncio.get_running_loop().call_later(
+                    self.header_timeout_s, self._head_overdue)
+        elif not isinstance(messages[-1][0], RawRequestMessage) \
                 and self.transport is not None:
+            # A request aiohttp could not parse (a limit, garbage) is queued as an
+            # error to answer, but aiohttp keeps reading: each later chunk of a 64 MiB
+            # request line queued another error whose traceback held that chunk, about
+            # 15 MiB of cyclic garbage per such request.  The connection is done: read
+            # no more.
             self.transport.pause_reading()
 
     def _head_overdue(self) -> None:

@@ -171,6 +171,11 @@ class UpstreamPool:
         except (OSError, asyncio.TimeoutError) as exc:
             raise UpstreamConnectError(
                 f"http://{endpoint.host}:{endpoint.port}: {exc!r}") from exc
+        # Once per connection: the response parser it makes reads one response after
+        # another (llhttp starts over after each), and a connection goes back to the
+        # pool only after a whole response, so each request need not make a new one.
+        protocol.set_response_params(read_timeout=self.request_timeout_s,
+                                     auto_decompress=False)
         return protocol
 
     async def post(self, base_url: str, path: str, body: bytes,
@@ -194,8 +199,6 @@ class UpstreamPool:
             reused = protocol is not None
             if protocol is None:
                 protocol = await self._connect(endpoint)
-            protocol.set_response_params(read_timeout=self.request_timeout_s,
-                                         auto_decompress=False)
             try:
                 protocol.transport.write(request)
                 protocol.start_timeout()

@@ -228,6 +228,11 @@ def test_no_healthy_worker_raises_or_falls_back_to_decode_only():
         route(i, no_p, params(decode_only_without_prefill=False), random.Random(0))
     d = route(i, no_p, params(), random.Random(0))
     assert d.mode is Mode.DECODE_ONLY and d.prefill_url is None
+    # A deployment without a P pool is co-located, not one whose P are down: D
+    # serves it whatever decode_only_without_prefill says.
+    alone = route(i, [D("d1")], params(decode_only_without_prefill=False),
+                  random.Random(0))
+    assert (alone.mode, alone.label) == (Mode.DECODE_ONLY, policy.RouteReason.COLOCATED)
     assert "no healthy prefill" in d.reason
 
 
