@@ -147,6 +147,11 @@ class EarlyDecodeSender:
         """Start connecting now, so that a later send finds the connection up."""
         self._socket(endpoint)
 
+    def connected(self, endpoint: str) -> bool:
+        """Whether a send to ``endpoint`` would find a live connection now."""
+        sock = self._sockets.get(endpoint)
+        return sock is not None and bool(sock.poll(0, zmq.POLLOUT))
+
     def _socket(self, endpoint: str) -> zmq.Socket | None:
         sock = self._sockets.get(endpoint)
         if sock is None and len(self._sockets) < self._max_endpoints:

@@ -863,6 +863,21 @@ async def _check_local_chat(state: ProxyState) -> None:
                 "in the proxy" if router.request_templates_ok else "by the engine")
 
 
+async def _wait_connected(sender: EarlyDecodeSender, endpoints: list[str],
+                          timeout_s: float) -> None:
+    """Give the early-decode sockets up to ``timeout_s`` to connect, so that the first
+    requests' pushes find them up (a push that finds no connection costs a second D
+    request after P); a D that is not up yet is connected to later."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not all(sender.connected(e) for e in endpoints):
+        if loop.time() >= deadline:
+            logger.warning("early decode: not connected yet to %s",
+                           [e for e in endpoints if not sender.connected(e)])
+            return
+        await asyncio.sleep(0.01)
+
+
 def _make_index(config: ProxyConfig, metrics: ProxyMetrics
                 ) -> tuple[KVIndex, RedisLink | None]:
     """The index (and the Redis link it and the published handles share): in-process,
@@ -948,6 +963,8 @@ class ProxyApp:
         early_endpoints = [e.early_decode for e in config.decode if e.early_decode]
         if early_endpoints:
             state.early = EarlyDecodeSender(early_endpoints)
+            await _wait_connected(state.early, early_endpoints,
+                                  min(2.0, config.connect_timeout_s))
         sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
                                 replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
                                 block_size_tokens=config.block_size)

@@ -160,6 +160,27 @@ def test_sender_reports_an_endpoint_it_cannot_reach():
         sender.close()
 
 
+def test_sender_says_when_a_connection_is_up():
+    """``connected`` (the proxy waits on it at start-up) is false while nobody
+    listens, and turns true once D's inbox is bound, with no send needed."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    sender = EarlyDecodeSender([endpoint])
+    inbox = None
+    try:
+        assert not sender.connected(endpoint)
+        assert not sender.connected("tcp://127.0.0.1:1")   # not configured
+        inbox = EarlyDecodeInbox(endpoint, timeout_s=1.0)
+        deadline = time.monotonic() + 5
+        while not sender.connected(endpoint):
+            assert time.monotonic() < deadline, "never connected"
+            time.sleep(0.01)
+        assert sender.send(endpoint, "x", P_PARAMS)
+    finally:
+        sender.close()
+        if inbox is not None:
+            inbox.close()
+
+
 def test_bind_failure_names_the_key():
     port = _free_port()
     first = EarlyDecodeInbox(f"tcp://127.0.0.1:{port}", timeout_s=1.0)
