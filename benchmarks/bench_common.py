@@ -148,15 +148,22 @@ class RouterProc:
 
 def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 prefill: list[Backend] | None = None) -> list[str]:
-    """The command line of one router.  ``kind``: ours, ours-notok, toy,
+    """The command line of one router.  ``kind``: ours, ours-notok, ours-text, toy,
     vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend)."""
     urls = [b.url for b in decode]
-    if kind in ("ours", "ours-notok"):
+    if kind in ("ours", "ours-notok", "ours-text"):
         argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", str(BLOCK_SIZE)]
         if kind == "ours-notok":
             # Routes on load only for text prompts: no /tokenize call per request.
             argv += ["--tokenizer", "none"]
+        elif kind == "ours-text":
+            # Keys over the prompt's text, matched against its own routes (as
+            # vllm-router's cache_aware): no /tokenize, and no KV events (the proxy
+            # refuses them with text keys), so the engines go by URL alone.
+            argv += ["--tokenizer", "text"]
+            decode = [Backend(b.url) for b in decode]
+            prefill = [Backend(b.url) for b in prefill or []]
         # Extra flags for our proxy, e.g. ROUTER_BENCH_OURS_ARGS="--log-level DEBUG"
         # to see each routing decision in its log.
         argv += shlex.split(os.environ.get("ROUTER_BENCH_OURS_ARGS", ""))

@@ -6,6 +6,9 @@ median over rounds, so drift on a shared machine hits every arm alike.  Arms:
 
 * ``direct``: the client talks to the backend itself (the baseline);
 * ``ours``: ``python -m sessionkv_proxy`` (policy ``cost``, tokenizer ``engine``);
+* ``ours text keys``: the same with ``--tokenizer text`` (keys over the prompt's text,
+  matched against its own recent routes, no ``/tokenize`` and no KV events), the
+  way vllm-router's cache_aware routes, on text;
 * ``vllm-router-rr`` / ``-cache`` / ``-chash``: the ``vllm-router`` package (a Rust
   router) with ``--policy round_robin`` / ``cache_aware`` / ``consistent_hash``;
   consistent_hash keys on the ``X-Session-ID`` header (its first choice of key);
@@ -20,8 +23,8 @@ Parts (all in one run; ``--skip-*`` drops one):
    arm: latency p50/p99, the same minus ``direct`` in the same round ("added"), and
    the router process's CPU time per request (psutil user+sys, children included).
    Then throughput at concurrency 64 (``wrk`` when installed, else a Python aiohttp
-   client).  Each router fronts one stub; ``ours`` and ``vllm-router-cache`` also
-   front two stubs (content routing must then choose).
+   client).  Each router fronts one stub; ``ours``, ``ours text keys`` and
+   ``vllm-router-cache`` also front two stubs (content routing must then choose).
 2. **Affinity** over 2 co-located vLLM servers (tiny generated Llama, prefix caching,
    KV events), concurrency 8: interleaved prefix groups (a shared ~400-token prefix
    plus a distinct ~60-token suffix) and multi-turn sessions (``X-Session-ID``, the
@@ -31,7 +34,8 @@ Parts (all in one run; ``--skip-*`` drops one):
    session to server ``index % 2``), and load spread (max/mean requests per server
    from ``vllm:request_success_total``).  Both servers' prefix caches are reset
    between arms, and each arm's prompts start with its own tag so no arm can hit
-   blocks (or router state) another arm left behind.
+   blocks (or router state) another arm left behind.  ``ours text keys`` routes the
+   same servers without reading their KV events.
 3. **P/D path**: 1 prefill + 1 decode engine with SessionKVConnector
    (``vllm_sessionkv.dev.launch.LocalCluster``), concurrency 1, ~500-token prompts,
    ``max_tokens`` 1, 2 and 16 (at 1 our proxy serves the request on P alone, since
@@ -329,6 +333,7 @@ def part_overhead(args, ports: PortPool, log_dir: Path, results: dict) -> None:
                  ("toy", "toy", one, None),
                  ("bare relay (floor)", "bare", one, None),
                  ("ours (2 stubs)", "ours", two, None),
+                 ("ours text keys (2 stubs)", "ours-text", two, None),
                  ("vllm-router-cache (2 stubs)", "vr:cache_aware", two, None)]
         routers = start_routers(specs, ports, log_dir, procs)
         results.setdefault("commands", {}).update(
@@ -566,6 +571,7 @@ def part_affinity(args, ports: PortPool, log_dir: Path, model: str, results: dic
             if res.errors:
                 raise RuntimeError(f"warm-up on {url} failed: {res.first_error}")
         specs = [("ours", "ours", backends, None),
+                 ("ours text keys", "ours-text", backends, None),
                  ("vllm-router-rr", "vr:round_robin", backends, None),
                  ("vllm-router-cache", "vr:cache_aware", backends, None),
                  ("vllm-router-chash", "vr:consistent_hash", backends, None),
@@ -582,7 +588,7 @@ def part_affinity(args, ports: PortPool, log_dir: Path, model: str, results: dic
             log(f"affinity round {rnd + 1}/{args.affinity_rounds}: {', '.join(order)}")
             data = {"order": order, "arms": {}}
             for arm in order:
-                tag = f"r{rnd}{arm.replace('-', '')}"
+                tag = f"r{rnd}{re.sub(r'[^A-Za-z0-9]', '', arm)}"   # a valid session id
                 items = affinity_workload(tag, args, args.seed)
                 if arm == "oracle":
                     def target(item: WorkItem) -> str:
@@ -640,8 +646,9 @@ def summarize_affinity(results: dict) -> list[dict]:
     meta = results["affinity_meta"]
     n_req = meta["groups"] * meta["group_requests"] + meta["sessions"] * meta["turns"]
     rows = []
-    for arm in [a for a in ("ours", "vllm-router-rr", "vllm-router-cache",
-                            "vllm-router-chash", "toy", "oracle") if a in rounds[0]["arms"]]:
+    for arm in [a for a in ("ours", "ours text keys", "vllm-router-rr",
+                            "vllm-router-cache", "vllm-router-chash", "toy", "oracle")
+                if a in rounds[0]["arms"]]:
         per = [r["arms"][arm] for r in rounds if arm in r["arms"]]
         vs = [r["arms"][arm]["hit_rate"] / r["arms"]["oracle"]["hit_rate"]
               for r in rounds if r["arms"][arm]["hit_rate"] is not None
@@ -970,7 +977,9 @@ def render_report(results: dict, rows: list[dict]) -> str:
                    "request (/v1/completions/render), which the stub answers too; ours "
                    "(tokenizer engine) does (/tokenize) only with 2 stubs: with one, a lone "
                    "decode worker gets every request whatever its content, so ours and ours "
-                   "(tokenizer none) run the same code. bare relay (floor) = benchmarks/"
+                   "(tokenizer none) run the same code. ours text keys (2 stubs) = "
+                   "--tokenizer text: keys over the prompt's text against its own recent "
+                   "routes, no backend call but the request itself. bare relay (floor) = benchmarks/"
                    "bare_relay.py: uvloop + aiohttp's low-level server + our upstream pool "
                    "(aiohttp's client), relaying bytes with no validation, routing or "
                    "metrics; what any proxy on the same parts pays")
