@@ -5,11 +5,11 @@ I/O around it: token ids for the prompt (the engine's ``/tokenize``, or, once
 they matched the engine's at start-up, the same tokenizer in-process for
 completions text and the model's chat template rendered in-process for chat, so
 they equal vLLM's; or, with ``tokenizer: text``, no ids: keys over the prompt's
-text, for pools without KV events), then the session record, the engines' published handle and the
-index lookup in one read (``KVIndex.route_read``: one Redis round trip, or none
-in-process), and the engines' load.  What the decision writes (a consumed handle
-cleared from the record, an unused published handle given back, the record after
-the answer) goes out behind the request.  A wrong or stale answer here costs speed
+text, for pools without KV events), then the session record, the engines' published
+handle and the index lookup in one read (``KVIndex.route_read``: one Redis round
+trip, or none in-process), and the engines' load.  What the decision writes (a
+consumed handle cleared from the record, an unused published handle given back, the
+record after the answer) goes out behind the request.  A wrong or stale answer here costs speed
 only: the connector verifies every block it attaches.
 """
 
@@ -214,12 +214,11 @@ class Router:
         text with ``tokenizer: text`` (no ids then, unless the client sent ids)."""
         block_size = self.config.block_size
         if self.text_keys:
-            prompt = None if is_chat else body.get("prompt")
-            if not (prompt.__class__ is list and prompt
-                    and all(t.__class__ is int for t in prompt)):
-                text = prompt_text(body, is_chat)
-                return None, (text_keys(text, block_size * CHARS_PER_TOKEN, tenant)
-                              if text else [])
+            text = prompt_text(body, is_chat)
+            if text is not None:
+                return None, text_keys(text, block_size * CHARS_PER_TOKEN, tenant)
+            # Not text: ids the client sent (keyed as ids), or a batch (no keys; no
+            # /tokenize call either, ``prompt_token_ids`` asks it only for a string).
         token_ids = await self.prompt_token_ids(body, is_chat)
         return token_ids, (request_keys(token_ids, block_size, salt=tenant)
                            if token_ids else [])
@@ -386,8 +385,10 @@ class Router:
         # request can use the session's handle, so only then is the published copy
         # taken: atomically, so that of several replicas one gets it (single use).
         session_key = session_store_key(session_id, tenant) if session_id else None
+        # Text keys are never in the index (it holds what KV events name, in tokens).
         read = await self.index.route_read(
-            session_key, keys, take_handle=bool(session_id) and has_prefill_pool)
+            session_key, [] if self.text_keys else keys,
+            take_handle=bool(session_id) and has_prefill_pool)
         record = self._record(self._session_raw(session_key, read.record)
                               if session_key else None, tenant)
         handle, outcome, source = await self._usable_handle(record, session_id, tenant,

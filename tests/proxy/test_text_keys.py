@@ -65,6 +65,10 @@ async def test_completions_text_keys_give_prefix_affinity() -> None:
         ids = await router.plan({"prompt": list(range(100, 164)), "max_tokens": 4},
                                 False, None)
         assert ids.prompt_tokens == 64 and len(ids.prompt_keys) == 4
+        # A batch of prompts has no one prefix: no keys, routed on load.
+        batch = await router.plan({"prompt": [shared, "ka to"], "max_tokens": 4},
+                                  False, None)
+        assert batch.prompt_keys == [] and batch.reason == "several_engine_requests"
     finally:
         await upstream.close()
 
