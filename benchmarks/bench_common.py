@@ -9,6 +9,7 @@ matplotlib) imports the benchmarks to draw their figures.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import platform
@@ -126,6 +127,38 @@ def machine_line() -> str:
             f"{platform.system()} {platform.release()}, load average {load} at start")
 
 
+def python_build(python: str) -> dict:
+    """What a benchmark needs to say about an interpreter that runs a Python router:
+    its version and how it was built.  The build matters: the same proxy code costs
+    measurably less CPU on a distribution's CPython (Debian's links the interpreter
+    into the executable) than on one built with pyenv's defaults (no
+    ``--enable-optimizations``, the interpreter in ``libpython.so``), so a report names
+    the one it ran on.  Exits when that interpreter cannot import the proxy."""
+    probe = ("import json, platform, sys, sysconfig, sessionkv_proxy; "
+             "args = sysconfig.get_config_var('CONFIG_ARGS') or ''; "
+             "print(json.dumps({'executable': sys.executable, "
+             "'version': platform.python_version(), 'prefix': sys.base_prefix, "
+             "'compiler': platform.python_compiler(), "
+             "'enable_optimizations': '--enable-optimizations' in args, "
+             "'libpython_so': any('libpython' in line for line in open('/proc/self/maps'))"
+             "}))")
+    out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{python} cannot run the proxy ({out.stderr.strip()[-300:]}); "
+                         "install it there: <python> -m pip install -e '.[proxy]'")
+    return json.loads(out.stdout)
+
+
+def python_line(info: dict) -> str:
+    """One line for a report, e.g. ``CPython 3.11.2 from /usr (GCC 12.2.0; the
+    interpreter linked into the executable)``."""
+    where = ("in libpython.so" if info["libpython_so"]
+             else "linked into the executable")
+    opt = "; configured --enable-optimizations" if info["enable_optimizations"] else ""
+    return (f"CPython {info['version']} from {info['prefix']} ({info['compiler']}; the "
+            f"interpreter {where}{opt})")
+
+
 # =========================================================================== routers
 @dataclass
 class Backend:
@@ -147,12 +180,16 @@ class RouterProc:
 
 
 def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
-                prefill: list[Backend] | None = None) -> list[str]:
+                prefill: list[Backend] | None = None, python: str | None = None
+                ) -> list[str]:
     """The command line of one router.  ``kind``: ours, ours-notok, ours-text, toy,
-    vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend)."""
+    vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend).
+    ``python`` runs ours and bare (default: this interpreter); it must import
+    ``sessionkv_proxy``."""
     urls = [b.url for b in decode]
+    python = python or sys.executable
     if kind in ("ours", "ours-notok", "ours-text"):
-        argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
+        argv = [python, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", str(BLOCK_SIZE)]
         if kind == "ours-notok":
             # Routes on load only for text prompts: no /tokenize call per request.
@@ -173,7 +210,7 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 argv += [flag, spec]
         return argv
     if kind == "bare":
-        return [sys.executable, str(BENCH_DIR / "bare_relay.py"), "--port", str(port),
+        return [python, str(BENCH_DIR / "bare_relay.py"), "--port", str(port),
                 "--backend", urls[0]]
     if kind == "toy":
         argv = [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port)]
@@ -201,14 +238,16 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
 
 
 def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],
-                  ports: PortPool, log_dir: Path, procs: list) -> dict[str, RouterProc]:
-    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200."""
+                  ports: PortPool, log_dir: Path, procs: list, python: str | None = None
+                  ) -> dict[str, RouterProc]:
+    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200.
+    ``python``: the interpreter of the Python routers (``router_argv``)."""
     from vllm_sessionkv.dev.launch import start_process, wait_healthy
 
     out: dict[str, RouterProc] = {}
     for arm, kind, decode, prefill in specs:
         port = ports.take()
-        argv = router_argv(kind, port, decode, ports, prefill)
+        argv = router_argv(kind, port, decode, ports, prefill, python)
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", arm)
         proc = start_process(name, argv, log_dir, env=dict(os.environ))
         procs.append(proc)

@@ -92,12 +92,16 @@ from bench_common import (
     machine_line,
     metric_sums,
     pct,
+    python_build,
+    python_line,
     reset_prefix_caches,
     start_routers,
     wait_for_no_other_vllm,
 )
 
 STUB_MODEL = "stub"
+# Marks the arms that run on --alt-python.
+ALT = "alt python"
 _SYLLABLES = ["ka", "to", "ri", "mu", "sen", "lo", "va", "qu", "zi", "pe", "dra", "mon",
               "el", "ix", "or", "un", "sha", "te", "bo", "gal", "fi", "nu", "ter", "wy"]
 
@@ -335,7 +339,14 @@ def part_overhead(args, ports: PortPool, log_dir: Path, results: dict) -> None:
                  ("ours (2 stubs)", "ours", two, None),
                  ("ours text keys (2 stubs)", "ours-text", two, None),
                  ("vllm-router-cache (2 stubs)", "vr:cache_aware", two, None)]
-        routers = start_routers(specs, ports, log_dir, procs)
+        routers = start_routers(specs, ports, log_dir, procs, args.python)
+        if args.alt_python:
+            # The same code on a second interpreter, in the same rounds: how much of
+            # the CPU per request is the interpreter's build.
+            routers.update(start_routers(
+                [(f"ours ({ALT})", "ours", one, None),
+                 (f"bare relay ({ALT})", "bare", one, None)],
+                ports, log_dir, procs, args.alt_python))
         results.setdefault("commands", {}).update(
             {f"overhead/{a}": shlex.join(r.argv) for a, r in routers.items()})
         targets = {"direct": (stubs[0][1].url, None)}
@@ -576,7 +587,7 @@ def part_affinity(args, ports: PortPool, log_dir: Path, model: str, results: dic
                  ("vllm-router-cache", "vr:cache_aware", backends, None),
                  ("vllm-router-chash", "vr:consistent_hash", backends, None),
                  ("toy", "toy", backends, None)]
-        routers = start_routers(specs, ports, log_dir, procs)
+        routers = start_routers(specs, ports, log_dir, procs, args.python)
         results.setdefault("commands", {}).update(
             {f"affinity/{a}": shlex.join(r.argv) for a, r in routers.items()})
         arms = list(routers) + ["oracle"]
@@ -966,6 +977,13 @@ def render_report(results: dict, rows: list[dict]) -> str:
            f"(FastAPI + httpx, uvicorn[standard])",
            f"- rounds: {meta['rounds']} (overhead, P/D), {meta['affinity_rounds']} (affinity); "
            "arms in random order per round; every figure is the median over rounds"]
+    if meta.get("python"):
+        out.append(f"- ours and the bare relay (parts 1 and 2) ran on "
+                   f"{python_line(meta['python'])}, {meta['python']['executable']}; the "
+                   "P/D part's proxy on the bench's own interpreter (LocalCluster's)")
+    if meta.get("alt_python"):
+        out.append(f"- arms marked ({ALT}): the same code on "
+                   f"{python_line(meta['alt_python'])}, {meta['alt_python']['executable']}")
     if "overhead_meta" in results:
         om = results["overhead_meta"]
         out.append(f"- part 1 backend: benchmarks/zero_stub.py (aiohttp + uvloop, answers at "
@@ -1121,6 +1139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds of each throughput measurement")
     p.add_argument("--tp-concurrency", type=int, default=64,
                    help="connections (wrk) or clients (Python) for throughput")
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter that runs our proxy and the bare relay in parts 1 "
+                        "and 2 (default: this one); it must import sessionkv_proxy.  The "
+                        "report names its version and build")
+    p.add_argument("--alt-python",
+                   help="also run ours and the bare relay on this interpreter in part 1 "
+                        f"(one stub), as the arms 'ours ({ALT})' and 'bare relay ({ALT})'")
     p.add_argument("--python-client", action="store_true",
                    help="measure throughput with the Python client even if wrk is installed")
     p.add_argument("--groups", type=int, default=6, help="affinity: prefix groups")
@@ -1193,6 +1218,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"meta": {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine_line(), "vllm_router": f"vllm-router {vr_version}",
+        "python": python_build(args.python),
+        "alt_python": python_build(args.alt_python) if args.alt_python else None,
         "vllm": vllm_version, "rounds": args.rounds, "affinity_rounds": args.affinity_rounds,
         "argv": sys.argv, "quick": args.quick}}
     ports = PortPool()
