@@ -53,6 +53,16 @@ server runs.  Every process it starts is stopped by PID, also on errors.
 
     .venv/bin/python benchmarks/router_bench.py --out-json /tmp/router_bench.json
     .venv/bin/python benchmarks/router_bench.py --quick          # smoke: 1 round
+
+``--python`` picks the interpreter of our proxy and the bare relay (it must import
+``sessionkv_proxy``); the report names its build.  The published run used Debian's
+CPython (a distribution's build, as the proxy gets from an OS package or image),
+with this VM's pyenv build beside it (``--alt-python``, the same rounds):
+
+    /usr/bin/python3.11 -m venv benchmarks/.venv-proxy
+    benchmarks/.venv-proxy/bin/python -m pip install -e ".[proxy]"
+    .venv/bin/python benchmarks/router_bench.py --rounds 5 \
+        --python benchmarks/.venv-proxy/bin/python --alt-python .venv/bin/python
 """
 
 from __future__ import annotations
