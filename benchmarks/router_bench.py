@@ -61,7 +61,7 @@ with this VM's pyenv build beside it (``--alt-python``, the same rounds):
 
     /usr/bin/python3.11 -m venv benchmarks/.venv-proxy
     benchmarks/.venv-proxy/bin/python -m pip install -e ".[proxy]"
-    .venv/bin/python benchmarks/router_bench.py --rounds 5 \
+    .venv/bin/python benchmarks/router_bench.py --rounds 9 \
         --python benchmarks/.venv-proxy/bin/python --alt-python .venv/bin/python
 """
 

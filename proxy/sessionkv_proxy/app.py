@@ -952,9 +952,10 @@ class ProxyApp:
         state = self.state
         config = state.config
         # This session scrapes /metrics and discovers models.  Its DNS answers live
-        # 10 s (aiohttp's default): an engine pod that restarts with a new IP fails
-        # its scrapes, and so sits out of routing, only until the cached answer
-        # expires (it was 300 s).  The request path resolves on each new connection.
+        # 10 s (aiohttp's default): after an engine pod restarts with a new IP, its
+        # scrapes go to the old address (refused ones count against its health) only
+        # until the cached answer expires (it was 300 s).  The request path resolves
+        # on each new connection.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10, keepalive_timeout=60)
         state.http = aiohttp.ClientSession(
             connector=connector, json_serialize=lambda o: _json.encode(o).decode(),
