@@ -137,6 +137,10 @@ def _lax_int(value: Any) -> int | None:
     raise ValueError(value)
 
 
+_MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
 def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
     """Refuse what vLLM would refuse on the fields the proxy reads; normalize those
     fields in ``body`` to what vLLM reads them as."""
@@ -172,6 +176,18 @@ def _validate(body: dict[str, Any], is_chat: bool, state: ProxyState) -> None:
             valid = False
         if not valid:
             raise ApiError(400, f"'{key}' must be a non-negative integer", param=key)
+    salt = body.get("cache_salt")
+    if salt is not None:
+        # The tenant: hashed into the router's keys and the session's store key.
+        # vLLM refuses the same (``validate_cache_salt`` in 0.32's
+        # entrypoints/generate/base/protocol.py), before pydantic would coerce it.
+        if not isinstance(salt, str) or not salt:
+            raise ApiError(400, "'cache_salt' must be a non-empty string",
+                           param="cache_salt")
+        if len(salt) > _MAX_CACHE_SALT_CHARS or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+            raise ApiError(400, f"'cache_salt' must be at most {_MAX_CACHE_SALT_CHARS} "
+                           "characters and must not contain '@', '/', '\\', or NUL",
+                           param="cache_salt")
     xargs = body.get("vllm_xargs")
     if "kv_transfer_params" in body or (isinstance(xargs, dict)
                                         and "kv_transfer_params" in xargs):
