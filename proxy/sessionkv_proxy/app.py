@@ -222,6 +222,11 @@ class _Upstream(Exception):
     """A connection-level failure: safe to retry on another worker."""
 
 
+class _PrefillUnreachable(Exception):
+    """No P could be reached (each one tried failed to connect): the request goes to
+    D alone, as co-located, which is always correct; only the P/D split is lost."""
+
+
 async def _send(state: ProxyState, engine: Engine, path: str, payload: bytes,
                 request_id: str) -> UpstreamResponse:
     """POST to an engine; the status and headers are in, the body is not yet read."""
@@ -243,14 +248,17 @@ async def _send(state: ProxyState, engine: Engine, path: str, payload: bytes,
 def _next_after_connect_failure(state: ProxyState, role: Role, failed: Engine,
                                 tried: set[str], attempt: int, request_id: str,
                                 exc: BaseException) -> Engine:
-    """Count and log a connection failure; the next worker of ``role`` to try, or a
-    502 when none is left or the retries are spent."""
+    """Count and log a connection failure; the next worker of ``role`` to try.  When
+    none is left or the retries are spent: for P, :class:`_PrefillUnreachable` (D
+    serves the request alone); for D, a 502."""
     assert state.router is not None
     logger.warning("%s connect failed request_id=%s engine=%s: %r", role.value,
                    request_id, failed.url, exc)
     state.metrics.errors.labels(f"{role.value}_connect").inc()
     nxt = state.router.alternative(role, tried)
     if nxt is None or attempt == state.config.connect_retries:
+        if role is Role.PREFILL:
+            raise _PrefillUnreachable() from None
         raise ApiError(502, f"no {role.value} engine reachable") from None
     state.metrics.retries.labels(role.value).inc()
     return nxt
@@ -477,19 +485,23 @@ async def _generate(state: ProxyState, request: Request, path: str, is_chat: boo
         extra_headers["x-sessionkv-route-reason"] = plan.terms["detail"]
     decode_started = time.perf_counter() if debug else 0.0
     try:
-        if plan.mode is Mode.DISAGGREGATED:
-            response, status, d_params, prefill_s = await _disaggregated(
-                state, request, plan, path, d_body, is_chat, request_id, session_id,
-                extra_headers)
-        else:
-            if session_id and plan.mode is Mode.DECODE_ONLY:
-                # D keeps this turn for the next P pull only if it knows the session.
-                d_body["kv_transfer_params"] = with_payload(
-                    None, SessionPayload(session_id=session_id))
-            role = Role.PREFILL if plan.mode is Mode.PREFILL_ONLY else Role.DECODE
-            response, status, d_params = await _answer(
-                state, request, plan, role, path, d_body, request_id, extra_headers,
-                body_unchanged=body_unchanged)
+        try:
+            if plan.mode is Mode.DISAGGREGATED:
+                response, status, d_params, prefill_s = await _disaggregated(
+                    state, request, plan, path, d_body, is_chat, request_id, session_id,
+                    extra_headers)
+            else:
+                if session_id and plan.mode is Mode.DECODE_ONLY:
+                    # D keeps this turn for the next P pull only if it knows the session.
+                    d_body["kv_transfer_params"] = with_payload(
+                        None, SessionPayload(session_id=session_id))
+                role = Role.PREFILL if plan.mode is Mode.PREFILL_ONLY else Role.DECODE
+                response, status, d_params = await _answer(
+                    state, request, plan, role, path, d_body, request_id, extra_headers,
+                    body_unchanged=body_unchanged)
+        except _PrefillUnreachable:
+            response, status, d_params = await _decode_alone(
+                state, request, plan, path, d_body, request_id, session_id, extra_headers)
     except ApiError as err:
         return error_response(err)
     except _PassThrough as exc:
@@ -559,6 +571,27 @@ async def _disaggregated(state: ProxyState, request: Request, plan: RoutePlan, p
     d_body["kv_transfer_params"] = p_params
     return (*await _answer(state, request, plan, Role.DECODE, path, d_body, request_id,
                            extra_headers), prefill_s)
+
+
+async def _decode_alone(state: ProxyState, request: Request, plan: RoutePlan, path: str,
+                        d_body: dict[str, Any], request_id: str, session_id: str | None,
+                        extra_headers: dict[str, str]
+                        ) -> tuple[Response | None, int, dict[str, Any] | None]:
+    """The request P could not take, sent to D alone (D prefills it itself, as
+    co-located): a P pool that cannot be reached costs speed, never the request.
+    Nothing of P's was sent to D (an early-decode request D held was cancelled)."""
+    logger.warning("no prefill engine reachable request_id=%s; decode only on %s",
+                   request_id, plan.decode.url)
+    state.metrics.errors.labels("prefill_unreachable").inc()
+    plan.mode, plan.prefill = Mode.DECODE_ONLY, None
+    if session_id:
+        d_body["kv_transfer_params"] = with_payload(None, SessionPayload(session_id=session_id))
+    else:
+        d_body.pop("kv_transfer_params", None)
+    extra_headers["x-sessionkv-route"] = Mode.DECODE_ONLY.value
+    extra_headers["x-sessionkv-route-reason"] = "no prefill engine reachable; decode only"
+    return await _answer(state, request, plan, Role.DECODE, path, d_body, request_id,
+                         extra_headers)
 
 
 async def _restore_on_decode(state: ProxyState, plan: RoutePlan, body: dict[str, Any],

@@ -191,11 +191,15 @@ class UpstreamPool:
             head.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
         request = b"".join(head) + body
-        # A kept-alive connection the engine closed meanwhile fails before any answer
-        # (ServerDisconnectedError): that request never ran, so it is sent once more
-        # on a new connection.
+        # A kept-alive connection can be stale: the engine closed it meanwhile
+        # (ServerDisconnectedError), or reset it (ECONNRESET).  The reset is what an
+        # engine back from a stall (SIGSTOP, a long pause) does: uvicorn runs its
+        # overdue keep-alive timers before it reads the requests that arrived
+        # meanwhile, and closing a socket with unread bytes resets it.  Either way no
+        # answer began, so the request is sent once more, on a new connection.
+        fresh = False
         while True:
-            protocol = endpoint.take()
+            protocol = None if fresh else endpoint.take()
             reused = protocol is not None
             if protocol is None:
                 protocol = await self._connect(endpoint)
@@ -203,14 +207,16 @@ class UpstreamPool:
                 protocol.transport.write(request)
                 protocol.start_timeout()
                 message, payload = await protocol.read()
-            except aiohttp.ServerDisconnectedError as exc:
-                protocol.close()
-                if reused:
-                    continue
-                raise UpstreamConnectError(f"{base_url}{path}: {exc!r}") from exc
             except aiohttp.ServerTimeoutError as exc:
                 protocol.close()
                 raise asyncio.TimeoutError(str(exc)) from exc
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                    ConnectionError) as exc:
+                protocol.close()
+                if reused:
+                    fresh = True
+                    continue
+                raise UpstreamConnectError(f"{base_url}{path}: {exc!r}") from exc
             except (aiohttp.ClientConnectionError, OSError, HttpProcessingError) as exc:
                 # Refused or reset before an answer began, or an answer aiohttp's parser
                 # refused: this engine gave no usable answer.

@@ -10,6 +10,8 @@ engines cannot be made to produce on demand.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 
 import aiohttp
 from aiohttp import web
@@ -29,8 +31,9 @@ class _Engines:
     """One P and one D on their own ports; D takes pushes on ``early_port``."""
 
     def __init__(self, early_port: int | None, p_status: int = 200,
-                 p_pushes: bool = False) -> None:
+                 p_pushes: bool = False, p_resets: bool = False) -> None:
         self.p_status = p_status
+        self.p_resets = p_resets          # P resets the connection instead of answering
         self.p_pushes = p_pushes          # P pushes its parameters to D itself
         self.p_push_requests: list[dict] = []
         self.p_sessionkv: list[dict] = []    # what each P request carried for us
@@ -54,6 +57,11 @@ class _Engines:
             await asyncio.wait_for(self.d_arrived.wait(), 0.5)
         except asyncio.TimeoutError:
             pass
+        if self.p_resets:
+            request.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            request.transport.abort()
+            return web.Response()
         if self.p_status != 200:
             return web.json_response({"error": {"message": "P broke"}},
                                      status=self.p_status)
@@ -228,6 +236,22 @@ async def test_a_failed_prefill_drops_the_held_d_request_and_returns_p_error(fre
     assert status == 503 and body["error"]["message"] == "P broke"
     assert len(engines.d_bodies) == 1 and engines.d_cancelled == 1
     assert engines.d_got_params == []
+
+
+async def test_a_p_that_cannot_be_reached_leaves_the_request_to_d_alone(free_port):
+    """The pool's only P resets the connection (no P to try after it): the held D
+    request is dropped and D is sent the request alone, with nothing of P's."""
+    early_port = free_port()
+    engines = _Engines(early_port, p_resets=True)
+    status, body, headers, metrics = await _run(free_port, engines,
+                                                f"tcp://127.0.0.1:{early_port}")
+    assert status == 200, body
+    assert headers["x-sessionkv-route"] == "decode_only"
+    assert "x-sessionkv-prefill-engine" not in headers
+    assert len(engines.d_bodies) == 2 and engines.d_cancelled == 1
+    assert "kv_transfer_params" not in engines.d_bodies[1]
+    assert metrics[("sessionkv_proxy_errors_total", (("kind", "prefill_unreachable"),))] == 1
+    assert engines.leftover == {}
 
 
 async def test_an_unreachable_early_socket_falls_back_to_d_after_p(free_port):

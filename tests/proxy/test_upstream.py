@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 
 import pytest
 from aiohttp import web
@@ -241,6 +243,61 @@ def test_a_new_connection_closed_without_an_answer_is_not_retried(free_port):
         # Sent once: only a kept-alive connection's silent close is retried (that
         # request may have never reached the engine; this one did).
         assert len(calls) == 1
+
+    _run(main())
+
+
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close with SO_LINGER 0: the peer sees ECONNRESET, not a clean close."""
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                               struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+def test_a_kept_alive_connection_reset_is_sent_again_once_on_a_new_one(free_port):
+    """What an engine back from a stall does to the connections that were idle when
+    it stopped (uvicorn's overdue keep-alive timers close them with the request
+    unread): the request never ran, so it goes out again on a new connection; a
+    second reset, there, is the engine's answer."""
+    calls = []
+
+    async def answer(head, writer):
+        calls.append(head.split(b" ", 2)[1])
+        if len(calls) == 1 or b"/ok" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            return True
+        _reset(writer)
+        return False
+
+    async def main():
+        async with _raw_engine(free_port(), answer) as (url, connections, pool):
+            assert await (await pool.post(url, "/first", b"{}")).read() == b"ok"
+            # Kept alive, then reset: sent again on a new connection, reset there too.
+            with pytest.raises(UpstreamConnectError, match="reset"):
+                await pool.post(url, "/again", b"{}")
+            assert calls == [b"/first", b"/again", b"/again"] and len(connections) == 2
+            assert await (await pool.post(url, "/ok", b"{}")).read() == b"ok"
+
+    _run(main())
+
+
+def test_a_reset_kept_alive_connection_is_replaced_and_the_request_served(free_port):
+    seen: dict[int, int] = {}
+
+    async def answer(head, writer):
+        port = writer.get_extra_info("peername")[1]
+        seen[port] = seen.get(port, 0) + 1
+        if seen[port] > 1:   # every kept-alive connection is reset on its second request
+            _reset(writer)
+            return False
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        return True
+
+    async def main():
+        async with _raw_engine(free_port(), answer) as (url, connections, pool):
+            for _ in range(3):
+                assert await (await pool.post(url, "/x", b"{}")).read() == b"ok"
+            assert len(connections) == 3   # the second and third on new connections
 
     _run(main())
 
