@@ -6,8 +6,9 @@ co-located vLLM server for baselines.
     python examples/local_cluster.py --prefill 1 --decode 1 --proxy-port 8000 \\
         [--redis] [--colocated-port 8300] [--model PATH] [--gpus 0,1]
 
-Without --model it generates a tiny random Llama (CPU demo).  When everything is
-healthy it prints one line
+Without --model it generates a tiny random Llama (CPU demo) in a temporary folder,
+served under a stable name, ``sessionkv-tiny-model`` (``--served-model-name``): the
+name requests and ``/v1/models`` use.  When everything is healthy it prints one line
 
     READY proxy=http://127.0.0.1:8000 colocated=<url or ->
 
@@ -44,6 +45,9 @@ from pathlib import Path
 
 from vllm_sessionkv.dev.launch import ChildExited, ClusterSpec, LocalCluster, parse_placement
 
+# The generated model's folder name, and the name its engines serve it under.
+GENERATED_MODEL_NAME = "sessionkv-tiny-model"
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
@@ -51,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
     p.add_argument("--decode", type=int, default=1, help="number of decode engines")
     p.add_argument("--model", help="HF model directory (default: generate a tiny Llama)")
+    p.add_argument("--served-model-name",
+                   help="the model's name in requests and /v1/models, on every engine "
+                        f"(default: {GENERATED_MODEL_NAME} for the generated model; "
+                        "with --model, vLLM's default: the --model value)")
     p.add_argument("--proxy-port", type=int, default=8000)
     p.add_argument("--no-proxy", action="store_true")
     p.add_argument("--colocated-port", type=int,
@@ -104,14 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # json.JSONDecodeError is one
         p.error(f"--placement: {exc}")
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
-    model = args.model
+    model, served_name = args.model, args.served_model_name
     if model is None:
         from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
-        model = str(generate_tiny_model(workdir / "tiny-llama"))
+        model = str(generate_tiny_model(workdir / GENERATED_MODEL_NAME))
+        served_name = served_name or GENERATED_MODEL_NAME
     try:
         spec = ClusterSpec(
-            model=model, prefill=args.prefill, decode=args.decode,
+            model=model, served_model_name=served_name, prefill=args.prefill,
+            decode=args.decode,
             colocated=args.colocated_port is not None, colocated_port=args.colocated_port,
             redis=args.redis, proxy=not args.no_proxy, proxy_port=args.proxy_port,
             policy=args.policy, base_port=args.base_port, block_size=args.block_size,
@@ -146,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     # Machine-readable layout for scripts and tests, then the one READY line.
     print("CLUSTER " + json.dumps({
         "proxy": cluster.proxy_url, "redis": cluster.redis_url, "colocated": colocated,
-        "model": model, "pids": cluster.pids,
+        # The name requests give as "model", and where the engines load it from.
+        "model": served_name or model, "model_path": model, "pids": cluster.pids,
         "prefill": [e.url for e in cluster.prefill], "decode": [e.url for e in cluster.decode],
         "kv_events": {e.url: e.kv_events_endpoint for e in cluster.prefill + cluster.decode},
         "early_decode": {e.url: e.early_decode_endpoint for e in cluster.decode

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ from vllm_sessionkv.dev.launch import (
     ClusterSpec,
     EngineSpec,
     Host,
+    LocalCluster,
     engine_command,
     parse_placement,
 )
@@ -88,3 +91,65 @@ def test_a_placement_must_name_a_process_of_the_cluster():
     spec = ClusterSpec(model="m", decode=2, placement=placement)
     assert spec.host("decode1").address == "10.0.0.3"
     assert spec.host("decode0") == LOCAL_HOST
+
+
+def _local_cluster_main():
+    path = Path(__file__).resolve().parents[2] / "examples" / "local_cluster.py"
+    module_spec = importlib.util.spec_from_file_location("local_cluster_cli", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_an_engine_serves_the_model_under_its_served_name():
+    argv, _ = engine_command(EngineSpec(role="decode", model="/tmp/w/sessionkv-tiny-model",
+                                        port=1, served_model_name="sessionkv-tiny-model"))
+    assert _flag(argv, "--model") == "/tmp/w/sessionkv-tiny-model"
+    assert _flag(argv, "--served-model-name") == "sessionkv-tiny-model"
+    argv, _ = engine_command(EngineSpec(role="decode", model="m", port=1))
+    assert "--served-model-name" not in argv   # vLLM's default: the --model value
+
+
+def test_every_engine_of_a_cluster_serves_the_clusters_model_name():
+    cluster = LocalCluster(ClusterSpec(model="/tmp/w/m", served_model_name="n", decode=2))
+    for role, index, name in (("prefill", 0, "prefill0"), ("decode", 1, "decode0"),
+                              ("decode", 2, "decode1")):
+        argv, _ = engine_command(cluster._engine(role, index, name))
+        assert _flag(argv, "--served-model-name") == "n", name
+    plain = LocalCluster(ClusterSpec(model="/tmp/w/m"))
+    assert "--served-model-name" not in engine_command(plain._engine("decode", 1, "d"))[0]
+
+
+def test_the_generated_model_is_served_under_a_stable_name(monkeypatch, tmp_path):
+    """Its folder is temporary; requests and /v1/models name it sessionkv-tiny-model.
+    A model the operator names keeps vLLM's default unless --served-model-name."""
+    cli = _local_cluster_main()
+    specs, generated = [], []
+
+    class NoStart:
+        def __init__(self, spec):
+            specs.append(spec)
+
+        def start(self):
+            raise RuntimeError("not started in a unit test")
+
+    def generate(path, **_):
+        generated.append(path)
+        return path
+
+    monkeypatch.setattr(cli, "LocalCluster", NoStart)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    monkeypatch.setattr("vllm_sessionkv.dev.tiny_model.generate_tiny_model", generate)
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    assert cli.main(logs) == 1
+    assert generated[-1].name == "sessionkv-tiny-model"
+    assert (specs[-1].model, specs[-1].served_model_name) == \
+        (str(generated[-1]), "sessionkv-tiny-model")
+    assert cli.main([*logs, "--served-model-name", "tiny"]) == 1
+    assert specs[-1].served_model_name == "tiny"
+    assert cli.main([*logs, "--model", str(tmp_path)]) == 1
+    assert (specs[-1].model, specs[-1].served_model_name) == (str(tmp_path), None)
+    assert cli.main([*logs, "--model", str(tmp_path), "--served-model-name", "mine"]) == 1
+    assert specs[-1].served_model_name == "mine"
+    assert len(generated) == 2

@@ -144,6 +144,9 @@ class EngineSpec:
     extra_env: dict[str, str] = field(default_factory=dict)
     gpus: str | None = None  # CUDA_VISIBLE_DEVICES on GPU hosts
     host: Host = LOCAL_HOST
+    # The name it serves the model under (vLLM's --served-model-name), the one requests
+    # give as "model"; None: vLLM's default, the --model value.
+    served_model_name: str | None = None
 
     @property
     def url(self) -> str:
@@ -189,6 +192,8 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
             "--max-model-len", str(spec.max_model_len), "--dtype", "bfloat16",
             "--block-size", str(spec.block_size), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256", "--seed", "0"]
+    if spec.served_model_name:
+        argv += ["--served-model-name", spec.served_model_name]
     if spec.num_gpu_blocks_override:
         argv += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks_override)]
     if spec.gpus is None:
@@ -409,6 +414,9 @@ class ClusterSpec:
     proxy.  Ports are laid out from ``base_port`` unless 0, then picked free."""
 
     model: str
+    # The model's name on every engine, the co-located one too (a client sends one name
+    # to the proxy and to the baseline); None: vLLM's default, ``model``.
+    served_model_name: str | None = None
     prefill: int = 1
     decode: int = 1
     colocated: bool = False
@@ -553,6 +561,7 @@ class LocalCluster:
         if spec.gpus:
             gpus = spec.gpus[index % len(spec.gpus)]
         return EngineSpec(role=role, model=spec.model, port=port,
+                          served_model_name=spec.served_model_name,
                           side_channel_port=self._port(), kv_events_port=self._port(),
                           kv_events_replay_port=self._port(), block_size=spec.block_size,
                           max_model_len=spec.max_model_len,
@@ -598,6 +607,7 @@ class LocalCluster:
             if spec.colocated:
                 self.colocated = EngineSpec(
                     role="colocated", model=spec.model,
+                    served_model_name=spec.served_model_name,
                     port=spec.colocated_port or self._port(), block_size=spec.block_size,
                     max_model_len=spec.max_model_len, kv_cache_space_gb=spec.kv_cache_space_gb,
                     extra_args=list(spec.engine_extra_args),
