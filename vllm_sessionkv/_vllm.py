@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.device_communicators import shm_broadcast as _shm_broadcast
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as _nixl_base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -35,7 +36,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
     NixlKVConnectorStats,
     NixlPromMetrics,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
 from vllm.platforms import current_platform
+from vllm.utils.network_utils import make_zmq_path
 from vllm.v1.core.sched import scheduler as _scheduler
 from vllm.v1.engine import core as _engine_core
 from vllm.v1.executor import multiproc_executor as _multiproc_executor
@@ -61,9 +64,11 @@ __all__ = [
     "continue_from_token",
     "create_metric_per_engine",
     "disable_stock_recompute_threshold",
+    "fail_read",
     "first_token_request",
     "first_token_unsupported",
     "forget_first_token",
+    "gate_reads",
     "has_queued_read",
     "host_tier_events",
     "is_cpu_platform",
@@ -74,6 +79,7 @@ __all__ = [
     "mark_in_batch",
     "nixl_agent_options",
     "pace_holding_steps",
+    "peer_ready",
     "pending_send_deadline_unix_s",
     "recv_local_block_ids",
     "report_invalid_blocks",
@@ -84,6 +90,7 @@ __all__ = [
     "release_pending_send",
     "show_first_tokens_to_worker",
     "set_pending_send_deadline",
+    "serve_guard_on_side_channel",
     "set_sync_recv_blocks",
     "start_ready_reads",
     "stop_heartbeat",
@@ -473,6 +480,84 @@ def release_pending_send(worker: NixlPullConnectorWorker, request_id: str) -> bo
     worker.consumer_notification_counts_by_req.pop(request_id, None)
     worker.expected_consumer_notifications_by_req.pop(request_id, None)
     return True
+
+
+# ------------------------------------------------------------------ pull guard
+# (guard.py: claim before a read, confirm after it, over the holder's side channel)
+
+def serve_guard_on_side_channel(scheduler: NixlPullConnectorScheduler,
+                                answer: Callable[[bytes], bytes | None]) -> None:
+    """Serve the pull guard on the engine's NIXL side channel beside NIXL's handshake.
+
+    Stock code starts ``self._nixl_handshake_listener`` as a thread in
+    ``set_xfer_handshake_metadata``; an instance attribute of that name takes its
+    place.  It is stock's loop (vLLM 0.32.0 ``base_scheduler.py``) with one branch
+    added: a message ``answer`` recognises gets ``answer``'s bytes back.  It runs in
+    the scheduler process, which holds the guard's ledger."""
+
+    def listener(encoded_data: dict[tuple[int, int], Any], ready_event: Any,
+                 stop_event: Any, host: str, port: int) -> None:
+        import msgspec
+        import zmq
+
+        path = make_zmq_path("tcp", host, port)
+        with zmq_ctx(zmq.ROUTER, path) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, 1000)
+            ready_event.set()
+            while True:
+                try:
+                    identity, _, msg = sock.recv_multipart()
+                except zmq.Again:
+                    if stop_event.is_set():
+                        break
+                    continue
+                except ValueError:   # not three frames: not for us, nor for NIXL
+                    continue
+                reply = answer(msg)
+                if reply is not None:
+                    sock.send_multipart((identity, b"", reply))
+                    continue
+                try:
+                    msg, target_pp_rank, target_tp_rank = msgspec.msgpack.decode(msg)
+                    data = encoded_data[(target_pp_rank, target_tp_rank)]
+                except (msgspec.DecodeError, ValueError, TypeError, KeyError):
+                    logger.warning("sessionkv side channel: unreadable message dropped")
+                    continue
+                if msg != GET_META_MSG:
+                    logger.warning("Connection listener got unexpected message %s", msg)
+                ts = msgspec.msgpack.encode(time.perf_counter())
+                sock.send_multipart((identity, b"", data, ts))
+
+    scheduler._nixl_handshake_listener = listener
+
+
+def gate_reads(worker: NixlPullConnectorWorker,
+               before_read: Callable[[str, Any], bool]) -> Callable[[str, Any], None]:
+    """Put ``before_read(request_id, meta)`` in front of every read the worker posts
+    (stock ``_read_blocks_for_req``, also reached after a handshake): the read goes
+    ahead only when it returns True.  Returns stock's method, to post a read that
+    was held back."""
+    post = worker._read_blocks_for_req
+
+    def read(request_id: str, meta: Any) -> None:
+        if before_read(request_id, meta):
+            post(request_id, meta)
+
+    worker._read_blocks_for_req = read
+    return post
+
+
+def peer_ready(worker: NixlPullConnectorWorker, engine_id: str) -> bool:
+    """Whether the worker has finished its NIXL handshake with the engine (a read
+    is posted at once; otherwise stock code handshakes first and comes back)."""
+    return engine_id in worker._remote_agents
+
+
+def fail_read(worker: NixlPullConnectorWorker, request_id: str) -> None:
+    """Report a read that will not be posted as failed, as stock code does for a
+    peer it cannot reach: vLLM then recomputes the request's blocks."""
+    worker._handle_failed_transfer(request_id, None, worker._recv_failures,
+                                   record_failed_transfer=False)
 
 
 def pending_send_deadline_unix_s(deadline_perf_counter: float) -> float:

@@ -82,6 +82,18 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     expiry_margin_s: float = HANDLE_EXPIRY_MARGIN_S
     # Refuse handles whose hash algorithm or block size differ from ours (fail safe).
     require_hash_meta_match: bool = True
+    # The pull guard (guard.py): every read of a peer's held blocks is claimed before
+    # and confirmed after, so blocks the holder let go are never attached.  Both pools
+    # must run it: a guarded reader refuses a D handle without a hold token, and a
+    # holder without it cannot defer its frees.  Off only for tests' negative control.
+    pull_guard: bool = True
+    # A claim stands this long at most (a reader that died must not pin blocks for
+    # ever); a read confirmed later is refused and recomputed.  It must exceed the
+    # reader's longest engine step, since the reader confirms at the end of a step.
+    pull_claim_ttl_s: float = 60.0
+    # A reader gives up on an unanswered claim or confirm after this long, and
+    # recomputes.
+    pull_guard_timeout_s: float = 5.0
     # Start under a vLLM release the connector was not tested with (_vllm.py,
     # VLLM_VERSIONS_TESTED); by default the engine refuses to start.
     allow_untested_vllm: bool = False
@@ -194,6 +206,12 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.early_decode_timeout_s <= 0:
             raise ValueError("early_decode_timeout_s must be > 0, got "
                              f"{self.early_decode_timeout_s}")
+        if not 0 < self.pull_claim_ttl_s <= 3600:
+            raise ValueError("pull_claim_ttl_s must be within (0, 3600], got "
+                             f"{self.pull_claim_ttl_s}")
+        if not 0 < self.pull_guard_timeout_s <= 60:
+            raise ValueError("pull_guard_timeout_s must be within (0, 60], got "
+                             f"{self.pull_guard_timeout_s}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
 

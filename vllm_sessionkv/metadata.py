@@ -41,3 +41,9 @@ class StepInstructions(msgspec.Struct, kw_only=True):
     sync_loads: set[str] = msgspec.field(default_factory=set)
     # No request is scheduled: the worker may wait for reads in flight.
     idle_step: bool = False
+    # Reads to claim before posting and confirm before reporting them received
+    # (guard.py): request id -> the holder's hold token.
+    read_guards: dict[str, int] = msgspec.field(default_factory=dict)
+    # Sends whose free the scheduler deferred while a reader's claim stood: report
+    # them sent again (once), so vLLM frees them now.
+    report_sent: set[str] = msgspec.field(default_factory=set)

@@ -197,6 +197,10 @@ class SessionPayload(msgspec.Struct, omit_defaults=True, kw_only=True):
     num_tokens: int = 0
     # D only: wall-clock (unix seconds) end of its lease on the blocks; 0: none.
     expires_at_unix_s: float = 0.0
+    # The holder's token for these blocks (guard.py): a reader claims the blocks
+    # with it before reading them and confirms after.  0: no guard (a stock engine,
+    # or the guard turned off).
+    hold_token: int = 0
     # D only: HTTP URL of the engine holding the blocks, when it advertises one.
     engine_url: str | None = None
     # How this request's prompt tokens were obtained, on the engine that answered.

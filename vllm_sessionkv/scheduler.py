@@ -43,6 +43,7 @@ from vllm_sessionkv.cost import (
 )
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
 from vllm_sessionkv.first_token import handoff_refusal
+from vllm_sessionkv.guard import SendLedger, decode_call, encode_answer, new_hold_token
 from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.host_tier import HostTierManager
@@ -141,6 +142,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                  if num_blocks else 1 << 62)
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
         self._publisher = HandlePublisher(config.redis_url, config.redis_namespace)
+        # The pull guard (guard.py), as holder: every finished request whose blocks
+        # wait for a peer's read, with the readers' claims, answered on NIXL's side
+        # channel; as reader: the hold tokens of this step's reads, for the worker.
+        self._ledger: SendLedger | None = None
+        self._guard_counted = (0, 0, 0)
+        if config.pull_guard:
+            self._ledger = SendLedger(engine_id, config.pull_claim_ttl_s)
+            _vllm.serve_guard_on_side_channel(self, self._answer_guard)
+        self._read_guards_next: dict[str, int] = {}
         # Host-DRAM tier: this side decides and tracks; the worker copies.
         self.host: HostTierManager | None = None
         if config.host_tier_bytes:
@@ -196,6 +206,17 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                           max_wait_s=_HELD_STEP_INTERVAL_S)
         # This runs in the engine-core process, whose loop the pacing changes.
         _vllm.pace_holding_steps(config.holding_step_interval(_vllm.is_cpu_platform()))
+
+    def _answer_guard(self, raw: bytes) -> bytes | None:
+        """The side channel's answer to a guard call (None: not one; NIXL's own)."""
+        call = decode_call(raw)
+        if call is None:
+            return None
+        answer = self._ledger.answer(call, time.perf_counter())
+        if not answer.ok:
+            logger.info("sessionkv guard %s refused request_id=%s reader=%s reason=%s",
+                        call.op.value, call.request_id, call.reader, answer.reason)
+        return encode_answer(answer)
 
     # ------------------------------------------------------------------ inputs
     @staticmethod
@@ -268,12 +289,19 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                 tenant=_vllm.request_cache_salt(request),
                                 max_loadable_tokens=max_loadable)
             verdict = verify_remote_kv(local, remote)
-        expires_at = self._payload(params).expires_at_unix_s
-        if is_d_to_p and handle_expired(expires_at, time.time(), self.config.expiry_margin_s):
+        ours = self._payload(params)
+        if is_d_to_p and handle_expired(ours.expires_at_unix_s, time.time(),
+                                        self.config.expiry_margin_s):
             # D's lease is over (or nearly): its blocks may already hold other KV.
             verdict = Verdict(verified_tokens=0,
                               refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
                               reason="expired_handle")
+        elif is_d_to_p and self.config.pull_guard and not ours.hold_token and \
+                verdict.verified_tokens:
+            # D cannot be asked to keep the blocks while we read them (guard.py).
+            verdict = Verdict(verified_tokens=0,
+                              refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
+                              reason="unguarded_handle")
         # Decided once per request (the token becomes its first output); a re-plan
         # for a new local hit keeps the decision, since the verdict does not change.
         first_token = (cached.first_token if cached is not None
@@ -505,6 +533,9 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             if num_external_tokens:
                 plan.pull_started_s = time.perf_counter()
                 self.stats.record("load_sync" if plan.sync else "load_async")
+                token = self._payload(params).hold_token
+                if token and self.config.pull_guard:
+                    self._read_guards_next[request.request_id] = token
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             if plan.sync and num_external_tokens:
                 self._queue_sync_read(request, plan, blocks)
@@ -617,7 +648,11 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             host_copies=self._take_host_ops(), release_holds=self._take_hold_releases(),
             sync_loads=self._sync_reads_next,
             # The worker may wait for its reads only when it has no model to run.
-            idle_step=running == 0)
+            idle_step=running == 0,
+            read_guards=self._read_guards_next,
+            report_sent=(self._ledger.take_releasable(time.perf_counter())
+                         if self._ledger is not None else set()))
+        self._read_guards_next = {}
         self._sync_reads_in_step |= self._sync_reads_next
         self._sync_reads_next = set()
         _vllm.attach_step_instructions(meta, instructions)
@@ -627,6 +662,13 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         return meta
 
     def update_connector_output(self, connector_output) -> None:
+        sending = getattr(connector_output, "finished_sending", None)
+        if sending and self._ledger is not None:
+            # Sends a reader's claim stands on are not freed yet (guard.py); the
+            # worker reports them again once the claim ends.
+            free_now = self._ledger.gate(sending, time.perf_counter())
+            if len(free_now) != len(sending):
+                connector_output.finished_sending = free_now
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
         alpha = self.config.cost.bandwidth_ewma_alpha
@@ -722,7 +764,8 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 **self._chain_export(request, out["remote_num_tokens"]),
                 session_id=session_id, accounting=accounting,
                 expires_at_unix_s=_vllm.pending_send_deadline_unix_s(deadline),
-                engine_url=self.config.advertise_url or None))
+                engine_url=self.config.advertise_url or None,
+                hold_token=self._guard_hold(request.request_id)))
             if self._publisher.publish(session_id, out, self.config.session_lease_s):
                 self.stats.record("session_handles_published")
         else:
@@ -735,9 +778,19 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
                 **self._chain_export(request, out.get("remote_num_tokens") or 0),
                 session_id=session_id or None, accounting=accounting,
-                first_token_id=first_token_id))
+                first_token_id=first_token_id,
+                hold_token=self._guard_hold(request.request_id) if delay_free else 0))
             self._push_to_early_decode(payload, out)
         return delay_free, out
+
+    def _guard_hold(self, request_id: str) -> int:
+        """A token for the blocks this finished request leaves held for a peer's
+        read, registered with the guard's ledger (0 with the guard off)."""
+        if self._ledger is None:
+            return 0
+        token = new_hold_token()
+        self._ledger.add(request_id, token)
+        return token
 
     def _early_push_target(self, payload: SessionPayload) -> tuple[str, str] | None:
         """(D's endpoint, id) a P request asks us to push our parameters to."""
@@ -793,11 +846,18 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         A lease ends at the deadline published in the handle; P refuses a handle
         within ``expiry_margin_s`` of it and vLLM's reader declines a read within 5 s
         of it, so no pull of these blocks starts this late."""
-        due = self._holds.due(time.perf_counter())
+        now = time.perf_counter()
+        due = self._holds.due(now)
         for req_id, reason in due.items():
             logger.debug("sessionkv hold ends request_id=%s reason=%s", req_id, reason)
         self._holds_to_release.update(due)
-        releases, self._holds_to_release = self._holds_to_release, set()
+        if self._ledger is None:
+            releases, self._holds_to_release = self._holds_to_release, set()
+            return releases
+        # No new claims on them; a hold a reader's claim stands on ends after it.
+        self._ledger.mark_ending(self._holds_to_release)
+        releases = {r for r in self._holds_to_release if not self._ledger.claimed(r, now)}
+        self._holds_to_release -= releases
         return releases
 
     def reset_cache(self) -> bool:
@@ -845,6 +905,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if self._holds.sessions != self._session_holds_reported:
             self._session_holds_reported = self._holds.sessions
             self.stats.record("session_holds", self._session_holds_reported)
+        if self._ledger is not None:
+            counted = (self._ledger.claims_granted, self._ledger.claims_refused,
+                       self._ledger.frees_deferred)
+            for key, now, before in zip(("guard_claims_granted", "guard_claims_refused",
+                                         "guard_frees_deferred"), counted,
+                                        self._guard_counted):
+                if now > before:
+                    self.stats.record(key, now - before)
+            self._guard_counted = counted
         publish_failures = self._publisher.take_failures()
         if publish_failures:
             self.stats.record("session_handles_publish_failed", publish_failures)

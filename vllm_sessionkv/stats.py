@@ -16,7 +16,7 @@ from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_m
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
 from vllm_sessionkv.holds import RELEASE_REASONS
 
-__all__ = ["EARLY_DECODE_OUTCOMES", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
+__all__ = ["EARLY_DECODE_OUTCOMES", "GUARD_CLAIM_OUTCOMES", "GUARD_FALLBACKS", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
 
 # How a request's prompt tokens were obtained.  Keys of TokenAccounting, per source.
@@ -29,6 +29,12 @@ EARLY_DECODE_OUTCOMES = ("ready", "prefill_failed", "timed_out", "refused")
 
 # How a peer read runs: in the step that computes the request, or in steps of its own.
 LOAD_MODES = ("sync", "async")
+
+# Why a read of a peer's held blocks fell back to recompute under the pull guard
+# (guard.py): its claim or its confirm was refused by the holder, or not answered.
+GUARD_FALLBACKS = ("claim_refused", "claim_timeout", "confirm_refused", "confirm_timeout")
+# What this engine, as holder, answered to readers' claims.
+GUARD_CLAIM_OUTCOMES = ("granted", "refused")
 
 _SESSION_KEYS = (
     *(f"prompt_tokens_{s}" for s in PROMPT_TOKEN_SOURCES),
@@ -54,6 +60,9 @@ _SESSION_KEYS = (
     "early_decode_wait_s",
     "early_decode_pushed_by_prefill",
     *(f"first_token_{o}" for o in FIRST_TOKEN_OUTCOMES),
+    *(f"pull_guard_{r}" for r in GUARD_FALLBACKS),
+    *(f"guard_claims_{o}" for o in GUARD_CLAIM_OUTCOMES),
+    "guard_frees_deferred",
 )
 
 
@@ -216,6 +225,21 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "continued (D appended it and started at the next token, saving a step) or "
             "why not (logprobs, seeded_sampling, stop_token, ...).", "outcome",
             FIRST_TOKEN_OUTCOMES)
+        self._guard_fallbacks = by_label(
+            "sessionkv_pull_guard_fallbacks",
+            "Reads of a peer's held blocks that fell back to recompute under the pull "
+            "guard, by why: claim_refused (the holder no longer held the blocks, or "
+            "another reader had claimed them), claim_timeout, confirm_refused (the claim "
+            "lapsed before the read was confirmed), confirm_timeout.", "reason",
+            GUARD_FALLBACKS)
+        self._guard_claims = by_label(
+            "sessionkv_guard_claims",
+            "Readers' claims on blocks this engine holds, by answer.", "outcome",
+            GUARD_CLAIM_OUTCOMES)
+        self._guard_deferred = create_metric_per_engine(
+            counter("sessionkv_guard_deferred_frees",
+                    "Held blocks whose free waited for a reader's claim to end."),
+            per_engine_labelvalues)
         self._counters, self._histograms = self._by_stats_key()
 
     def _by_stats_key(self) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]]]:
@@ -234,6 +258,9 @@ class SessionKVPromMetrics(NixlPromMetrics):
             **{f"early_decode_{o}": m for o, m in self._early_decode.items()},
             "early_decode_pushed_by_prefill": self._early_decode_pushes,
             **{f"first_token_{o}": m for o, m in self._first_token.items()},
+            **{f"pull_guard_{r}": m for r, m in self._guard_fallbacks.items()},
+            **{f"guard_claims_{o}": m for o, m in self._guard_claims.items()},
+            "guard_frees_deferred": self._guard_deferred,
         }
         histograms = {
             "host_restore_s": self._host_restore_s,

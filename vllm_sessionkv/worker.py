@@ -7,15 +7,19 @@ give the worker the stats container the scheduler uses, so both halves aggregate
 
 from __future__ import annotations
 
+import logging
 import time
 
 from vllm_sessionkv import _vllm
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.host_tier import HostBlockPool
 from vllm_sessionkv.metadata import HostCopyKind
+from vllm_sessionkv.read_guard import GuardedRead, ReadGuard
 from vllm_sessionkv.stats import SessionKVStats
 
 __all__ = ["SessionKVWorker"]
+
+logger = logging.getLogger("vllm.sessionkv.worker")
 
 # Poll interval of a wait for reads (an idle step's, or a synchronous load's): short
 # against a read (~1 ms), long enough to leave the core to the peer engine.
@@ -47,6 +51,16 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         # Session holds the scheduler ended (lease, superseded, reset), released here
         # and reported sent with this step's results.
         self._released_holds: set[str] = set()
+        # The pull guard, as reader (guard.py): reads of held blocks are claimed
+        # before they are posted and confirmed before they are reported received.
+        self._guard: ReadGuard | None = None
+        self._held_back: dict[str, object] = {}    # request id -> stock ReqMeta
+        self._confirmed: set[str] = set()
+        self._refuted: set[str] = set()
+        if config.pull_guard:
+            self._guard = ReadGuard(engine_id, member=f"tp{self.tp_rank}",
+                                    timeout_s=config.pull_guard_timeout_s)
+            self._post_read = _vllm.gate_reads(self, self._before_read)
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
@@ -73,12 +87,17 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
         self._idle_step = ours.idle_step
         _vllm.set_engine_busy(not self._idle_step)
+        if self._guard is not None:
+            self._guard.expect(ours.read_guards)
         super().start_load_kv(metadata)
+        self._poll_guard()
         # After stock code has taken this step's held sends, which a reset in the
         # same step may already release.
         for req_id in ours.release_holds:
             if _vllm.release_pending_send(self, req_id):
                 self._released_holds.add(req_id)
+        # Sends whose free waited for a reader's claim to end (guard.py).
+        self._released_holds |= ours.report_sent
         if ours.sync_loads:
             self._finish_sync_loads(set(ours.sync_loads))
 
@@ -95,7 +114,8 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         while True:
             # A read whose handshake finished while we wait is posted now, not next step.
             _vllm.start_ready_reads(self)
-            results = self._merge_early(super().get_transfer_results())
+            self._poll_guard()
+            results = self._merge_early(self._guarded(super().get_transfer_results()))
             pending -= results.finished_recving
             if not pending or time.perf_counter() >= deadline:
                 break
@@ -115,6 +135,76 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
             return results
         return _merge(self._early_results, results)
 
+    # ------------------------------------------------------------- pull guard
+    def _before_read(self, req_id: str, meta) -> bool:
+        """Stock code is about to post this read: go ahead, or hold it back while its
+        claim is asked (guard.py).  Reads of nothing (notify-only) and unguarded
+        reads go ahead; so does a first read from a peer not yet handshaken with,
+        which stock code brings back here once the handshake is done."""
+        guard = self._guard
+        token = guard.token(req_id)
+        if token is None or guard.is_granted(req_id):
+            return True
+        remote = meta.remote
+        if not any(meta.local_block_ids) or not _vllm.peer_ready(self, remote.engine_id):
+            return True
+        guard.claim(GuardedRead(
+            request_id=req_id, holder_engine_id=remote.engine_id,
+            holder_request_id=remote.request_id, token=token, host=remote.host,
+            port=remote.port, local_blocks=frozenset(meta.local_block_ids[0])),
+            time.perf_counter())
+        self._held_back[req_id] = meta
+        return False
+
+    def _poll_guard(self) -> None:
+        """Post the reads whose claims were granted; fail those refused; take the
+        confirms' answers."""
+        if self._guard is None or not self._guard.waiting:
+            return
+        polled = self._guard.poll(time.perf_counter())
+        for req_id in polled.granted:
+            meta = self._held_back.pop(req_id, None)
+            if meta is not None:
+                self._post_read(req_id, meta)
+        for req_id, reason in polled.refused:
+            self._held_back.pop(req_id, None)
+            self._count_guard_fallback("claim", reason, req_id)
+            _vllm.fail_read(self, req_id)
+        self._confirmed.update(polled.confirmed)
+        for read, reason in polled.refuted:
+            self._count_guard_fallback("confirm", reason, read.request_id)
+            # The read may have seen another request's KV: never attach or cache it.
+            _vllm.report_invalid_blocks(self, set(read.local_blocks))
+            self._refuted.add(read.request_id)
+
+    def _count_guard_fallback(self, stage: str, reason: str, req_id: str) -> None:
+        kind = f"{stage}_timeout" if reason == "timeout" else f"{stage}_refused"
+        self.xfer_stats.record(f"pull_guard_{kind}", 1)
+        logger.info("sessionkv guard: %s of request %s %s (%s); recomputing", stage,
+                    req_id, "timed out" if reason == "timeout" else "refused", reason)
+
+    def _guarded(self, results):
+        """Hold back guarded reads that completed until their confirm is answered;
+        report the answered ones: received, or failed (recomputed)."""
+        guard = self._guard
+        if guard is None:
+            return results
+        now = time.perf_counter()
+        for req_id in results.finished_recving:
+            if not guard.is_granted(req_id):
+                continue
+            if req_id in results.failed_recving:
+                guard.release(req_id, now)
+            else:
+                guard.confirm(req_id, now)
+        results.finished_recving -= {r for r in results.finished_recving
+                                     if guard.confirming(r)}
+        self._poll_guard()
+        results.finished_recving |= self._confirmed | self._refuted
+        results.failed_recving |= self._refuted
+        self._confirmed, self._refuted = set(), set()
+        return results
+
     def get_transfer_results(self):
         results = self._idle_wait_results()
         if self._early_results is not None:
@@ -128,7 +218,12 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         if self._released_holds:
             results.finished_sending |= self._released_holds
             self._released_holds = set()
-        return results
+        return self._guarded(results)
+
+    def shutdown(self):
+        if self._guard is not None:
+            self._guard.close()
+        super().shutdown()
 
     def _idle_wait_results(self):
         wait_s = self.sessionkv_config.idle_step_recv_wait_s

@@ -1,0 +1,203 @@
+"""The pull guard on real engines: a hold that ends between the handle's publication
+and the peer's read never becomes attached KV.
+
+For each way a hold ends early (kv_pressure, superseded, reset, a second read of a
+handle already read, in both directions) the test publishes a handle, ends the hold
+that handle names, has other requests overwrite the freed blocks, and then sends the
+turn that reads the stale handle.  With the guard (the default) the read is refused
+at its claim, the turn is recomputed and equals the co-located server, the fallback
+is counted, and afterwards the same prompt sent straight to P and to D also equals
+it (no poisoned prefix cache).  The negative control runs the same sequence on a
+cluster with ``pull_guard: false``: the stale read is attached and the answer differs.
+
+Each cluster is 1P+1D from ``local_cluster.py`` with a small KV cache (so freed
+blocks are reused quickly) and a low hold cap (so kv_pressure can be provoked).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import requests
+
+from cluster import SESSION_COST, launch_cluster, stop_cluster
+from helpers import (
+    assert_same,
+    compare,
+    completion_body,
+    fresh_prefill_params,
+    metric_sum,
+    post,
+    wait_until,
+)
+
+pytestmark = pytest.mark.cluster
+
+KV_CACHE_GB = 0.02          # about 655 blocks of 32 tokens of the tiny model
+HOLD_FRACTION = 0.2         # holds may pin about 130 blocks
+PROMPT_TOKENS = 1800        # about 57 blocks a hold
+
+PATHS = ["kv_pressure", "superseded", "reset", "d_to_p_reread", "p_to_d_reread"]
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729 + (i * i) % 13) % 990 + 20 for i in range(n)]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["guard", "no_guard"])
+def race_cluster(request, tiny_model, pd_cluster, tmp_path_factory):
+    guard = request.param
+    config = {"cost": SESSION_COST, "session_hold_max_kv_fraction": HOLD_FRACTION,
+              "superseded_hold_grace_s": 0.5, "pull_guard": guard}
+    cluster = launch_cluster(tiny_model, tmp_path_factory.mktemp("race-logs"), [
+        "--prefill", "1", "--decode", "1", "--no-proxy", "--kv-cache-gb", str(KV_CACHE_GB),
+        "--sessionkv-config", json.dumps(config)])
+    cluster.colocated = pd_cluster.colocated
+    cluster.extras["guard"] = "on" if guard else "off"
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+
+
+def _num_blocks(url: str) -> int:
+    text = requests.get(url + "/metrics", timeout=30).text
+    return int(re.search(r'num_gpu_blocks="(\d+)"', text).group(1))
+
+
+def _reset(url: str) -> None:
+    requests.post(url + "/reset_prefix_cache", params={"reset_external": "true"},
+                  timeout=30)
+
+
+def _clean(cluster) -> None:
+    """Start each case from engines with no holds and empty prefix caches."""
+    for url in (*cluster.prefill, *cluster.decode):
+        _reset(url)
+    wait_until(lambda: metric_sum(cluster.decode[0], "sessionkv_session_holds") == 0
+               and all(requests.post(u + "/reset_prefix_cache", timeout=30).ok
+                       for u in (*cluster.prefill, *cluster.decode)),
+               60, "holds released and caches reset")
+
+
+def _overwrite(url: str, model: str, seed: int) -> None:
+    """Requests of no session that, between them, allocate every block of the engine
+    at least once: whatever was freed now holds their KV."""
+    tokens = _num_blocks(url) * 32 + 4000
+    i = 0
+    while tokens > 0:
+        post(url, "/v1/completions", completion_body(model, _ids(seed * 100 + i, 3000),
+                                                     max_tokens=1))
+        tokens -= 3000
+        i += 1
+
+
+def _on_d(cluster, prompt: list[int], session: str):
+    """A session turn served on D alone: D holds it and returns the handle."""
+    out = post(cluster.decode[0], "/v1/completions", completion_body(
+        cluster.model, prompt, max_tokens=16, session_id=session,
+        kv_transfer_params={"sessionkv": {"session_id": session}}))
+    return out, dict(out.raw["kv_transfer_params"])
+
+
+def _released(cluster, reason: str) -> float:
+    return metric_sum(cluster.decode[0], "sessionkv_session_holds_released_total",
+                      reason=reason)
+
+
+def _fallbacks(url: str) -> float:
+    return metric_sum(url, "sessionkv_pull_guard_fallbacks_total")
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_read_of_blocks_let_go_is_never_attached(race_cluster, path):
+    cluster = race_cluster
+    guard = cluster.extras["guard"] == "on"
+    p_url, d_url, model = cluster.prefill[0], cluster.decode[0], cluster.model
+    _clean(cluster)
+    seed = PATHS.index(path) + 1
+    session = f"race-{path}"
+    prompt = _ids(seed, PROMPT_TOKENS)
+
+    if path == "p_to_d_reread":
+        # P's blocks for D are read once; a second D request with the same P
+        # parameters (a retried hand-off) reads blocks P already let go.
+        p_out = post(p_url, "/v1/completions", completion_body(
+            model, prompt, max_tokens=1, kv_transfer_params=fresh_prefill_params()))
+        p_params = p_out.raw["kv_transfer_params"]
+        assert p_params["sessionkv"].get("hold_token", 0) > 0 or not guard, p_params
+        post(d_url, "/v1/completions", completion_body(
+            model, prompt, max_tokens=16, kv_transfer_params=p_params))
+        _overwrite(p_url, model, seed)
+        requests.post(d_url + "/reset_prefix_cache", timeout=30)   # D must read again
+        reader_url = d_url
+        before = _fallbacks(reader_url)
+        second = post(d_url, "/v1/completions", completion_body(
+            model, prompt, max_tokens=16, kv_transfer_params=p_params))
+        final_prompt = prompt
+        accounting = second.raw["kv_transfer_params"] or {}
+        answer = second
+    else:
+        first, handle = _on_d(cluster, prompt, session)
+        if path == "kv_pressure":
+            before_released = _released(cluster, "kv_pressure")
+            # Two more sessions' holds push the holds over the cap: the oldest, ours, ends.
+            _on_d(cluster, _ids(seed + 50, PROMPT_TOKENS), f"{session}-b")
+            _on_d(cluster, _ids(seed + 60, PROMPT_TOKENS), f"{session}-c")
+            wait_until(lambda: _released(cluster, "kv_pressure") > before_released, 60,
+                       "a hold ended for kv_pressure")
+        elif path == "superseded":
+            before_released = _released(cluster, "superseded")
+            # The session's next turn edits its history: a hold of other blocks.
+            _on_d(cluster, _ids(seed + 70, PROMPT_TOKENS), session)
+            wait_until(lambda: _released(cluster, "superseded") > before_released, 60,
+                       "the older hold ended as superseded")
+        elif path == "reset":
+            before_released = _released(cluster, "reset")
+            _reset(d_url)
+            wait_until(lambda: _released(cluster, "reset") > before_released, 60,
+                       "the hold ended by the reset")
+        elif path == "d_to_p_reread":
+            # P reads the handle once (D then lets the blocks go); a retried P request
+            # with the same handle reads them again.
+            turn_prompt = prompt + first.token_ids + _ids(seed + 80, 40)
+            post(p_url, "/v1/completions", completion_body(
+                model, turn_prompt, max_tokens=1, session_id=session,
+                kv_transfer_params=dict(handle, do_remote_decode=True,
+                                        do_remote_prefill=False)))
+            _reset(p_url)
+        _overwrite(d_url, model, seed)
+        final_prompt = prompt + first.token_ids + _ids(seed + 90, 40)
+        reader_url = p_url
+        before = _fallbacks(reader_url)
+        p_out = post(p_url, "/v1/completions", completion_body(
+            model, final_prompt, max_tokens=1, session_id=session,
+            kv_transfer_params=dict(handle, do_remote_decode=True, do_remote_prefill=False)))
+        accounting = p_out.raw["kv_transfer_params"]
+        # D finishes the turn from P's blocks, as the proxy would.
+        answer = post(d_url, "/v1/completions", completion_body(
+            model, final_prompt, max_tokens=16, session_id=session,
+            kv_transfer_params=p_out.raw["kv_transfer_params"]))
+
+    expected = post(cluster.colocated, "/v1/completions",
+                    completion_body(model, final_prompt, max_tokens=16))
+    acct = (accounting.get("sessionkv") or {}).get("accounting", {})
+    print(f"{path} guard={guard}: accounting {acct}")
+    if not guard:
+        # Negative control: the stale read is attached and the answer is wrong.
+        assert not compare(answer, expected).equal, (path, acct)
+        return
+    assert_same(answer, expected, path)
+    assert acct.get("pulled_from_peer_tokens", 0) == 0, acct
+    if not path.endswith("_reread"):
+        assert acct.get("local_hit_tokens", 0) == 0, acct   # P had to pull or compute it all
+    assert "pull_failed" in acct.get("decision", ""), acct
+    assert _fallbacks(reader_url) > before
+    # Nothing findable under those hashes holds the stale KV: the same prompt straight
+    # to P and to D, with no hand-off, equals the co-located server.
+    for url in (p_url, d_url):
+        direct = post(url, "/v1/completions", completion_body(model, final_prompt,
+                                                              max_tokens=16))
+        assert_same(direct, expected, f"{path}: straight to {url}")

@@ -1,0 +1,194 @@
+"""The pull guard, reader side: claim before a read, confirm after it.
+
+See ``guard.py`` for the protocol.  The worker owns one :class:`ReadGuard`.  Every
+call is non-blocking: messages go out on one ZMQ DEALER per holder side channel,
+answers are collected by :meth:`ReadGuard.poll` (the worker calls it each step, and
+in a synchronous load's wait), and a call unanswered within ``timeout_s`` counts as
+refused.  Nothing here touches vLLM: the worker passes request ids, the holder's
+address and the blocks a read writes, and acts on what :meth:`poll` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+
+from vllm_sessionkv.guard import (
+    GuardCall,
+    GuardOp,
+    decode_answer,
+    encode_call,
+)
+
+__all__ = ["GuardedRead", "GuardPoll", "ReadGuard"]
+
+logger = logging.getLogger("vllm.sessionkv.read_guard")
+
+# Tokens of reads the scheduler asked to guard whose read never came (aborted
+# requests): the oldest are dropped past this many.
+_MAX_EXPECTED = 1 << 16
+
+
+@dataclass(frozen=True)
+class GuardedRead:
+    """One read of held blocks: whose, where to ask, and what it writes here."""
+
+    request_id: str          # this engine's request
+    holder_engine_id: str
+    holder_request_id: str
+    token: int
+    host: str
+    port: int
+    local_blocks: frozenset[int]
+
+
+@dataclass
+class GuardPoll:
+    """What changed since the last poll."""
+
+    granted: list[str] = field(default_factory=list)          # post these reads now
+    refused: list[tuple[str, str]] = field(default_factory=list)   # (request, reason)
+    confirmed: list[str] = field(default_factory=list)        # report received
+    refuted: list[tuple[GuardedRead, str]] = field(default_factory=list)   # recompute
+
+
+@dataclass
+class _Pending:
+    read: GuardedRead
+    op: GuardOp
+    deadline_s: float
+
+
+class ReadGuard:
+    def __init__(self, reader_engine_id: str, member: str, timeout_s: float,
+                 context: zmq.Context | None = None) -> None:
+        self.reader_engine_id = reader_engine_id
+        self.member = member
+        self.timeout_s = timeout_s
+        self._context = context or zmq.Context()
+        self._owns_context = context is None
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._seq = itertools.count(1)
+        self._expected: dict[str, int] = {}        # request id -> hold token
+        self._pending: dict[int, _Pending] = {}    # seq -> call awaiting its answer
+        self._granted: dict[str, GuardedRead] = {}   # claimed; read posted or to post
+        self._confirming: set[str] = set()
+
+    # -------------------------------------------------------------- requests
+    def expect(self, tokens: dict[str, int]) -> None:
+        """The scheduler's reads to guard this step: request id -> hold token."""
+        self._expected.update(tokens)
+        while len(self._expected) > _MAX_EXPECTED:
+            del self._expected[next(iter(self._expected))]
+
+    def token(self, request_id: str) -> int | None:
+        return self._expected.get(request_id)
+
+    def is_granted(self, request_id: str) -> bool:
+        return request_id in self._granted
+
+    def claim(self, read: GuardedRead, now_s: float) -> None:
+        """Ask the holder for the blocks; the read waits for :meth:`poll`'s grant."""
+        self._expected.pop(read.request_id, None)
+        self._send(read, GuardOp.CLAIM, now_s)
+
+    def confirm(self, request_id: str, now_s: float) -> None:
+        """The read completed: ask whether the claim stood throughout."""
+        read = self._granted.get(request_id)
+        if read is not None and request_id not in self._confirming:
+            self._confirming.add(request_id)
+            self._send(read, GuardOp.CONFIRM, now_s)
+
+    def release(self, request_id: str, now_s: float) -> None:
+        """The read failed or was given up: drop the claim so the holder frees sooner."""
+        self._expected.pop(request_id, None)
+        read = self._granted.pop(request_id, None)
+        self._confirming.discard(request_id)
+        if read is not None:
+            self._send(read, GuardOp.RELEASE, now_s, await_answer=False)
+
+    def confirming(self, request_id: str) -> bool:
+        return request_id in self._confirming
+
+    # -------------------------------------------------------------- answers
+    def poll(self, now_s: float) -> GuardPoll:
+        out = GuardPoll()
+        for sock in self._sockets.values():
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                answer = decode_answer(frames[-1])
+                pending = self._pending.pop(answer.seq, None) if answer else None
+                if pending is not None:
+                    self._settle(pending, answer.ok, answer.reason, out, now_s)
+        for seq in [s for s, p in self._pending.items() if p.deadline_s <= now_s]:
+            self._settle(self._pending.pop(seq), False, "timeout", out, now_s)
+        return out
+
+    def _settle(self, pending: _Pending, ok: bool, reason: str, out: GuardPoll,
+                now_s: float) -> None:
+        read = pending.read
+        if pending.op is GuardOp.CLAIM:
+            if ok:
+                self._granted[read.request_id] = read
+                out.granted.append(read.request_id)
+            else:
+                if reason == "timeout":
+                    # It may have been granted after all: do not pin it until it lapses.
+                    self._send(read, GuardOp.RELEASE, now_s, await_answer=False)
+                out.refused.append((read.request_id, reason))
+            return
+        self._granted.pop(read.request_id, None)
+        self._confirming.discard(read.request_id)
+        if ok:
+            out.confirmed.append(read.request_id)
+        else:
+            out.refuted.append((read, reason))
+
+    def _send(self, read: GuardedRead, op: GuardOp, now_s: float,
+              await_answer: bool = True) -> None:
+        seq = next(self._seq)
+        call = GuardCall(op=op, engine_id=read.holder_engine_id,
+                         request_id=read.holder_request_id, token=read.token,
+                         reader=f"{self.reader_engine_id}/{read.request_id}",
+                         member=self.member, seq=seq)
+        if await_answer:
+            self._pending[seq] = _Pending(read=read, op=op,
+                                          deadline_s=now_s + self.timeout_s)
+        try:
+            self._socket(read.host, read.port).send_multipart(
+                (b"", encode_call(call)), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # The answer never comes; the deadline turns it into a refusal.
+            logger.warning("sessionkv guard: %s to %s:%d not sent: %s", op.value,
+                           read.host, read.port, exc)
+
+    def _socket(self, host: str, port: int) -> zmq.Socket:
+        sock = self._sockets.get((host, port))
+        if sock is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            # Queue while connecting, up to a bound; a holder that never answers is
+            # a timeout, not a blocked worker.
+            sock.setsockopt(zmq.SNDHWM, 10_000)
+            host_part = f"[{host}]" if ":" in host else host
+            sock.connect(f"tcp://{host_part}:{port}")
+            self._sockets[(host, port)] = sock
+        return sock
+
+    @property
+    def waiting(self) -> bool:
+        """Calls still awaiting an answer."""
+        return bool(self._pending)
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
+        if self._owns_context:
+            self._context.term()
