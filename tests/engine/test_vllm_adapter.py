@@ -527,3 +527,32 @@ def test_first_token_is_returned_with_the_first_output_and_shown_to_the_runner(m
     _vllm.show_first_tokens_to_worker(output, {"held": 5})
     assert new.prompt_token_ids == [1, 2, 3, 5] and plain.prompt_token_ids == [1, 2]
     assert cached.num_output_tokens == [2, 1]
+
+
+def test_pull_guard_surface_exists():
+    """_vllm.serve_guard_on_side_channel / gate_reads / peer_ready / fail_read, and
+    the vLLM behaviour the guard relies on (guard.py)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_scheduler, base_worker
+    from vllm.v1.core.sched import scheduler
+
+    # The side-channel listener is started through the instance attribute, so ours
+    # takes its place, with stock's arguments.
+    start = inspect.getsource(base_scheduler.NixlBaseConnectorScheduler
+                              .set_xfer_handshake_metadata)
+    assert "target=self._nixl_handshake_listener" in start
+    params = inspect.signature(
+        base_scheduler.NixlBaseConnectorScheduler._nixl_handshake_listener).parameters
+    assert list(params) == ["encoded_data", "ready_event", "stop_event", "host", "port"]
+    # Reads (first ones and those after a handshake) are posted through
+    # self._read_blocks_for_req, which the gate wraps.
+    pull_worker = inspect.getsource(_vllm.NixlPullConnectorWorker.start_load_kv)
+    assert pull_worker.count("self._read_blocks_for_req(") == 2
+    worker_init = inspect.getsource(base_worker.NixlBaseConnectorWorker.__init__)
+    for attr in ("_remote_agents", "_recv_failures"):
+        assert f"self.{attr}" in worker_init, attr
+    failed = inspect.signature(base_worker.NixlBaseConnectorWorker._handle_failed_transfer)
+    assert list(failed.parameters)[1:] == ["req_id", "handle", "failed_req_ids",
+                                           "record_failed_transfer"]
+    # The connector sees finished sends before vLLM frees them (the deferred free).
+    update = inspect.getsource(scheduler.Scheduler._update_from_kv_xfer_finished)
+    assert update.index("update_connector_output") < update.index("finished_sending")
