@@ -555,4 +555,5 @@ def test_pull_guard_surface_exists():
                                            "record_failed_transfer"]
     # The connector sees finished sends before vLLM frees them (the deferred free).
     update = inspect.getsource(scheduler.Scheduler._update_from_kv_xfer_finished)
-    assert update.index("update_connector_output") < update.index("finished_sending")
+    assert update.index("update_connector_output(") < update.index(
+        "for req_id in kv_connector_output.finished_sending")
