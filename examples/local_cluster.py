@@ -4,7 +4,8 @@ KV-event publishers, optional Redis, the sessionkv proxy, and optionally a plain
 co-located vLLM server for baselines.
 
     python examples/local_cluster.py --prefill 1 --decode 1 --proxy-port 8000 \\
-        [--redis] [--colocated-port 8300] [--model PATH] [--gpus 0,1]
+        [--redis] [--colocated-port 8300] [--model PATH] [--gpus 0,1] \\
+        [--kv-cache-gb 1.0] [--decode-kv-cache-gb 0.02]
 
 Without --model it generates a tiny random Llama (CPU demo) in a temporary folder,
 served under a stable name, ``sessionkv-tiny-model`` (``--served-model-name``): the
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="KV cache per engine in GiB on CPU (--kv-cache-memory-bytes)")
+    p.add_argument("--decode-kv-cache-gb", type=float,
+                   help="KV cache of each D engine in GiB on CPU, in place of --kv-cache-gb "
+                        "(P and the co-located server keep that), e.g. a small D whose "
+                        "session holds end under KV pressure")
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES values, one per engine "
                                   "in order prefill..., decode..., colocated (GPU hosts)")
     p.add_argument("--log-dir", help="engine logs (default: a temporary directory)")
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--block-size must be a multiple of 32 (vLLM's CPU attention)")
     if not args.kv_cache_gb > 0:
         p.error("--kv-cache-gb must be above 0")
+    if args.decode_kv_cache_gb is not None and not args.decode_kv_cache_gb > 0:
+        p.error("--decode-kv-cache-gb must be above 0")
     if args.max_restarts < 0 or not args.restart_window_s > 0:
         p.error("--max-restarts must be 0 or more and --restart-window-s above 0")
     try:
@@ -126,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             redis=args.redis, proxy=not args.no_proxy, proxy_port=args.proxy_port,
             policy=args.policy, base_port=args.base_port, block_size=args.block_size,
             max_model_len=args.max_model_len, kv_cache_space_gb=args.kv_cache_gb,
+            decode_kv_cache_space_gb=args.decode_kv_cache_gb,
             connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
             nixl_extra=json.loads(args.nixl_extra_config),
             gpus=args.gpus.split(",") if args.gpus else None,

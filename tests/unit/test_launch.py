@@ -93,12 +93,51 @@ def test_a_placement_must_name_a_process_of_the_cluster():
     assert spec.host("decode0") == LOCAL_HOST
 
 
+def _kv_bytes(engine: EngineSpec) -> int:
+    return int(_flag(engine_command(engine)[0], "--kv-cache-memory-bytes"))
+
+
+def test_decode_engines_can_get_their_own_kv_cache():
+    cluster = LocalCluster(ClusterSpec(model="m", prefill=1, decode=2, colocated=True,
+                                       kv_cache_space_gb=0.25, decode_kv_cache_space_gb=0.02))
+    assert _kv_bytes(cluster._engine("prefill", 0, "prefill0")) == 2**28
+    for i in range(2):
+        assert _kv_bytes(cluster._engine("decode", 1 + i, f"decode{i}")) == int(0.02 * 2**30)
+    # The co-located reference keeps the cluster's default, like P.
+    assert _kv_bytes(cluster._colocated_engine()) == 2**28
+    same = LocalCluster(ClusterSpec(model="m", kv_cache_space_gb=0.25))
+    assert _kv_bytes(same._engine("decode", 1, "decode0")) == 2**28
+
+
 def _local_cluster_main():
     path = Path(__file__).resolve().parents[2] / "examples" / "local_cluster.py"
     module_spec = importlib.util.spec_from_file_location("local_cluster_cli", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     return module
+
+
+def test_local_cluster_passes_decode_kv_cache_gb_to_the_spec(monkeypatch, tmp_path):
+    cli = _local_cluster_main()
+    seen = []
+
+    class NoStart:
+        def __init__(self, spec):
+            seen.append(spec)
+
+        def start(self):
+            raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(cli, "LocalCluster", NoStart)
+    common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+              "--kv-cache-gb", "0.25"]
+    assert cli.main([*common, "--decode-kv-cache-gb", "0.02"]) == 1
+    assert seen[-1].kv_cache_space_gb == 0.25
+    assert seen[-1].decode_kv_cache_space_gb == 0.02
+    assert cli.main(common) == 1
+    assert seen[-1].decode_kv_cache_space_gb is None
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--decode-kv-cache-gb", "0"])
 
 
 def test_an_engine_serves_the_model_under_its_served_name():

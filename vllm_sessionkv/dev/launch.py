@@ -429,6 +429,9 @@ class ClusterSpec:
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_space_gb: float = 1.0  # KV cache per engine on CPU
+    # D engines only, when set: their KV cache on CPU (e.g. a small D that must end
+    # session holds under KV pressure); P and the co-located engine keep the above.
+    decode_kv_cache_space_gb: float | None = None
     num_gpu_blocks_override: int | None = None
     # P engines only, when set (e.g. a P pool with less KV than D's).
     prefill_num_gpu_blocks_override: int | None = None
@@ -565,7 +568,10 @@ class LocalCluster:
                           side_channel_port=self._port(), kv_events_port=self._port(),
                           kv_events_replay_port=self._port(), block_size=spec.block_size,
                           max_model_len=spec.max_model_len,
-                          kv_cache_space_gb=spec.kv_cache_space_gb,
+                          kv_cache_space_gb=(
+                              spec.decode_kv_cache_space_gb
+                              if role == "decode" and spec.decode_kv_cache_space_gb
+                              else spec.kv_cache_space_gb),
                           num_gpu_blocks_override=(
                               spec.prefill_num_gpu_blocks_override
                               if role == "prefill" and spec.prefill_num_gpu_blocks_override
@@ -605,13 +611,7 @@ class LocalCluster:
             named = [(f"prefill{i}", e) for i, e in enumerate(self.prefill)]
             named += [(f"decode{i}", e) for i, e in enumerate(self.decode)]
             if spec.colocated:
-                self.colocated = EngineSpec(
-                    role="colocated", model=spec.model,
-                    served_model_name=spec.served_model_name,
-                    port=spec.colocated_port or self._port(), block_size=spec.block_size,
-                    max_model_len=spec.max_model_len, kv_cache_space_gb=spec.kv_cache_space_gb,
-                    extra_args=list(spec.engine_extra_args),
-                    gpus=spec.gpus[-1] if spec.gpus else None, host=spec.host("colocated"))
+                self.colocated = self._colocated_engine()
                 named.append(("colocated", self.colocated))
             engines = [(self.manage(name, self._engine_starter(e, name), e.url), e.url)
                        for name, e in named]
@@ -630,6 +630,16 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _colocated_engine(self) -> EngineSpec:
+        """The plain co-located server: no connector, the cluster's default KV."""
+        spec = self.spec
+        return EngineSpec(
+            role="colocated", model=spec.model, port=spec.colocated_port or self._port(),
+            served_model_name=spec.served_model_name,
+            block_size=spec.block_size, max_model_len=spec.max_model_len,
+            kv_cache_space_gb=spec.kv_cache_space_gb, extra_args=list(spec.engine_extra_args),
+            gpus=spec.gpus[-1] if spec.gpus else None, host=spec.host("colocated"))
 
     def _engine_starter(self, engine: EngineSpec, name: str) -> Callable[[], ManagedProcess]:
         return lambda: start_engine(engine, name, self.spec.log_dir)
