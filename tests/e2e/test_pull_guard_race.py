@@ -201,3 +201,40 @@ def test_a_read_of_blocks_let_go_is_never_attached(race_cluster, path):
         direct = post(url, "/v1/completions", completion_body(model, final_prompt,
                                                               max_tokens=16))
         assert_same(direct, expected, f"{path}: straight to {url}")
+
+
+@pytest.mark.parametrize("reads", ["first", "warm"])
+def test_a_read_of_held_blocks_is_granted_and_attached(race_cluster, reads):
+    """The guard costs no reuse: a fresh handle's blocks are claimed, read (the first
+    read from a peer asynchronously, later ones inside the step when short),
+    confirmed and attached."""
+    cluster = race_cluster
+    if cluster.extras["guard"] != "on":
+        pytest.skip("the guard's own accounting")
+    p_url, d_url, model = cluster.prefill[0], cluster.decode[0], cluster.model
+    _clean(cluster)
+    seed = 40 if reads == "first" else 41
+    session = f"granted-{reads}"
+    prompt = _ids(seed, 600 if reads == "first" else 200)
+    first, handle = _on_d(cluster, prompt, session)
+    granted = metric_sum(d_url, "sessionkv_guard_claims_total", outcome="granted")
+    fallbacks = _fallbacks(p_url)
+    final_prompt = prompt + first.token_ids + _ids(seed + 1, 40)
+    p_out = post(p_url, "/v1/completions", completion_body(
+        model, final_prompt, max_tokens=1, session_id=session,
+        kv_transfer_params=dict(handle, do_remote_decode=True, do_remote_prefill=False)))
+    acct = p_out.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+    answer = post(d_url, "/v1/completions", completion_body(
+        model, final_prompt, max_tokens=16, session_id=session,
+        kv_transfer_params=p_out.raw["kv_transfer_params"]))
+    expected = post(cluster.colocated, "/v1/completions",
+                    completion_body(model, final_prompt, max_tokens=16))
+    print(f"granted read ({reads}): {acct}")
+    assert_same(answer, expected, f"guarded {reads} read")
+    assert acct["pulled_from_peer_tokens"] > 0 and acct["decision"] == "d_to_p:pull:ok", acct
+    assert _fallbacks(p_url) == fallbacks
+    # D granted P's claim, and P granted D's claim on P's blocks for the turn.
+    # (Whether D's free waited for P's confirm depends on which reached D first, the
+    # read's notification or the confirm: the unit tests cover both orders.)
+    assert metric_sum(d_url, "sessionkv_guard_claims_total", outcome="granted") > granted
+    assert metric_sum(p_url, "sessionkv_guard_claims_total", outcome="granted") > 0
