@@ -120,7 +120,10 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
             if not pending or time.perf_counter() >= deadline:
                 break
             time.sleep(_READ_POLL_S)
-        for req_id in pending:   # overdue: the read is still posted
+        for req_id in pending:   # overdue: the read is still posted, or still claimed
+            if self._held_back.pop(req_id, None) is not None:
+                # Its claim was not answered in time: no read will be posted.
+                _vllm.fail_read(self, req_id)
             self._abandoned_sync.add(req_id)
             _vllm.report_invalid_blocks(self, blocks[req_id])
             self.xfer_stats.record("sync_load_timeouts", 1)
@@ -161,15 +164,18 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         confirms' answers."""
         if self._guard is None or not self._guard.waiting:
             return
-        polled = self._guard.poll(time.perf_counter())
+        now = time.perf_counter()
+        polled = self._guard.poll(now)
         for req_id in polled.granted:
             meta = self._held_back.pop(req_id, None)
-            if meta is not None:
+            if meta is None:     # given up on (a synchronous load's timeout) meanwhile
+                self._guard.release(req_id, now)
+            else:
                 self._post_read(req_id, meta)
         for req_id, reason in polled.refused:
-            self._held_back.pop(req_id, None)
             self._count_guard_fallback("claim", reason, req_id)
-            _vllm.fail_read(self, req_id)
+            if self._held_back.pop(req_id, None) is not None:
+                _vllm.fail_read(self, req_id)
         self._confirmed.update(polled.confirmed)
         for read, reason in polled.refuted:
             self._count_guard_fallback("confirm", reason, read.request_id)
@@ -210,6 +216,8 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         if self._early_results is not None:
             results = self._merge_early(results)
             self._early_results = None
+        # Before the abandoned synchronous reads are dropped: a confirm may name one.
+        results = self._guarded(results)
         if self._abandoned_sync:
             late = (results.finished_recving | results.failed_recving) & self._abandoned_sync
             results.finished_recving -= late
@@ -218,7 +226,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         if self._released_holds:
             results.finished_sending |= self._released_holds
             self._released_holds = set()
-        return self._guarded(results)
+        return results
 
     def shutdown(self):
         if self._guard is not None:
