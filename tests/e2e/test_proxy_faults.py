@@ -9,7 +9,9 @@ never reach the cluster the other tests share.  What must hold:
   metrics show the outage while it lasts and return to normal after it;
 * 300 concurrent requests through a Redis-backed proxy: no errors;
 * a stopped (SIGSTOP) prefill engine gets no new requests once it has been silent
-  for the stall bound, and ``/health`` names it; it rejoins when it answers again.
+  for the stall bound, and ``/health`` names it; it rejoins when it answers again;
+* the pool's only P stopped and resumed with requests sent to it meanwhile: none
+  fails (the connections it resets as it resumes are replaced).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pytest
 import requests
 
 from cluster import OwnRedis, free_port_block
-from helpers import assert_same, completion_body, metric_sum, post
+from helpers import assert_same, completion_body, metric_sum, parse_generation, post
 
 from vllm_sessionkv.dev.launch import ManagedProcess, start_process, stop_all, wait_healthy
 
@@ -287,6 +289,52 @@ def test_a_stopped_prefill_engine_gets_no_new_requests(pd_cluster, tmp_path):
         status, body = health(proxy)
         assert status == 200 and body["status"] == "ok", body
         assert metric_sum(proxy, "sessionkv_proxy_errors_total", kind="engine_stalled") >= 1
+    finally:
+        stop_all([proc])
+
+
+def test_the_only_prefill_engine_stopped_and_resumed_costs_no_request(pd_cluster, tmp_path):
+    """The pool's only P stopped (SIGSTOP) right after six turns, nine requests sent
+    to it meanwhile on the connections those turns left open, then resumed.  uvicorn
+    back from the stop resets each connection that was idle when it stopped (its
+    overdue keep-alive timer runs before it reads the request): each of those requests
+    goes out again on a new connection, and all nine are served through P, with the
+    co-located server's answers (before: 502 ``no prefill engine reachable``)."""
+    p_url = pd_cluster.prefill[0]
+    port = int(p_url.rsplit(":", 1)[1])
+    pid = next(c.pid for c in psutil.net_connections("tcp")
+               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+    # The nine reach P before the stall bound would send them to D alone.
+    proc, proxy = start_proxy(pd_cluster, tmp_path, prefill=[p_url],
+                              extra_config={"engine_stall_s": 10.0})
+
+    def body(tag: str, i: int) -> dict:
+        return completion_body(pd_cluster.model,
+                               f"stop drill {tag}{i}: the kato is of rimu and senlo. " * 8,
+                               max_tokens=6)
+
+    def send(tag: str, i: int):
+        resp = requests.post(proxy + COMPLETIONS, json=body(tag, i), timeout=180,
+                             headers={"X-Session-ID": f"stop-drill-{tag}{i}"})
+        return resp.status_code, resp.headers.get("x-sessionkv-route"), resp
+
+    try:
+        with ThreadPoolExecutor(9) as pool:
+            six = list(pool.map(lambda i: send("a", i), range(6)))
+            assert [s for s, _, _ in six] == [200] * 6, [r.text for _, _, r in six]
+            _stop_tree(pid, signal.SIGSTOP)
+            try:
+                nine = [pool.submit(send, "b", i) for i in range(9)]
+                time.sleep(8.0)   # past uvicorn's 5 s keep-alive
+            finally:
+                _stop_tree(pid, signal.SIGCONT)
+            answers = [f.result() for f in nine]
+        assert [(s, route) for s, route, _ in answers] == [(200, "disaggregated")] * 9, \
+            [r.text[:200] for _, _, r in answers]
+        for i, (_, _, resp) in enumerate(answers):
+            got = parse_generation(resp.json(), dict(resp.headers))
+            assert_same(got, post(pd_cluster.colocated, COMPLETIONS, body("b", i)), f"b{i}")
+        assert metric_sum(proxy, "sessionkv_proxy_errors_total", kind="prefill_connect") == 0
     finally:
         stop_all([proc])
 
