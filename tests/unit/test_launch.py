@@ -150,11 +150,14 @@ def test_an_engine_serves_the_model_under_its_served_name():
 
 
 def test_every_engine_of_a_cluster_serves_the_clusters_model_name():
-    cluster = LocalCluster(ClusterSpec(model="/tmp/w/m", served_model_name="n", decode=2))
+    cluster = LocalCluster(ClusterSpec(model="/tmp/w/m", served_model_name="n", decode=2,
+                                       colocated=True))
     for role, index, name in (("prefill", 0, "prefill0"), ("decode", 1, "decode0"),
                               ("decode", 2, "decode1")):
         argv, _ = engine_command(cluster._engine(role, index, name))
         assert _flag(argv, "--served-model-name") == "n", name
+    # The co-located baseline too: a client sends it the name it sends the proxy.
+    assert _flag(engine_command(cluster._colocated_engine())[0], "--served-model-name") == "n"
     plain = LocalCluster(ClusterSpec(model="/tmp/w/m"))
     assert "--served-model-name" not in engine_command(plain._engine("decode", 1, "d"))[0]
 
