@@ -129,6 +129,9 @@ def test_local_cluster_passes_decode_kv_cache_gb_to_the_spec(monkeypatch, tmp_pa
             raise RuntimeError("not started in a unit test")
 
     monkeypatch.setattr(cli, "LocalCluster", NoStart)
+    # main() would leave a work folder behind and replace pytest's signal handlers.
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
     common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
               "--kv-cache-gb", "0.25"]
     assert cli.main([*common, "--decode-kv-cache-gb", "0.02"]) == 1
