@@ -42,7 +42,7 @@ a connector without that key starts); ``--repeat N`` runs everything N times on 
 clusters, seeds ``--seed``, ``--seed``+1, ...  It writes ``kv_pressure.md`` and
 ``.json`` (``kv_pressure_quick.*`` with ``--quick``) under ``--out-dir``
 (docs/benchmarks).  Exit status 1 when any answer was wrong, any turn failed or a
-cluster did not run.  Ports: ``--base-port`` (32000) upwards, the co-located server
+cluster did not run.  Ports: ``--base-port`` (29000) upwards, the co-located server
 on base+400, the proxy on base+500, UCX on base+900-999.
 """
 
@@ -592,7 +592,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="JSON merged into every arm's connector config")
     p.add_argument("--dtype", help="engines' --dtype (default: the launcher's, bfloat16)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--base-port", type=int, default=32000,
+    # Below Linux's ephemeral range (32768+), where vLLM's and gloo's own listeners
+    # land: a fixed port there was once taken by one (an engine never started).
+    p.add_argument("--base-port", type=int, default=29000,
                    help="engines count up from here; co-located +400, proxy +500, UCX "
                         "+900..+999")
     p.add_argument("--model", help="model directory (default: generate the tiny model)")
