@@ -11,7 +11,10 @@ which D's KV is too small to hold every session for its next turn.
 It starts the cluster itself (``vllm_sessionkv.dev.launch.LocalCluster``, supervised: a
 killed engine or Redis is restarted on its ports), plus a co-located plain vLLM
 server with the normal KV cache.  Every answer (temperature 0, ``ignore_eos``) is
-compared in token ids with the co-located server's answer to the same prompt.
+compared in token ids with the co-located server's answer to the same prompt; for
+an answer that differs, the report gives where, and the co-located server's top-5
+logprobs there (asked of it alone: on D, logprobs would turn the first-token
+handoff off).
 
 **Fault phase.**  ``--sessions`` sessions of ``--turns`` turns each, ``--think-s``
 apart; every turn re-sends the whole history as text.  The fault schedule (seconds
@@ -21,9 +24,13 @@ after the traffic starts, scaled by ``--schedule-scale``):
 * t=20: SIGKILL Redis; the supervisor restarts it (empty) on its port;
 * t=30: SIGSTOP P0 (and its children) for 20 s, then SIGCONT.
 
+Every engine runs in ``--dtype`` float32: in bfloat16 a plain server's own answer
+changes with where a prefix-cache hit splits the prompt (two tokens' logits tie in
+bf16 and the tie goes either way), which the comparison would count as wrong.
+
 **KV-pressure phase** (on unless ``--no-kv-pressure``).  Then each D runs with
-``--decode-kv-cache-gb`` of KV (0.02 GiB: 655 blocks of 32 tokens of the tiny model;
-0.012 with ``--quick``) for the whole run, P and the co-located server with
+``--decode-kv-cache-gb`` of KV (0.04 GiB in float32: 655 blocks of 32 tokens of the
+tiny model; 393 with ``--quick``) for the whole run, P and the co-located server with
 ``--kv-cache-gb``, and every engine with an 8 MiB host tier (``host_tier_bytes``;
 ``--host-tier-mib``).  Once the fault schedule is over and every engine answers
 ``/health`` again, ``--pressure-sessions`` new sessions (20; 6 with ``--quick``) run
@@ -106,6 +113,10 @@ class Outcome:
     decode: dict = field(default_factory=dict)    # D's accounting (x-sessionkv-decode)
     token_ids: list[int] = field(default_factory=list)
     reference_ids: list[int] = field(default_factory=list)
+    prompt: str | list[int] = ""     # kept in the JSON for a failed or wrong turn
+    # For a wrong answer: where it first differs, and the co-located server's top-5
+    # logprobs there (the margin by which its token beat ours, when ours is in them).
+    divergence: dict = field(default_factory=dict)
 
     @property
     def pulled_tokens(self) -> int:
@@ -141,6 +152,22 @@ def _accounting(value: str | None) -> dict:
         return json.loads(value) if value else {}
     except ValueError:
         return {"unparsed": value}
+
+
+def _divergence(ours: list[int], ref: list[int], base: dict) -> dict:
+    """Where ``ours`` first differs from ``ref``, with the reference's top-5 there."""
+    at = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    tops = ((base.get("logprobs") or {}).get("top_logprobs") or [])
+    top = tops[at] if at < len(tops) else {}
+    out = {"index": at, "ours": ours[at] if at < len(ours) else None,
+           "reference": ref[at] if at < len(ref) else None, "reference_top5": top}
+    vals = sorted(top.values(), reverse=True)
+    if len(vals) >= 2:
+        out["reference_top1_top2_gap"] = round(vals[0] - vals[1], 6)
+    mine = top.get(f"token_id:{out['ours']}")   # keys: return_tokens_as_token_ids
+    if mine is not None and vals:
+        out["ours_below_reference_by"] = round(vals[0] - mine, 6)
+    return out
 
 
 def _pid_listening(port: int) -> int:
@@ -251,6 +278,7 @@ class Soak:
         """One turn through the proxy, checked against the co-located server; the
         proxy's answer (None when it failed)."""
         body = _body(self.model, prompt, max_tokens)
+        out.prompt = prompt
         got = None
         try:
             resp = requests.post(self.proxy + "/v1/completions", json=body,
@@ -272,10 +300,16 @@ class Soak:
         if got is not None:
             out.token_ids = list(got.get("token_ids") or [])
             try:
-                base = requests.post(self.colocated + "/v1/completions", json=body,
+                # Logprobs from the reference only: on D they would change the path
+                # under test (no first-token handoff with logprobs).
+                base = requests.post(self.colocated + "/v1/completions",
+                                     json={**body, "logprobs": 5,
+                                           "return_tokens_as_token_ids": True},
                                      timeout=300).json()["choices"][0]
                 out.reference_ids = list(base.get("token_ids") or [])
                 out.mismatch = out.token_ids != out.reference_ids
+                if out.mismatch:
+                    out.divergence = _divergence(out.token_ids, out.reference_ids, base)
             except (requests.RequestException, ValueError, KeyError) as exc:
                 out.error = f"co-located server: {type(exc).__name__}: {exc}"[:300]
         with self.lock:
@@ -483,6 +517,13 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _turn_line(o: Outcome) -> str:
     what = "WRONG" if o.mismatch else f"{o.status} {o.error}".strip()
+    if o.divergence:
+        dv = o.divergence
+        what += (f" from answer token {dv['index']} (ours {dv['ours']}, the reference's "
+                 f"{dv['reference']}; there the reference's top-1/top-2 logprob gap is "
+                 f"{dv.get('reference_top1_top2_gap', float('nan')):.4f}, ours "
+                 + (f"{dv['ours_below_reference_by']:.4f} below its top-1"
+                    if "ours_below_reference_by" in dv else "not in its top 5") + ")")
     acct = []
     if o.prefill:
         acct.append(f"P {json.dumps(o.prefill, sort_keys=True)}")
@@ -528,6 +569,7 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
     }
     lines = [
         "| measure | value |", "|---|---|",
+        f"| engines' dtype | {args.dtype} |",
         f"| fault phase: sessions x turns | {args.sessions} x {args.turns} |",
     ]
     pr = soak.pressure
@@ -703,20 +745,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV-pressure phase turns per session (default 5; 3 with --quick)")
     p.add_argument("--pressure-max-tokens", type=int, default=32)
     p.add_argument("--decode-kv-cache-gb", type=float,
-                   help="each D's KV cache in GiB with the KV-pressure phase (default 0.02; "
-                        "0.012 with --quick)")
+                   help="each D's KV cache in GiB with the KV-pressure phase (default: 655 "
+                        "blocks, 393 with --quick: 0.04 / 0.024 GiB in float32, half in "
+                        "bfloat16)")
     p.add_argument("--host-tier-mib", type=float, default=8.0,
                    help="host_tier_bytes of every engine with the KV-pressure phase (0: off)")
     p.add_argument("--seed", type=int, default=0, help="the pressure phase's token ids")
     p.add_argument("--model", help="model directory (default: a tiny random Llama)")
     p.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES per engine, comma-separated")
     p.add_argument("--kv-cache-gb", type=float, default=0.25)
+    p.add_argument("--dtype", default="float32",
+                   help="engines' --dtype.  float32 by default: in bfloat16 on this CPU "
+                        "build a plain vLLM server's answer depends on where a prefix-cache "
+                        "hit splits the prompt (a tie between two tokens' bf16 logits goes "
+                        "either way), so a comparison with the reference could not tell "
+                        "wrong KV from noise")
     p.add_argument("--base-port", type=int, default=0,
                    help="engines count up from here, the co-located server at +400, the "
                         "proxy at +500, UCX's listeners within +900..+999 (0: free ports)")
     p.add_argument("--quick", action="store_true",
                    help="8 sessions x 8 turns, 2 s apart, the schedule at 0.5x; a 6-session "
-                        "x 3-turn pressure phase on 0.012 GiB D")
+                        "x 3-turn pressure phase on a 393-block D")
     p.add_argument("--out-dir", type=Path, default=OUT_DIR,
                    help="where soak.md and soak.json go (soak_quick.* with --quick)")
     p.add_argument("--no-report", action="store_true", help="print only; write no report")
@@ -741,7 +790,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     f"tokens, over the engines' {MAX_MODEL_LEN}: fewer --pressure-turns "
                     "or --pressure-max-tokens")
         if args.decode_kv_cache_gb is None:
-            args.decode_kv_cache_gb = 0.012 if args.quick else 0.02
+            # 655 blocks of the tiny model (393 with --quick), whatever the dtype.
+            per_token = 2 if args.dtype in ("float32", "float") else 1
+            args.decode_kv_cache_gb = (0.012 if args.quick else 0.02) * per_token
     return args
 
 
@@ -788,7 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_kv = None
     spec = ClusterSpec(model=model, prefill=2, decode=2, colocated=True, redis=True,
                        kv_cache_space_gb=args.kv_cache_gb, log_dir=workdir / "logs",
-                       sessionkv=sessionkv,
+                       sessionkv=sessionkv, engine_extra_args=["--dtype", args.dtype],
                        gpus=args.gpus.split(",") if args.gpus else None, **kw)
     cluster = _cluster(LocalCluster, spec, decode_kv)
     cluster.start()
@@ -820,9 +871,11 @@ def main(argv: list[str] | None = None) -> int:
                 "kv_pressure_counters": soak.pressure.get("counters", {}),
                 "turns": [{k: v for k, v in dataclasses.asdict(o).items()
                            if v not in ("", [], {}) and k not in ("token_ids",
-                                                                  "reference_ids")}
+                                                                  "reference_ids", "prompt")}
                           | ({"token_ids": o.token_ids, "reference_ids": o.reference_ids}
                              if o.mismatch else {})
+                          | ({"prompt": o.prompt} if o.mismatch or o.status != 200
+                             or o.error else {})
                           for o in sorted(soak.outcomes,
                                           key=lambda o: (o.phase, o.session, o.turn))]}
         (args.out_dir / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
