@@ -69,6 +69,7 @@ import os
 import random
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -708,6 +709,23 @@ def _public_argv(argv: list[str]) -> str:
     return " ".join(shlex.quote(Path(a).name if a.startswith("/") else a) for a in argv)
 
 
+def _free_run(start: int, n: int, last: int) -> int:
+    """The first port from ``start`` at which ``n`` consecutive ports up to ``last``
+    are free on loopback."""
+    def free(port: int) -> bool:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    for first in range(start, last - n + 2):
+        if all(free(p) for p in range(first, first + n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports in {start}-{last}")
+
+
 def _cluster(local_cluster, spec, decode_kv_gb: float | None):
     """``LocalCluster(spec)``; with ``decode_kv_gb``, its D engines get that KV (for a
     launcher whose ClusterSpec has no ``decode_kv_cache_space_gb``)."""
@@ -761,8 +779,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "either way), so a comparison with the reference could not tell "
                         "wrong KV from noise")
     p.add_argument("--base-port", type=int, default=0,
-                   help="engines count up from here, the co-located server at +400, the "
-                        "proxy at +500, UCX's listeners within +900..+999 (0: free ports)")
+                   help="engines count up from the first 30 free ports from here, the "
+                        "co-located server and the proxy at the first free port from +400 "
+                        "and +500, UCX's listeners within +900..+999 (0: any free ports)")
     p.add_argument("--quick", action="store_true",
                    help="8 sessions x 8 turns, 2 s apart, the schedule at 0.5x; a 6-session "
                         "x 3-turn pressure phase on a 393-block D")
@@ -829,20 +848,34 @@ def main(argv: list[str] | None = None) -> int:
             sessionkv["host_tier_bytes"] = int(args.host_tier_mib * 2**20)
         kw["decode_kv_cache_space_gb"] = args.decode_kv_cache_gb
     if args.base_port:
-        kw.update(base_port=args.base_port, colocated_port=args.base_port + 400,
-                  proxy_port=args.base_port + 500)
         os.environ.setdefault("UCX_TCP_PORT_RANGE",
                               f"{args.base_port + 900}-{args.base_port + 999}")
     if "decode_kv_cache_space_gb" in kw and not hasattr(ClusterSpec, "decode_kv_cache_space_gb"):
         decode_kv = kw.pop("decode_kv_cache_space_gb")   # a launcher without the option
     else:
         decode_kv = None
-    spec = ClusterSpec(model=model, prefill=2, decode=2, colocated=True, redis=True,
-                       kv_cache_space_gb=args.kv_cache_gb, log_dir=workdir / "logs",
-                       sessionkv=sessionkv, engine_extra_args=["--dtype", args.dtype],
-                       gpus=args.gpus.split(",") if args.gpus else None, **kw)
-    cluster = _cluster(LocalCluster, spec, decode_kv)
-    cluster.start()
+    for attempt in range(3):
+        if args.base_port:
+            # Other processes' outgoing connections take ephemeral ports in this range
+            # too: start where a run of free ports is, and again further on if a bind
+            # still lost the race.
+            kw.update(base_port=_free_run(args.base_port + 20 * attempt, 30,
+                                          args.base_port + 399),
+                      colocated_port=_free_run(args.base_port + 400, 1, args.base_port + 499),
+                      proxy_port=_free_run(args.base_port + 500, 1, args.base_port + 599))
+        spec = ClusterSpec(model=model, prefill=2, decode=2, colocated=True, redis=True,
+                           kv_cache_space_gb=args.kv_cache_gb, log_dir=workdir / "logs",
+                           sessionkv=sessionkv, engine_extra_args=["--dtype", args.dtype],
+                           gpus=args.gpus.split(",") if args.gpus else None, **kw)
+        cluster = _cluster(LocalCluster, spec, decode_kv)
+        try:
+            cluster.start()
+            break
+        except Exception as exc:  # noqa: BLE001 - a port taken under us: try once more
+            if attempt == 2 or not args.base_port:
+                raise
+            print(f"cluster did not start ({type(exc).__name__}: {str(exc)[:200]}); "
+                  "again on other ports", flush=True)
     print(f"cluster ready in {time.monotonic() - started:.0f} s; logs in {spec.log_dir}",
           flush=True)
     soak = Soak(args, cluster)
