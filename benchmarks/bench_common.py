@@ -334,3 +334,65 @@ def reset_prefix_caches(urls: list[str]) -> None:
             time.sleep(0.2)   # refused while requests still hold blocks
         else:
             raise RuntimeError(f"{url}/reset_prefix_cache kept answering {resp.text}")
+
+
+# ------------------------------------------------------------ engine counters
+def engine_counters(url: str) -> dict[str, float]:
+    """Every ``sessionkv_*`` and ``vllm:nixl_*`` counter (and histogram count and sum)
+    of one engine, summed over label sets that differ only in engine and model.
+    Keys: ``name{label=value,...}``."""
+    import requests
+
+    types: dict[str, str] = {}
+    out: dict[str, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind.strip()
+            continue
+        if not line or line.startswith("#"):
+            continue
+        if not line.startswith(("sessionkv_", "vllm:nixl_")):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        family = next((f for f in (name, name.removesuffix("_total"),
+                                   name.removesuffix("_count"), name.removesuffix("_sum"))
+                       if f in types), name)
+        kind = types.get(family, "untyped")
+        if kind == "gauge" or name.endswith(("_created", "_bucket")):
+            continue
+        if kind == "histogram" and not name.endswith(("_count", "_sum")):
+            continue
+        kept = []
+        for pair in labels.rstrip("}").split(","):
+            key, _, val = pair.partition("=")
+            if key and key not in ("engine", "model_name"):
+                kept.append(f"{key}={val.strip(chr(34))}")
+        key = name + ("{" + ",".join(kept) + "}" if kept else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each counter of :func:`engine_counters` moved by (only those that moved)."""
+    return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())
+            if round(v - before.get(k, 0.0), 6)}
+
+
+def counter_sum(counters: dict[str, float], *needles: str) -> float:
+    """The counters whose key holds every needle, summed."""
+    return sum(v for k, v in counters.items() if all(n in k for n in needles))
+
+
+def counters_by_label(counters: dict[str, float], name: str) -> dict[str, float]:
+    """``name{label=x}`` -> {x: value}."""
+    out: dict[str, float] = {}
+    for key, value in counters.items():
+        if key.startswith(name + "{"):
+            label = key[len(name) + 1:-1].split("=", 1)[-1]
+            out[label] = out.get(label, 0.0) + value
+    return out

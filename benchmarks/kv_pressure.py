@@ -69,7 +69,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path[:0] = [str(BENCH_DIR), str(REPO)]
 
-from bench_common import log, machine_line  # noqa: E402
+from bench_common import (  # noqa: E402
+    counter_deltas,
+    counter_sum,
+    engine_counters,
+    log,
+    machine_line,
+)
 
 SESSION_HEADER = "X-Session-ID"
 LOGPROB_TOLERANCE = 2e-3     # tests/helpers.py: two runs on the same KV agree exactly
@@ -270,57 +276,6 @@ def run_traffic(client: Client, sessions: list[Session], shape: Shape) -> None:
         list(pool.map(final, sessions))
 
 
-# =========================================================================== metrics
-def scrape(url: str) -> dict[str, float]:
-    """Every ``sessionkv_*`` and ``vllm:nixl_*`` counter (and histogram count and sum)
-    of one engine, summed over label sets that differ only in engine and model.
-    Keys: ``name{label=value,...}``."""
-    import requests
-
-    types: dict[str, str] = {}
-    out: dict[str, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            types[name] = kind.strip()
-            continue
-        if not line or line.startswith("#"):
-            continue
-        if not line.startswith(("sessionkv_", "vllm:nixl_")):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        family = next((f for f in (name, name.removesuffix("_total"),
-                                   name.removesuffix("_count"), name.removesuffix("_sum"))
-                       if f in types), name)
-        kind = types.get(family, "untyped")
-        if kind == "gauge" or name.endswith(("_created", "_bucket")):
-            continue
-        if kind == "histogram" and not name.endswith(("_count", "_sum")):
-            continue
-        kept = []
-        for pair in labels.rstrip("}").split(","):
-            key, _, val = pair.partition("=")
-            if key and key not in ("engine", "model_name"):
-                kept.append(f"{key}={val.strip(chr(34))}")
-        key = name + ("{" + ",".join(kept) + "}" if kept else "")
-        try:
-            out[key] = out.get(key, 0.0) + float(value)
-        except ValueError:
-            pass
-    return out
-
-
-def deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())
-            if v - before.get(k, 0.0)}
-
-
-def _sum(counters: dict[str, float], *needles: str) -> float:
-    """The counters whose key holds every needle, summed."""
-    return sum(v for k, v in counters.items() if all(n in k for n in needles))
-
-
 # =========================================================================== one arm
 def pull_guard_config(value: str) -> dict:
     return {} if value == "default" else {"pull_guard": value == "on"}
@@ -362,13 +317,14 @@ def run_arm(arm: str, seed: int, args, model: str, vocab_size: int, log_dir: Pat
     client = Client(cluster.proxy_url, cluster.colocated.url, model, shape)
     result["counters"], result["poisoned"] = {}, {}
     try:
-        before = {role: scrape(url) for role, url in engines.items()}
+        before = {role: engine_counters(url) for role, url in engines.items()}
         t0 = time.monotonic()
         run_traffic(client, sessions, shape)
         result["traffic_s"] = round(time.monotonic() - t0, 1)
         time.sleep(2.0)  # the engines' stat loggers catch up with the last turn
-        after = {role: scrape(url) for role, url in engines.items()}
-        result["counters"] = {role: deltas(before[role], after[role]) for role in engines}
+        after = {role: engine_counters(url) for role, url in engines.items()}
+        result["counters"] = {role: counter_deltas(before[role], after[role])
+                              for role in engines}
         result["poisoned"] = poisoned_check(client, sessions, engines, model, shape,
                                             requests)
         cluster.supervise_once()
@@ -435,14 +391,15 @@ def summarize(turns: list[Turn], counters: dict, poisoned: dict) -> dict:
         "prefill_decisions": dict(collections.Counter(
             t.prefill.get("decision", "-") for t in ok)),
         "routes": dict(collections.Counter(t.route or "-" for t in ok)),
-        "kv_pressure_releases": _sum(d, "sessionkv_session_holds_released", "kv_pressure"),
+        "kv_pressure_releases": counter_sum(d, "sessionkv_session_holds_released",
+                                            "kv_pressure"),
         "holds_released": {k.split("reason=", 1)[1].rstrip("}"): v for k, v in d.items()
                            if k.startswith("sessionkv_session_holds_released")
                            and "reason=" in k},
-        "pull_failures": _sum(p, "sessionkv_pull_failures"),
+        "pull_failures": counter_sum(p, "sessionkv_pull_failures"),
         "guard": {k: v for k, v in both.items() if "guard" in k},
-        "nixl_failed_transfers": _sum(both, "vllm:nixl_num_failed_transfers"),
-        "nixl_expired": _sum(both, "vllm:nixl_num_kv_expired_reqs"),
+        "nixl_failed_transfers": counter_sum(both, "vllm:nixl_num_failed_transfers"),
+        "nixl_expired": counter_sum(both, "vllm:nixl_num_kv_expired_reqs"),
         "watched": {role: {k: v for k, v in c.items() if any(w in k for w in WATCHED)}
                     for role, c in counters.items()},
         "poisoned_checked": poisoned.get("checked", 0),

@@ -87,7 +87,13 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from bench_common import machine_line  # noqa: E402
+from bench_common import (  # noqa: E402
+    counter_deltas,
+    counter_sum,
+    counters_by_label,
+    engine_counters,
+    machine_line,
+)
 
 OUT_DIR = REPO / "docs" / "benchmarks"
 SESSION_HEADER = "X-Session-ID"
@@ -197,60 +203,6 @@ def _health(proxy: str) -> str:
         return f"{resp.status_code} {body.get('status')}" + (f": {problems}" if problems else "")
     except (requests.RequestException, ValueError) as exc:
         return f"no answer ({type(exc).__name__})"
-
-
-# =========================================================================== metrics
-def scrape(url: str) -> dict[str, float]:
-    """Every ``sessionkv_*`` and ``vllm:nixl_*`` counter of one engine (histograms:
-    their count and sum), summed over label sets that differ only in engine and
-    model.  Keys: ``name{label=value,...}``."""
-    types: dict[str, str] = {}
-    out: dict[str, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("# TYPE "):
-            _, _, name, kind = line.split(" ", 3)
-            types[name] = kind.strip()
-            continue
-        if not line.startswith(("sessionkv_", "vllm:nixl_")):
-            continue
-        head, _, value = line.rpartition(" ")
-        name, _, labels = head.partition("{")
-        family = next((f for f in (name, name.removesuffix("_total"),
-                                   name.removesuffix("_count"), name.removesuffix("_sum"))
-                       if f in types), name)
-        kind = types.get(family, "untyped")
-        if kind == "gauge" or name.endswith(("_created", "_bucket")):
-            continue
-        kept = []
-        for pair in labels.rstrip("}").split(","):
-            key, _, val = pair.partition("=")
-            if key and key not in ("engine", "model_name"):
-                kept.append(f"{key}={val.strip(chr(34))}")
-        key = name + ("{" + ",".join(kept) + "}" if kept else "")
-        try:
-            out[key] = out.get(key, 0.0) + float(value)
-        except ValueError:
-            pass
-    return out
-
-
-def _deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())
-            if round(v - before.get(k, 0.0), 6)}
-
-
-def _sum(counters: dict[str, float], *needles: str) -> float:
-    return sum(v for k, v in counters.items() if all(n in k for n in needles))
-
-
-def _by_label(counters: dict[str, float], name: str) -> dict[str, float]:
-    """``name{label=x}`` -> {x: value}."""
-    out: dict[str, float] = {}
-    for key, value in counters.items():
-        if key.startswith(name + "{"):
-            label = key[len(name) + 1:-1].split("=", 1)[-1]
-            out[label] = out.get(label, 0.0) + value
-    return out
 
 
 # =========================================================================== the soak
@@ -474,7 +426,7 @@ class Soak:
             if i in alive:
                 turn(i, shape.turns)
 
-        before = {name: scrape(url) for name, url in engines.items()}
+        before = {name: engine_counters(url) for name, url in engines.items()}
         rec["start_s"] = self.now()
         with ThreadPoolExecutor(shape.sessions) as pool:
             list(pool.map(early, range(shape.sessions)))
@@ -482,8 +434,9 @@ class Soak:
             list(pool.map(last, range(shape.sessions)))
         rec["end_s"] = self.now()
         time.sleep(2.0)   # the engines' stat loggers catch up with the last turn
-        after = {name: scrape(url) for name, url in engines.items()}
-        rec["counters"] = {name: _deltas(before[name], after[name]) for name in engines}
+        after = {name: engine_counters(url) for name, url in engines.items()}
+        rec["counters"] = {name: counter_deltas(before[name], after[name])
+                           for name in engines}
         rec["negative"] = sorted(f"{name} {k}" for name, c in rec["counters"].items()
                                  for k, v in c.items() if v < 0)   # an engine restarted
 
@@ -610,14 +563,14 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
         routes: dict[str, int] = {}
         for o in pressure:
             routes[o.route or "-"] = routes.get(o.route or "-", 0) + 1
-        fallbacks = _by_label({**p_sum}, "sessionkv_pull_guard_fallbacks_total")
-        d_fallbacks = _by_label(d_sum, "sessionkv_pull_guard_fallbacks_total")
+        fallbacks = counters_by_label({**p_sum}, "sessionkv_pull_guard_fallbacks_total")
+        d_fallbacks = counters_by_label(d_sum, "sessionkv_pull_guard_fallbacks_total")
         for k, v in d_fallbacks.items():
             fallbacks[k] = fallbacks.get(k, 0.0) + v
-        released = _by_label(d_sum, "sessionkv_session_holds_released_total")
-        claims = _by_label(d_sum, "sessionkv_guard_claims_total")      # D as holder
-        p_claims = _by_label(p_sum, "sessionkv_guard_claims_total")    # P as holder
-        decisions = _by_label(p_sum, "sessionkv_pull_decisions_total")
+        released = counters_by_label(d_sum, "sessionkv_session_holds_released_total")
+        claims = counters_by_label(d_sum, "sessionkv_guard_claims_total")      # D as holder
+        p_claims = counters_by_label(p_sum, "sessionkv_guard_claims_total")    # P as holder
+        decisions = counters_by_label(p_sum, "sessionkv_pull_decisions_total")
         perr = [o for o in pressure if id(o) in error_ids]
         nz = lambda d: ", ".join(f"{k} {v:g}" for k, v in sorted(d.items()) if v) or "0"  # noqa: E731
         psum = {
@@ -630,14 +583,15 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
             "holds_released": released,
             "guard_fallbacks": fallbacks,
             "guard_claims_on_d": claims, "guard_claims_on_p": p_claims,
-            "guard_deferred_frees": _sum(d_sum, "sessionkv_guard_deferred_frees")
-            + _sum(p_sum, "sessionkv_guard_deferred_frees"),
-            "pull_failures": _sum(p_sum, "sessionkv_pull_failures"),
+            "guard_deferred_frees": counter_sum(d_sum, "sessionkv_guard_deferred_frees")
+            + counter_sum(p_sum, "sessionkv_guard_deferred_frees"),
+            "pull_failures": counter_sum(p_sum, "sessionkv_pull_failures"),
             "pull_decisions_p": decisions,
-            "nixl_notifications_after_expiry": _sum(p_sum, "nixl_num_notifications_after_expiry")
-            + _sum(d_sum, "nixl_num_notifications_after_expiry"),
-            "host_restored_blocks": _sum(d_sum, "sessionkv_host_restored_blocks")
-            + _sum(p_sum, "sessionkv_host_restored_blocks"),
+            "nixl_notifications_after_expiry":
+                counter_sum(p_sum, "nixl_num_notifications_after_expiry")
+                + counter_sum(d_sum, "nixl_num_notifications_after_expiry"),
+            "host_restored_blocks": counter_sum(d_sum, "sessionkv_host_restored_blocks")
+            + counter_sum(p_sum, "sessionkv_host_restored_blocks"),
             "latency_p50_s": _pct(lp, 0.5), "latency_p99_s": _pct(lp, 0.99),
             "wall_s": round(pr.get("end_s", 0) - pr.get("start_s", 0), 1),
             "negative_deltas": pr.get("negative", []),
