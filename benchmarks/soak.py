@@ -88,6 +88,7 @@ REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from bench_common import (  # noqa: E402
+    PortPool,
     counter_deltas,
     counter_sum,
     counters_by_label,
@@ -666,16 +667,8 @@ def _public_argv(argv: list[str]) -> str:
 def _free_run(start: int, n: int, last: int) -> int:
     """The first port from ``start`` at which ``n`` consecutive ports up to ``last``
     are free on loopback."""
-    def free(port: int) -> bool:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
     for first in range(start, last - n + 2):
-        if all(free(p) for p in range(first, first + n)):
+        if all(PortPool._free(p) for p in range(first, first + n)):
             return first
     raise RuntimeError(f"no {n} consecutive free ports in {start}-{last}")
 
