@@ -147,9 +147,11 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # channel; as reader: the hold tokens of this step's reads, for the worker.
         self._ledger: SendLedger | None = None
         self._guard_counted = (0, 0, 0)
+        self._side_channel_failure = lambda: None
         if config.pull_guard:
             self._ledger = SendLedger(engine_id, config.pull_claim_ttl_s)
-            _vllm.serve_guard_on_side_channel(self, self._answer_guard)
+            self._side_channel_failure = _vllm.serve_guard_on_side_channel(
+                self, self._answer_guard)
         self._read_guards_next: dict[str, int] = {}
         # Host-DRAM tier: this side decides and tracks; the worker copies.
         self.host: HostTierManager | None = None
@@ -206,6 +208,16 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                                           max_wait_s=_HELD_STEP_INTERVAL_S)
         # This runs in the engine-core process, whose loop the pacing changes.
         _vllm.pace_holding_steps(config.holding_step_interval(_vllm.is_cpu_platform()))
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        super().set_xfer_handshake_metadata(metadata)
+        failure = self._side_channel_failure()
+        if failure is not None:
+            # Without its side channel no peer can handshake with or claim from this
+            # engine: stop it now, saying why, rather than serve without it.
+            raise RuntimeError(f"sessionkv: the NIXL side channel could not listen on "
+                               f"{self.side_channel_host}:{self.side_channel_port}: "
+                               f"{failure}")
 
     def _answer_guard(self, raw: bytes) -> bytes | None:
         """The side channel's answer to a guard call (None: not one; NIXL's own)."""
