@@ -226,9 +226,3 @@ class SendLedger:
                     held.freeing = True
                     out.add(request_id)
         return out
-
-    def forget(self, request_ids) -> None:
-        """Drop requests whose blocks were freed another way."""
-        with self._lock:
-            for request_id in request_ids:
-                self._held.pop(request_id, None)

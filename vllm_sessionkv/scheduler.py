@@ -903,29 +903,32 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
                 "block_size": self.block_size, "hash_algo": self.hash_algo,
                 "tenant": _vllm.request_cache_salt(request), "num_tokens": num_tokens}
 
+    def _record_growth(self, keys: tuple[str, ...], counted: tuple[int, ...],
+                       before: tuple[int, ...]) -> tuple[int, ...]:
+        """Record how far each running total grew since ``before``; returns ``counted``
+        (the next call's ``before``)."""
+        for key, now, then in zip(keys, counted, before):
+            if now > then:
+                self.stats.record(key, now - then)
+        return counted
+
     def take_stats(self) -> SessionKVStats | None:
         if self.host is not None:
             counted = (self.host.stores_total_blocks, self.host.loads_total_blocks,
                        self.host.evictions_total_blocks)
-            for key, now, before in zip(("host_offloaded_blocks", "host_restored_blocks",
-                                         "host_evicted_blocks"), counted, self._host_counted):
-                if now > before:
-                    self.stats.record(key, now - before)
             if counted != self._host_counted:
                 self.stats.record("host_resident_bytes", self.host.resident_bytes)
-            self._host_counted = counted
+            self._host_counted = self._record_growth(
+                ("host_offloaded_blocks", "host_restored_blocks", "host_evicted_blocks"),
+                counted, self._host_counted)
         if self._holds.sessions != self._session_holds_reported:
             self._session_holds_reported = self._holds.sessions
             self.stats.record("session_holds", self._session_holds_reported)
         if self._ledger is not None:
-            counted = (self._ledger.claims_granted, self._ledger.claims_refused,
-                       self._ledger.frees_deferred)
-            for key, now, before in zip(("guard_claims_granted", "guard_claims_refused",
-                                         "guard_frees_deferred"), counted,
-                                        self._guard_counted):
-                if now > before:
-                    self.stats.record(key, now - before)
-            self._guard_counted = counted
+            self._guard_counted = self._record_growth(
+                ("guard_claims_granted", "guard_claims_refused", "guard_frees_deferred"),
+                (self._ledger.claims_granted, self._ledger.claims_refused,
+                 self._ledger.frees_deferred), self._guard_counted)
         publish_failures = self._publisher.take_failures()
         if publish_failures:
             self.stats.record("session_handles_publish_failed", publish_failures)
