@@ -17,7 +17,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -47,7 +47,7 @@ from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.redis_link import LinkState, RedisLink, make_redis_client
 from sessionkv_proxy.policy import Mode, RouteReason
-from sessionkv_proxy.router import RoutePlan, Router
+from sessionkv_proxy.router import DEFAULT_OUTPUT_ESTIMATE, RoutePlan, Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.sessions import SessionRecord, valid_session_id
 from sessionkv_proxy.tokenizer import PROBES, first_mismatch
@@ -287,12 +287,12 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
     engine = plan.prefill
     assert engine is not None and state.router is not None
     tried: set[str] = set()
-    prompt_tokens = plan.prompt_tokens
+    prefill_load = _Load(1, 0, plan.prompt_tokens, 0)
     payload = _json.encode(p_body)
     for attempt in range(state.config.connect_retries + 1):
         current = engine
         tried.add(current.url)
-        _add_load(current, 1, 0, prompt_tokens)
+        _add_load(current, prefill_load)
         try:
             resp = await _send(state, current, path, payload, request_id)
             status, data = resp.status, await resp.read()
@@ -303,7 +303,7 @@ async def _prefill(state: ProxyState, plan: RoutePlan, path: str, body: dict[str
                                                  attempt, request_id, exc)
             plan.prefill = engine
         finally:
-            _add_load(current, -1, 0, -prompt_tokens)
+            _add_load(current, prefill_load.negated())
     if status != 200:
         raise _PassThrough(status, data)
     out = msgspec.json.decode(data)
@@ -348,17 +348,19 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
     payload = request.body if body_unchanged else _json.encode(body)
     # What this request adds to the policy's load terms while it runs: on D the KV it
     # holds, on P the prompt it prefills.
+    # On D also the work it still has to do for it (its uncached prompt, its outputs).
     if role is Role.DECODE:
-        decode_load, prefill_load = plan.prompt_tokens + (plan.max_output_tokens or 16), 0
+        load = _Load(1, plan.prompt_tokens + (plan.max_output_tokens or DEFAULT_OUTPUT_ESTIMATE),
+                     0, plan.decode_work_tokens)
     else:
-        decode_load, prefill_load = 0, plan.prompt_tokens
+        load = _Load(1, 0, plan.prompt_tokens, 0)
     for attempt in range(state.config.connect_retries + 1):
         tried.add(engine.url)
-        _add_load(engine, 1, decode_load, prefill_load)
+        _add_load(engine, load)
         try:
             upstream = await _send(state, engine, path, payload, request_id)
         except BaseException as exc:
-            _add_load(engine, -1, -decode_load, -prefill_load)
+            _add_load(engine, load.negated())
             if not isinstance(exc, _Upstream):
                 raise
             engine = _next_after_connect_failure(state, role, engine, tried,
@@ -417,7 +419,7 @@ async def _answer(state: ProxyState, request: Request, plan: RoutePlan, role: Ro
         request.stream_done = True
         return None, 200, None
     finally:
-        _add_load(engine, -1, -decode_load, -prefill_load)
+        _add_load(engine, load.negated())
         upstream.release()
 
 
@@ -426,13 +428,24 @@ def _request_id(request: Request) -> str:
         f"{_REQUEST_ID_PREFIX}{next(_request_counter)}"
 
 
-def _add_load(engine: Engine, requests: int, decode_tokens: int, prefill_tokens: int
-              ) -> None:
-    """What a request adds to an engine's in-flight load while it runs (negative to
-    take it off): the policy's load terms."""
-    engine.active_requests += requests
-    engine.active_decode_tokens += decode_tokens
-    engine.active_prefill_tokens += prefill_tokens
+class _Load(NamedTuple):
+    """What a request adds to an engine's in-flight load while it runs: the policy's
+    load terms."""
+
+    requests: int
+    decode_tokens: int
+    prefill_tokens: int
+    decode_work_tokens: int
+
+    def negated(self) -> "_Load":
+        return _Load(*(-v for v in self))
+
+
+def _add_load(engine: Engine, load: _Load) -> None:
+    engine.active_requests += load.requests
+    engine.active_decode_tokens += load.decode_tokens
+    engine.active_prefill_tokens += load.prefill_tokens
+    engine.active_decode_work_tokens += load.decode_work_tokens
 
 
 # --------------------------------------------------------------------------- handlers

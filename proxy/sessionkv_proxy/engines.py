@@ -54,6 +54,10 @@ class Engine:
     active_requests: int = 0
     active_prefill_tokens: int = 0
     active_decode_tokens: int = 0
+    # Work still queued on D for requests routed to it: the prompt tokens it prefills
+    # itself plus the output tokens it may generate (``RoutePlan.decode_work_tokens``).
+    # Unlike ``active_decode_tokens`` it leaves a request's cached prefix out.
+    active_decode_work_tokens: int = 0
     waiting_requests: float = 0.0
     running_requests: float = 0.0
     kv_usage: float = 0.0

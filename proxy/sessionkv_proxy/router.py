@@ -82,6 +82,19 @@ class RoutePlan:
     # from its host tier as a one-token session turn, and P pulls them by its handle.
     restore_tokens: int = 0
     prompt_token_ids: list[int] | None = None
+    # Prompt tokens the chosen D holds on neither device nor host (the policy's
+    # ``uncached_tokens``); the whole prompt where no policy ran.
+    uncached_tokens: int | None = None
+
+    @property
+    def decode_work_tokens(self) -> int:
+        """What this request queues on D while it runs: the prompt tokens D prefills
+        itself (none when P prefills) plus the output tokens it may generate."""
+        outputs = self.max_output_tokens or DEFAULT_OUTPUT_ESTIMATE
+        if self.mode is not Mode.DECODE_ONLY:
+            return outputs
+        uncached = self.prompt_tokens if self.uncached_tokens is None else self.uncached_tokens
+        return uncached + outputs
 
 
 class Router:
@@ -422,6 +435,7 @@ class Router:
                                 int(e.running_requests + e.waiting_requests)),
             active_prefill_blocks=e.active_prefill_tokens / block_size,
             active_decode_blocks=e.active_decode_tokens / block_size,
+            queued_decode_blocks=e.active_decode_work_tokens / block_size,
             kv_usage=e.kv_usage, recent_placements=placed.get(e.url, 0),
             restores_expire=e.restore_handles_expire)
             for e in self.pool.engines]
@@ -488,7 +502,8 @@ class Router:
                          prompt_tokens=len(token_ids) if token_ids else num_tokens,
                          max_output_tokens=max_output, degraded=degraded, tenant=tenant,
                          restore_tokens=restore,
-                         prompt_token_ids=token_ids if restore else None)
+                         prompt_token_ids=token_ids if restore else None,
+                         uncached_tokens=decision.uncached_tokens)
 
 
 def request_tenant(body: dict[str, Any]) -> str | None:
@@ -515,6 +530,8 @@ def engine_requests(body: dict[str, Any], is_chat: bool) -> int:
 # Characters per token for a prompt the router has no token ids of: enough to tell a
 # long prompt from a short one, and the size of a text key's block in tokens.
 CHARS_PER_TOKEN = 3
+# Output tokens assumed for a request with no cap, in the in-flight load terms.
+DEFAULT_OUTPUT_ESTIMATE = 16
 
 
 def _estimate_tokens(body: dict[str, Any], is_chat: bool) -> int:

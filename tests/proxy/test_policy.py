@@ -241,21 +241,21 @@ def test_no_healthy_worker_raises_or_falls_back_to_decode_only():
 
 def test_decode_session_affinity_beats_lower_load_worth_less_than_the_reuse():
     # d1 holds 50 of the prompt's 200 blocks: moving costs 50 blocks of recompute, so
-    # d1 keeps the session while it runs at most 2 x 50 decode blocks more than d2.
+    # d1 keeps the session while it has at most 2 x 50 blocks more work queued than d2.
     i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
-    workers = [P("p1"), D("d1", active_decode_blocks=130.0, kv_usage=0.5),
-               D("d2", active_decode_blocks=30.0)]
+    workers = [P("p1"), D("d1", queued_decode_blocks=130.0, kv_usage=0.5),
+               D("d2", queued_decode_blocks=30.0)]
     d = route(i, workers, params(), random.Random(0))
     assert d.decode_url == "d1" and d.reason.startswith("session affinity;")
     assert by_url(d.decode_candidates)["d1"].affinity
 
 
 def test_decode_session_affinity_yields_when_the_holder_is_busier_than_the_reuse_is_worth():
-    # Hot sessions sharing d1: 131 decode blocks against d2's 30 is more than
+    # Hot sessions sharing d1: 131 blocks of queued work against d2's 30 is more than
     # 2 x 50 blocks of reuse, so the request goes to d2 (and recomputes there).
     i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
-    workers = [P("p1"), D("d1", active_decode_blocks=131.0, kv_usage=0.5),
-               D("d2", active_decode_blocks=30.0)]
+    workers = [P("p1"), D("d1", queued_decode_blocks=131.0, kv_usage=0.5),
+               D("d2", queued_decode_blocks=30.0)]
     d = route(i, workers, params(), random.Random(0))
     assert d.decode_url == "d2" and d.reason.startswith("session affinity yielded to load")
     assert d.decode_placed   # a placement by load, counted for recent_placements
@@ -266,18 +266,35 @@ def test_decode_session_affinity_yields_when_the_holder_is_busier_than_the_reuse
     i_long = inp(3200, session=session("d1"), peer_pullable_blocks=150)
     assert route(i_long, workers, params(), random.Random(0)).decode_url == "d1"
     # Weight 0: affinity whatever the load (the old rule).
-    far = [P("p1"), D("d1", active_decode_blocks=4000.0), D("d2")]
+    far = [P("p1"), D("d1", queued_decode_blocks=4000.0), D("d2")]
     assert route(i, far, params(session_affinity_yield_weight=0),
                  random.Random(0)).decode_url == "d1"
 
 
+def test_session_affinity_ignores_cached_context_of_running_requests():
+    # The yield rule weighs queued work, not in-flight KV: d1 runs requests whose
+    # contexts fill 4,000 blocks but which are cache hits with few outputs left
+    # (queued 20 blocks); moving the session would recompute 50 blocks.  The rule on
+    # whole contexts moved it (and the prefix groups routed after it) for nothing.
+    i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
+    workers = [P("p1"), D("d1", active_requests=8, active_decode_blocks=4000.0,
+                          queued_decode_blocks=20.0), D("d2")]
+    assert route(i, workers, params(), random.Random(0)).decode_url == "d1"
+    # The same contexts with their work still queued (uncached prompts, long
+    # outputs) do move it.
+    busy = [P("p1"), D("d1", active_requests=8, active_decode_blocks=4000.0,
+                       queued_decode_blocks=400.0), D("d2")]
+    assert route(i, busy, params(), random.Random(0)).decode_url == "d2"
+
+
 def test_session_own_previous_request_still_counted_does_not_move_it():
-    # The previous turn (a 2,900-token prompt + 100 output tokens: 188 blocks of
-    # load) has sent its last chunk, but its load is still counted on d1 when the
-    # next turn (3,200 tokens, d1 holds 187 blocks of it) is routed: the load gap
-    # equals the reuse, within the yield weight.
+    # The previous turn (a 2,900-token prompt + 100 output tokens) has sent its last
+    # chunk, but its load is still counted on d1 when the next turn (3,200 tokens, d1
+    # holds 187 blocks of it) is routed: its queued work (its outputs, 4 blocks) is far
+    # below the reuse.
     i = inp(3200, session=session("d1"), peer_pullable_blocks=187)
-    workers = [P("p1"), D("d1", active_requests=1, active_decode_blocks=188.0), D("d2")]
+    workers = [P("p1"), D("d1", active_requests=1, active_decode_blocks=188.0,
+                          queued_decode_blocks=4.0), D("d2")]
     assert route(i, workers, params(), random.Random(0)).decode_url == "d1"
 
 
@@ -541,7 +558,8 @@ def _random_case(r: random.Random):
                  active_decode_blocks=float(r.randint(0, 100))) for k in range(n_p)]
     workers += [D(f"d{k}", healthy=k == 0 or r.random() > 0.15, kv_usage=r.random(),
                   active_requests=r.randint(0, 40),
-                  active_decode_blocks=float(r.randint(0, 400))) for k in range(n_d)]
+                  active_decode_blocks=float(r.randint(0, 400)),
+                  queued_decode_blocks=float(r.randint(0, 300))) for k in range(n_d)]
     prompt = r.randint(0, 4000)
     overlaps = {w.url: TierOverlap(r.randint(0, 300), r.randint(0, 300))
                 for w in workers if r.random() < 0.6}

@@ -12,7 +12,8 @@ from sessionkv_proxy.config import load_config
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.memory import MemoryIndex
-from sessionkv_proxy.router import Router, engine_requests
+from sessionkv_proxy.policy import Mode, RouteReason
+from sessionkv_proxy.router import DEFAULT_OUTPUT_ESTIMATE, RoutePlan, Router, engine_requests
 from sessionkv_proxy.upstream import UpstreamPool
 
 P_URL, D1, D2 = "http://127.0.0.1:9", "http://127.0.0.1:10", "http://127.0.0.1:11"
@@ -221,3 +222,18 @@ async def test_several_engine_requests_go_to_d_alone(policy_name) -> None:
         assert two.decode.url == D1
     finally:
         await upstream.close()
+
+
+def test_decode_work_counts_what_d_computes_not_its_cached_prefix():
+    # The queued work the session-affinity yield rule weighs: outputs only when P
+    # prefills; the uncached prompt too when D prefills; the whole prompt where no
+    # policy said what is cached.
+    d = object()
+    pd = RoutePlan(Mode.DISAGGREGATED, None, d, RouteReason.ROUND_ROBIN,
+                   prompt_tokens=3000, max_output_tokens=100, uncached_tokens=3000)
+    assert pd.decode_work_tokens == 100
+    alone = RoutePlan(Mode.DECODE_ONLY, None, d, RouteReason.SMALL_INCREMENT,
+                      prompt_tokens=3000, max_output_tokens=100, uncached_tokens=200)
+    assert alone.decode_work_tokens == 300
+    unknown = RoutePlan(Mode.DECODE_ONLY, None, d, RouteReason.COLOCATED, prompt_tokens=3000)
+    assert unknown.decode_work_tokens == 3000 + DEFAULT_OUTPUT_ESTIMATE
