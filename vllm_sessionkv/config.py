@@ -94,7 +94,7 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A reader gives up on an unanswered claim or confirm after this long, and
     # recomputes.
     pull_guard_timeout_s: float = 5.0
-    # Start under a vLLM release the connector was not tested with (_vllm.py,
+    # Start under a vLLM release the connector was not tested with (_vllm/version.py,
     # VLLM_VERSIONS_TESTED); by default the engine refuses to start.
     allow_untested_vllm: bool = False
     # NIXL's UCX progress thread.  Its poll delay is hard-coded to zero, so it spins

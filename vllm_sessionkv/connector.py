@@ -16,7 +16,7 @@ import logging
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from vllm_sessionkv import _vllm
+from vllm_sessionkv._vllm import nixl_state, pacing, version
 from vllm_sessionkv.config import parse_config
 from vllm_sessionkv.scheduler import SessionKVScheduler
 from vllm_sessionkv.stats import SessionKVPromMetrics, SessionKVStats
@@ -27,11 +27,11 @@ __all__ = ["SessionKVConnector"]
 logger = logging.getLogger("vllm.sessionkv.connector")
 
 
-class SessionKVConnector(_vllm.NixlPullConnector):
+class SessionKVConnector(nixl_state.NixlPullConnector):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config):
         transfer_config = vllm_config.kv_transfer_config
         config = parse_config(transfer_config.kv_connector_extra_config)
-        _vllm.check_vllm_version(config.allow_untested_vllm)
+        version.check_vllm_version(config.allow_untested_vllm)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("SessionKVConnector does not support "
                              "decode_context_parallel_size > 1 yet")
@@ -44,12 +44,12 @@ class SessionKVConnector(_vllm.NixlPullConnector):
             transfer_config.kv_load_failure_policy = "recompute"
             logger.info("sessionkv: kv_load_failure_policy set to 'recompute'")
         self.sessionkv_config = config
-        busy_poll_cap_s = config.busy_poll_cap_s(_vllm.is_cpu_platform())
+        busy_poll_cap_s = config.busy_poll_cap_s(version.is_cpu_platform())
         if busy_poll_cap_s is not None:
             # Both roles: the scheduler half lives in the engine core, the worker half
             # in each worker process, and each process spins on its own queue.
-            _vllm.limit_engine_busy_poll(busy_poll_cap_s, config.engine_spin_while_busy)
-        _vllm.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+            pacing.limit_engine_busy_poll(busy_poll_cap_s, config.engine_spin_while_busy)
+        nixl_state.NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         self.connector_scheduler = None
         self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -38,7 +38,7 @@ REFUSALS = ("already_has_output", "prompt_not_fully_verified", "logprobs",
             # The token was already used by another request (``n`` > 1 on D).
             "already_used",
             # The engine runs something the handoff does not support
-            # (_vllm.first_token_unsupported), or it is turned off.
+            # (_vllm.first_token.first_token_unsupported), or it is turned off.
             "engine_unsupported")
 # What became of P's token on D: "continued" or a refusal.
 FIRST_TOKEN_OUTCOMES = ("continued", *REFUSALS)

@@ -3,7 +3,7 @@
 vLLM moves connector metadata once per step, from ``build_connector_meta`` (engine
 core) to ``start_load_kv`` (each worker).  NIXL's own metadata object carries its
 reads and sends; ours rides on it as one typed value, attached and read only through
-``_vllm.attach_step_instructions`` / ``_vllm.step_instructions``.  Pure: standard
+``_vllm.nixl_state.attach_step_instructions`` / ``step_instructions``.  Pure: standard
 library and msgspec only.
 """
 

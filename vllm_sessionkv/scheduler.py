@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from vllm_sessionkv import _vllm
+from vllm_sessionkv._vllm import engine_state, nixl_state, pacing, side_channel, version
+from vllm_sessionkv._vllm import first_token as vllm_first_token
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.cost import (
     LinkModel,
@@ -113,13 +114,13 @@ class _Plan(msgspec.Struct):
     first_token: bool = False      # continues from P's token (all prompt KV loaded)
 
 
-class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
+class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.config = config
-        _vllm.disable_stock_recompute_threshold(self)
+        nixl_state.disable_stock_recompute_threshold(self)
         self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
-        self.kv_bytes_per_token = _vllm.kv_bytes_per_token(kv_cache_config, self.block_size)
+        self.kv_bytes_per_token = engine_state.kv_bytes_per_token(kv_cache_config, self.block_size)
         cost = config.cost
         self.recompute_model = RecomputeModel(
             s_per_token=cost.recompute_s_per_token,
@@ -137,7 +138,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # Session holds (D): which request's blocks each session keeps, until when.
         self._holds = HoldTable()
         self._holds_to_release: set[str] = set()   # for the next step's metadata
-        num_blocks = _vllm.kv_num_blocks(kv_cache_config)
+        num_blocks = engine_state.kv_num_blocks(kv_cache_config)
         self._max_held_blocks = (int(config.session_hold_max_kv_fraction * num_blocks)
                                  if num_blocks else 1 << 62)
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
@@ -150,14 +151,14 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._side_channel_failure = lambda: None
         if config.pull_guard:
             self._ledger = SendLedger(engine_id, config.pull_claim_ttl_s)
-            self._side_channel_failure = _vllm.serve_guard_on_side_channel(
+            self._side_channel_failure = side_channel.serve_guard_on_side_channel(
                 self, self._answer_guard)
         self._read_guards_next: dict[str, int] = {}
         # Host-DRAM tier: this side decides and tracks; the worker copies.
         self.host: HostTierManager | None = None
         if config.host_tier_bytes:
             self.host = HostTierManager(config.host_tier_bytes,
-                                        _vllm.kv_bytes_per_block(kv_cache_config),
+                                        engine_state.kv_bytes_per_block(kv_cache_config),
                                         config.host_tier_policy)
         self.host_link = LinkModel(bytes_per_s=config.host_copy_bytes_per_s,
                                    per_transfer_s=config.host_copy_per_transfer_s)
@@ -184,7 +185,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # P requests whose token was used (insertion-ordered, bounded).
         self.max_model_len = vllm_config.model_config.max_model_len
         self._first_token_unsupported = (
-            _vllm.first_token_unsupported(vllm_config) if config.first_token_handoff
+            vllm_first_token.first_token_unsupported(vllm_config) if config.first_token_handoff
             else "turned off (first_token_handoff)")
         if config.first_token_handoff and self._first_token_unsupported:
             logger.info("sessionkv first-token handoff off on this engine: %s",
@@ -204,10 +205,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             logger.info("sessionkv early decode: taking P's parameters on %s",
                         self.early_decode.endpoint)
             inbox = self.early_decode
-            _vllm.wait_for_prefill_params(lambda: inbox.waiting, inbox.wait,
+            pacing.wait_for_prefill_params(lambda: inbox.waiting, inbox.wait,
                                           max_wait_s=_HELD_STEP_INTERVAL_S)
         # This runs in the engine-core process, whose loop the pacing changes.
-        _vllm.pace_holding_steps(config.holding_step_interval(_vllm.is_cpu_platform()))
+        pacing.pace_holding_steps(config.holding_step_interval(version.is_cpu_platform()))
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         super().set_xfer_handshake_metadata(metadata)
@@ -265,7 +266,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return None
         is_p_to_d = bool(params.get("do_remote_prefill"))
         is_d_to_p = bool(params.get("do_remote_decode")) and _names_remote_blocks(params)
-        if not (is_p_to_d or is_d_to_p) or _vllm.remote_blocks_processed(params):
+        if not (is_p_to_d or is_d_to_p) or nixl_state.remote_blocks_processed(params):
             return None
         cached = self._plans.get(request.request_id)
         if cached is not None and cached.local_hit_tokens == num_computed_tokens:
@@ -275,7 +276,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # past the verified prefix.
 
         prompt = request.prompt_token_ids or []
-        max_loadable = (_vllm.remote_prefill_token_count(self, len(prompt)) if is_p_to_d
+        max_loadable = (nixl_state.remote_prefill_token_count(self, len(prompt)) if is_p_to_d
                         else request.num_prompt_tokens)
         remote, refusal = self._remote_kv(params)
         if refusal is not None:
@@ -298,7 +299,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             local = LocalPrompt(prompt_token_ids=prompt,
                                 block_hashes=request.block_hashes,
                                 block_size=self.block_size, hash_algo=self.hash_algo,
-                                tenant=_vllm.request_cache_salt(request),
+                                tenant=engine_state.request_cache_salt(request),
                                 max_loadable_tokens=max_loadable)
             verdict = verify_remote_kv(local, remote)
         ours = self._payload(params)
@@ -347,7 +348,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             "verify=%s verified_tokens=%d refused_tokens=%d local_hit_tokens=%d "
             "load_tokens=%d read=%s first_token=%s prompt_tokens=%d pull_s=%.6f "
             "recompute_s=%.6f load=%.2f link_bytes_per_s=%.3g",
-            request.request_id, _vllm.request_session_id(request), plan.direction,
+            request.request_id, engine_state.request_session_id(request), plan.direction,
             decision, verdict.reason, verdict.verified_tokens, verdict.refused_tokens,
             num_computed_tokens, plan.load_tokens, "sync" if plan.sync else "async",
             first_token, request.num_prompt_tokens, pull_s, recompute_s, self.engine_load,
@@ -364,7 +365,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return False
         refusal = "engine_unsupported" if self._first_token_unsupported else None
         if refusal is None:
-            view = _vllm.first_token_request(request, self.max_model_len)
+            view = vllm_first_token.first_token_request(request, self.max_model_len)
             refusal = ("engine_unsupported" if view is None
                        else handoff_refusal(view, token_id, verdict.verified_tokens))
         source = str(params.get("remote_request_id") or "")
@@ -379,7 +380,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             self._used_first_tokens[source] = None
             if len(self._used_first_tokens) > _USED_FIRST_TOKENS_KEPT:
                 del self._used_first_tokens[next(iter(self._used_first_tokens))]
-        _vllm.continue_from_token(request, token_id)
+        vllm_first_token.continue_from_token(request, token_id)
         self._first_tokens[request.request_id] = token_id
         return True
 
@@ -452,7 +453,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             return None, False   # vLLM asks again at the next step; no blocks held
         self._early_push_connect(request)
         params = request.kv_transfer_params
-        if _vllm.remote_blocks_processed(params):
+        if nixl_state.remote_blocks_processed(params):
             # Asked again after a failed or declined load (vLLM resets the request to
             # recompute): stock code would claim the remote tokens once more and park
             # the request waiting for a read it never queues again.  Recompute.
@@ -507,7 +508,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         logger.info(
             "sessionkv host request_id=%s session_id=%s decision=%s host_tokens=%d "
             "local_hit_tokens=%d restore_s=%.6f recompute_s=%.6f",
-            request.request_id, _vllm.request_session_id(request),
+            request.request_id, engine_state.request_session_id(request),
             "restore" if priced.pull else "recompute", tokens, num_computed_tokens,
             priced.pull_s, priced.recompute_s)
         if not priced.pull:
@@ -526,7 +527,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             self._host_restored[request.request_id] = num_blocks * self.block_size
         plan = self._plans.get(request.request_id)
         params = request.kv_transfer_params
-        if plan is not None and params and not _vllm.remote_blocks_processed(params):
+        if plan is not None and params and not nixl_state.remote_blocks_processed(params):
             # Cut the remote list to the verified prefix *before* stock code queues the
             # read: vLLM pairs local and remote blocks from the end, so any unverified
             # remote tail would shift every pairing (vLLM issue #43094).
@@ -555,11 +556,11 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if params and self._is_direct_session_turn(params):
             # Served on D without P: D still holds the turn for the next P pull, and
             # the worker only honours a hold for requests it saw in a batch.
-            _vllm.mark_in_batch(self, request.request_id)
+            nixl_state.mark_in_batch(self, request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def _queue_sync_read(self, request: Request, plan: _Plan, blocks) -> None:
-        if not _vllm.has_queued_read(self, request.request_id):
+        if not nixl_state.has_queued_read(self, request.request_id):
             # _choose_sync_read checks the handle stock code needs to queue the read.
             raise RuntimeError(f"sessionkv: no read queued for the synchronous load of "
                                f"request {request.request_id}")
@@ -570,10 +571,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         # read put past the loaded tokens.
         hit_blocks = plan.local_hit_tokens // self.block_size
         load_blocks = -(-plan.verdict.verified_tokens // self.block_size) - hit_blocks
-        plan.sync_block_ids = frozenset(_vllm.set_sync_recv_blocks(
+        plan.sync_block_ids = frozenset(nixl_state.set_sync_recv_blocks(
             self, request.request_id, blocks.get_block_ids(), hit_blocks, load_blocks))
         # The read is done within the step: nothing left to keep alive on the peer.
-        _vllm.stop_heartbeat(self, request.request_id)
+        nixl_state.stop_heartbeat(self, request.request_id)
         self._sync_reads_next.add(request.request_id)
 
     def _account(self, request: Request, plan: _Plan) -> None:
@@ -646,15 +647,15 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
     def take_events(self) -> list:
         if self.host is None:
             return []
-        return _vllm.host_tier_events(self.host.take_events())
+        return engine_state.host_tier_events(self.host.take_events())
 
     def build_connector_meta(self, scheduler_output):
         # Smoothed over a few steps: one step between batches says little about how
         # busy the engine is.
-        running = float(_vllm.scheduled_requests(scheduler_output))
+        running = float(engine_state.scheduled_requests(scheduler_output))
         alpha = self.config.cost.load_ewma_alpha
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
-        _vllm.show_first_tokens_to_worker(scheduler_output, self._first_tokens)
+        vllm_first_token.show_first_tokens_to_worker(scheduler_output, self._first_tokens)
         meta = super().build_connector_meta(scheduler_output)
         instructions = StepInstructions(
             host_copies=self._take_host_ops(), release_holds=self._take_hold_releases(),
@@ -667,10 +668,10 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         self._read_guards_next = {}
         self._sync_reads_in_step |= self._sync_reads_next
         self._sync_reads_next = set()
-        _vllm.attach_step_instructions(meta, instructions)
+        nixl_state.attach_step_instructions(meta, instructions)
         # This process and the worker spin on their queues only when it has a model
         # to run (the worker learns it from ``idle_step``).
-        _vllm.set_engine_busy(running > 0)
+        pacing.set_engine_busy(running > 0)
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -732,7 +733,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
     def request_finished(self, request: Request, block_ids):
         self._live_requests.discard(request.request_id)
         if self._first_tokens.pop(request.request_id, None) is not None:
-            _vllm.forget_first_token(request.request_id)
+            vllm_first_token.forget_first_token(request.request_id)
         params = request.kv_transfer_params
         payload = self._payload(params)
         if payload.early_decode_id and self.early_decode is not None:
@@ -747,18 +748,18 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         if out is None:
             self._forget(request.request_id)
             return delay_free, out
-        session_id = _vllm.request_session_id(request) or payload.session_id
+        session_id = engine_state.request_session_id(request) or payload.session_id
         self._forget(request.request_id)
         if is_d_node:
             if not session_id or not delay_free:
                 # Nothing will come back for these blocks by handle; free them now
                 # (prefix caching still keeps them findable until evicted).
                 if delay_free:
-                    _vllm.cancel_pending_send(self, request.request_id)
+                    nixl_state.cancel_pending_send(self, request.request_id)
                 return False, ({SESSIONKV_PARAMS_KEY: encode_payload(
                     SessionPayload(accounting=accounting))} if accounting else None)
             lease_s = self.config.session_lease_s
-            _vllm.set_pending_send_deadline(self, request.request_id,
+            nixl_state.set_pending_send_deadline(self, request.request_id,
                                             lease_s + _NIXL_EXPIRY_BACKSTOP_S)
             now = time.perf_counter()
             deadline = now + lease_s
@@ -775,7 +776,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
             out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
                 **self._chain_export(request, out["remote_num_tokens"]),
                 session_id=session_id, accounting=accounting,
-                expires_at_unix_s=_vllm.pending_send_deadline_unix_s(deadline),
+                expires_at_unix_s=nixl_state.pending_send_deadline_unix_s(deadline),
                 engine_url=self.config.advertise_url or None,
                 hold_token=self._guard_hold(request.request_id)))
             if self._publisher.publish(session_id, out, self.config.session_lease_s):
@@ -901,7 +902,7 @@ class SessionKVScheduler(_vllm.NixlPullConnectorScheduler):
         tail = list(all_tokens[n_full * self.block_size:num_tokens])
         return {"hash_chain": encode_chain(hashes), "tail_token_ids": tail,
                 "block_size": self.block_size, "hash_algo": self.hash_algo,
-                "tenant": _vllm.request_cache_salt(request), "num_tokens": num_tokens}
+                "tenant": engine_state.request_cache_salt(request), "num_tokens": num_tokens}
 
     def _record_growth(self, keys: tuple[str, ...], counted: tuple[int, ...],
                        before: tuple[int, ...]) -> tuple[int, ...]:

@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_sessionkv import _vllm
-from vllm_sessionkv._vllm import NixlKVConnectorStats, NixlPromMetrics, create_metric_per_engine
+from vllm_sessionkv._vllm import metrics
+from vllm_sessionkv._vllm.metrics import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+    create_metric_per_engine,
+)
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
 from vllm_sessionkv.holds import RELEASE_REASONS
 
@@ -103,7 +107,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
         def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()):
-            return _vllm.prom_counter(self, name=name, documentation=doc,
+            return metrics.prom_counter(self, name=name, documentation=doc,
                                       labelnames=[*labelnames, *extra_labels])
 
         def by_label(name: str, doc: str, label: str, values: tuple[str, ...]):
@@ -147,12 +151,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
                 ("host_evicted_blocks", "sessionkv_host_evicted_blocks",
                  "Blocks evicted from the host-DRAM tier by its policy."))}
         self._host_resident = create_metric_per_engine(
-            _vllm.prom_gauge(self, name="sessionkv_host_resident_bytes",
+            metrics.prom_gauge(self, name="sessionkv_host_resident_bytes",
                              documentation="Bytes resident in the host-DRAM tier.",
                              labelnames=labelnames, multiprocess_mode="mostrecent"),
             per_engine_labelvalues)
         self._session_holds = create_metric_per_engine(
-            _vllm.prom_gauge(self, name="sessionkv_session_holds",
+            metrics.prom_gauge(self, name="sessionkv_session_holds",
                              documentation="Sessions whose last turn's KV this engine "
                                            "holds for the next turn's pull (until it is "
                                            "read, superseded or its lease ends).",
@@ -167,14 +171,14 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "more than session_hold_max_kv_fraction of the KV; the oldest ended).",
             "reason", RELEASE_REASONS)
         self._host_restore_s = create_metric_per_engine(
-            _vllm.prom_histogram(self, name="sessionkv_host_restore_seconds",
+            metrics.prom_histogram(self, name="sessionkv_host_restore_seconds",
                                  documentation="Time to restore one request's blocks from "
                                                "the host-DRAM tier.",
                                  buckets=[1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0],
                                  labelnames=labelnames), per_engine_labelvalues)
 
         self._idle_recv_wait_s = create_metric_per_engine(
-            _vllm.prom_histogram(self, name="sessionkv_idle_step_recv_wait_seconds",
+            metrics.prom_histogram(self, name="sessionkv_idle_step_recv_wait_seconds",
                                  documentation="Time a step with no model to run and "
                                                "KV reads in flight waited for them (0 "
                                                "when done at the first poll; "
@@ -188,7 +192,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "which then skips a step) or async (vLLM's way: the request waits for the "
             "read in steps of its own).", "mode", LOAD_MODES)
         self._sync_load_wait_s = create_metric_per_engine(
-            _vllm.prom_histogram(self, name="sessionkv_sync_load_wait_seconds",
+            metrics.prom_histogram(self, name="sessionkv_sync_load_wait_seconds",
                                  documentation="Time a step's forward waited for its "
                                                "synchronous peer reads.",
                                  buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1,
@@ -206,7 +210,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "here); all but ready compute the prompt on D.", "outcome",
             EARLY_DECODE_OUTCOMES)
         self._early_decode_wait_s = create_metric_per_engine(
-            _vllm.prom_histogram(self, name="sessionkv_early_decode_wait_seconds",
+            metrics.prom_histogram(self, name="sessionkv_early_decode_wait_seconds",
                                  documentation="Time a request sent to D while P "
                                                "prefilled waited in D's scheduler for "
                                                "P's parameters.",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from vllm_sessionkv import _vllm
+from vllm_sessionkv._vllm import engine_state, metrics, nixl_agent, nixl_state, pacing, version
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.host_tier import HostBlockPool
 from vllm_sessionkv.metadata import HostCopyKind
@@ -34,12 +34,12 @@ def _merge(results, more):
     return results
 
 
-class SessionKVWorker(_vllm.NixlPullConnectorWorker):
+class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
-        with _vllm.nixl_agent_options(*config.nixl_agent_options(_vllm.is_cpu_platform())), \
-                _vllm.keep_thread_affinity():
+        with nixl_agent.nixl_agent_options(*config.nixl_agent_options(version.is_cpu_platform())), \
+                nixl_agent.keep_thread_affinity():
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        _vllm.worker_set_stats(self, SessionKVStats())
+        metrics.worker_set_stats(self, SessionKVStats())
         self.sessionkv_config = config
         self._kv_cache_config = kv_cache_config
         self.host_pool: HostBlockPool | None = None
@@ -60,21 +60,21 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         if config.pull_guard:
             self._guard = ReadGuard(engine_id, member=f"tp{self.tp_rank}",
                                     timeout_s=config.pull_guard_timeout_s)
-            self._post_read = _vllm.gate_reads(self, self._before_read)
+            self._post_read = nixl_state.gate_reads(self, self._before_read)
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
         if self.sessionkv_config.host_tier_bytes:
-            block_bytes = _vllm.kv_bytes_per_block(self._kv_cache_config)
+            block_bytes = engine_state.kv_bytes_per_block(self._kv_cache_config)
             self.host_pool = HostBlockPool(
                 kv_caches, self._kv_cache_config.num_blocks,
                 self.sessionkv_config.host_tier_bytes // block_bytes,
-                pin_memory=not _vllm.is_cpu_platform())
+                pin_memory=not version.is_cpu_platform())
 
     def start_load_kv(self, metadata):
         # Host copies first, in the scheduler's order: a restore may read a slot a
         # store in the same step wrote.
-        ours = _vllm.step_instructions(metadata)
+        ours = nixl_state.step_instructions(metadata)
         for copy in ours.host_copies:
             if self.host_pool is None:
                 continue
@@ -86,7 +86,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
                 self.host_pool.load(copy.src, copy.dst)
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
         self._idle_step = ours.idle_step
-        _vllm.set_engine_busy(not self._idle_step)
+        pacing.set_engine_busy(not self._idle_step)
         if self._guard is not None:
             self._guard.expect(ours.read_guards)
         super().start_load_kv(metadata)
@@ -94,7 +94,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         # After stock code has taken this step's held sends, which a reset in the
         # same step may already release.
         for req_id in ours.release_holds:
-            if _vllm.release_pending_send(self, req_id):
+            if nixl_state.release_pending_send(self, req_id):
                 self._released_holds.add(req_id)
         # Sends whose free waited for a reader's claim to end (guard.py).
         self._released_holds |= ours.report_sent
@@ -110,10 +110,10 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         reported as invalid blocks, and vLLM recomputes from the first of them."""
         started = time.perf_counter()
         deadline = started + self.sessionkv_config.sync_load_timeout_s
-        blocks = {req_id: _vllm.recv_local_block_ids(self, req_id) for req_id in pending}
+        blocks = {req_id: nixl_state.recv_local_block_ids(self, req_id) for req_id in pending}
         while True:
             # A read whose handshake finished while we wait is posted now, not next step.
-            _vllm.start_ready_reads(self)
+            nixl_state.start_ready_reads(self)
             self._poll_guard()
             results = self._merge_early(self._guarded(super().get_transfer_results()))
             pending -= results.finished_recving
@@ -123,9 +123,9 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         for req_id in pending:   # overdue: the read is still posted, or still claimed
             if self._held_back.pop(req_id, None) is not None:
                 # Its claim was not answered in time: no read will be posted.
-                _vllm.fail_read(self, req_id)
+                nixl_state.fail_read(self, req_id)
             self._abandoned_sync.add(req_id)
-            _vllm.report_invalid_blocks(self, blocks[req_id])
+            nixl_state.report_invalid_blocks(self, blocks[req_id])
             self.xfer_stats.record("sync_load_timeouts", 1)
         # (Stock code has queued the invalid blocks of reads that failed.)
         results.finished_recving -= blocks.keys()
@@ -149,7 +149,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         if token is None or guard.is_granted(req_id):
             return True
         remote = meta.remote
-        if not any(meta.local_block_ids) or not _vllm.peer_ready(self, remote.engine_id):
+        if not any(meta.local_block_ids) or not nixl_state.peer_ready(self, remote.engine_id):
             return True
         guard.claim(GuardedRead(
             request_id=req_id, holder_engine_id=remote.engine_id,
@@ -175,12 +175,12 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         for req_id, reason in polled.refused:
             self._count_guard_fallback("claim", reason, req_id)
             if self._held_back.pop(req_id, None) is not None:
-                _vllm.fail_read(self, req_id)
+                nixl_state.fail_read(self, req_id)
         self._confirmed.update(polled.confirmed)
         for read, reason in polled.refuted:
             self._count_guard_fallback("confirm", reason, read.request_id)
             # The read may have seen another request's KV: never attach or cache it.
-            _vllm.report_invalid_blocks(self, set(read.local_blocks))
+            nixl_state.report_invalid_blocks(self, set(read.local_blocks))
             self._refuted.add(read.request_id)
 
     def _count_guard_fallback(self, stage: str, reason: str, req_id: str) -> None:
@@ -235,7 +235,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
 
     def _idle_wait_results(self):
         wait_s = self.sessionkv_config.idle_step_recv_wait_s
-        waits = bool(self._idle_step and wait_s and _vllm.reads_in_flight(self))
+        waits = bool(self._idle_step and wait_s and nixl_state.reads_in_flight(self))
         started = time.perf_counter()
         results = super().get_transfer_results()
         if not waits:
@@ -243,7 +243,7 @@ class SessionKVWorker(_vllm.NixlPullConnectorWorker):
         # No model to run this step, so waiting here costs nothing but lets the
         # scheduler see a read that lands now in this step's output, not a later one.
         deadline = started + wait_s
-        while _vllm.reads_in_flight(self) and time.perf_counter() < deadline:
+        while nixl_state.reads_in_flight(self) and time.perf_counter() < deadline:
             time.sleep(_READ_POLL_S)
             _merge(results, super().get_transfer_results())
         self.xfer_stats.record("idle_step_recv_wait_s", time.perf_counter() - started)

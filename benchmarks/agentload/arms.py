@@ -138,7 +138,7 @@ def engine_cores_env(cores: str, gpus: str | None) -> list[dict[str, str]]:
 
 
 # Clusters on the stock NixlConnector.  Its worker moves the model thread onto the
-# last core of each NUMA node as it is built (``_vllm.keep_thread_affinity`` says
+# last core of each NUMA node as it is built (``_vllm.nixl_agent.keep_thread_affinity`` says
 # where), whatever binding the engine was started with, so ``--cores`` cannot give
 # these engines a core each.  Pinned explicitly anyway (P to core 0, D to core 1), the
 # first P->D read never completed in a run here: P released the blocks after their

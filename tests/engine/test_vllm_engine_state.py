@@ -1,0 +1,62 @@
+"""Reads of vLLM's own objects (``_vllm/engine_state.py``): a request's session and
+salt, a step's size, the KV cache's shape, and host-tier changes as KV events.
+
+With vLLM installed these tests fail, never skip: an ImportError here is the
+likeliest sign of a vLLM upgrade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+from vllm_sessionkv._vllm import engine_state  # noqa: E402
+
+
+def test_a_request_carries_its_session_and_cache_salt():
+    from vllm.v1.request import Request
+
+    src = inspect.getsource(Request.__init__)
+    assert "self.session_id" in src and "self.cache_salt" in src
+    request = SimpleNamespace(session_id="", cache_salt="tenant-a")
+    assert engine_state.request_session_id(request) is None   # empty: no session
+    assert engine_state.request_cache_salt(request) == "tenant-a"
+
+
+def test_a_step_counts_the_requests_it_scheduled():
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert "num_scheduled_tokens" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert engine_state.scheduled_requests(SimpleNamespace(num_scheduled_tokens={"a": 3,
+                                                                                 "b": 1})) == 2
+    assert engine_state.scheduled_requests(SimpleNamespace(num_scheduled_tokens=None)) == 0
+
+
+def test_kv_sizes_come_from_the_kv_cache_config():
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+
+    assert {"num_blocks", "kv_cache_tensors"} <= {f.name for f in dataclasses.fields(KVCacheConfig)}
+    assert "size" in {f.name for f in dataclasses.fields(KVCacheTensor)}
+    config = SimpleNamespace(num_blocks=10, kv_cache_tensors=[SimpleNamespace(size=640),
+                                                              SimpleNamespace(size=640)])
+    assert engine_state.kv_bytes_per_block(config) == 128
+    assert engine_state.kv_bytes_per_token(config, block_size=16) == 8.0
+    assert engine_state.kv_num_blocks(config) == 10
+    assert engine_state.kv_num_blocks(SimpleNamespace()) == 0
+
+
+def test_host_tier_changes_are_cpu_medium_kv_events():
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    events = engine_state.host_tier_events([("stored", [b"\x01" * 32]),
+                                            ("removed", [b"\x02" * 32])])
+    assert isinstance(events[0], BlockStored) and events[0].medium == "CPU"
+    assert isinstance(events[1], BlockRemoved) and events[1].medium == "CPU"
+    assert len(events[0].block_hashes) == 1 and events[0].token_ids == []
