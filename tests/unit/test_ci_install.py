@@ -46,12 +46,12 @@ def test_install_runs_every_step(tmp_path):
     done = _run(tmp_path, "")
     assert done.returncode == 0, done.stderr
     calls = (tmp_path / "calls").read_text()
-    assert "pip install -q -e .[cpu,proxy,test]" in calls
+    assert "pip install -q -e .[cpu,proxy,test,real-model]" in calls
     assert "import vllm_sessionkv.connector" in calls
     assert "ci/install_chart_tools.py" in calls
 
 
-@pytest.mark.parametrize("step", ["--upgrade pip", "-e .[cpu,proxy,test]",
+@pytest.mark.parametrize("step", ["--upgrade pip", "-e .[cpu,proxy,test,real-model]",
                                   "uninstall", "install_chart_tools",
                                   "import vllm_sessionkv"])
 def test_a_failing_step_fails_the_install_loudly(tmp_path, step):

@@ -198,3 +198,35 @@ def test_the_generated_model_is_served_under_a_stable_name(monkeypatch, tmp_path
     assert cli.main([*logs, "--model", str(tmp_path), "--served-model-name", "mine"]) == 1
     assert specs[-1].served_model_name == "mine"
     assert len(generated) == 2
+
+
+def test_every_engine_of_a_cluster_runs_the_clusters_dtype(monkeypatch, tmp_path):
+    """bfloat16 unless asked; --dtype reaches P, D and the co-located baseline alike."""
+    assert _flag(engine_command(EngineSpec(role="decode", model="m", port=1))[0],
+                 "--dtype") == "bfloat16"
+    cluster = LocalCluster(ClusterSpec(model="m", decode=2, colocated=True, dtype="float32"))
+    for role, index, name in (("prefill", 0, "prefill0"), ("decode", 1, "decode0"),
+                              ("decode", 2, "decode1")):
+        assert _flag(engine_command(cluster._engine(role, index, name))[0], "--dtype") == \
+            "float32", name
+    assert _flag(engine_command(cluster._colocated_engine())[0], "--dtype") == "float32"
+    cli = _local_cluster_main()
+    specs = []
+
+    class NoStart:
+        def __init__(self, spec):
+            specs.append(spec)
+
+        def start(self):
+            raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(cli, "LocalCluster", NoStart)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    assert cli.main(common) == 1
+    assert specs[-1].dtype == "bfloat16"
+    assert cli.main([*common, "--dtype", "float32"]) == 1
+    assert specs[-1].dtype == "float32"
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--dtype", "fp32"])

@@ -133,6 +133,9 @@ class EngineSpec:
     kv_events_replay_port: int | None = None
     block_size: int = 32
     max_model_len: int = 4096
+    # vLLM's --dtype.  bfloat16 is the fast one on CPU; float32 where answers are
+    # compared with another engine's (bf16 near-ties flip with how a prefill is split).
+    dtype: str = "bfloat16"
     kv_cache_space_gb: float = 1.0  # KV cache per engine on CPU
     num_gpu_blocks_override: int | None = None
     # "sessionkv" (ours), "nixl" (stock NixlConnector, bidirectional on: controls).
@@ -189,7 +192,7 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     host = spec.host
     argv = [*host.command_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", spec.model, "--host", host.address, "--port", str(spec.port),
-            "--max-model-len", str(spec.max_model_len), "--dtype", "bfloat16",
+            "--max-model-len", str(spec.max_model_len), "--dtype", spec.dtype,
             "--block-size", str(spec.block_size), "--enable-prefix-caching",
             "--prefix-caching-hash-algo", "sha256", "--seed", "0"]
     if spec.served_model_name:
@@ -428,6 +431,7 @@ class ClusterSpec:
     colocated_port: int | None = None
     block_size: int = 32
     max_model_len: int = 4096
+    dtype: str = "bfloat16"  # every engine's, the co-located one too (EngineSpec.dtype)
     kv_cache_space_gb: float = 1.0  # KV cache per engine on CPU
     # D engines only, when set: their KV cache on CPU (e.g. a small D that must end
     # session holds under KV pressure); P and the co-located engine keep the above.
@@ -567,7 +571,7 @@ class LocalCluster:
                           served_model_name=spec.served_model_name,
                           side_channel_port=self._port(), kv_events_port=self._port(),
                           kv_events_replay_port=self._port(), block_size=spec.block_size,
-                          max_model_len=spec.max_model_len,
+                          max_model_len=spec.max_model_len, dtype=spec.dtype,
                           kv_cache_space_gb=(
                               spec.decode_kv_cache_space_gb
                               if role == "decode" and spec.decode_kv_cache_space_gb
@@ -637,7 +641,7 @@ class LocalCluster:
         return EngineSpec(
             role="colocated", model=spec.model, port=spec.colocated_port or self._port(),
             served_model_name=spec.served_model_name,
-            block_size=spec.block_size, max_model_len=spec.max_model_len,
+            block_size=spec.block_size, max_model_len=spec.max_model_len, dtype=spec.dtype,
             kv_cache_space_gb=spec.kv_cache_space_gb, extra_args=list(spec.engine_extra_args),
             gpus=spec.gpus[-1] if spec.gpus else None, host=spec.host("colocated"))
 
