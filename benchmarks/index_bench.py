@@ -31,7 +31,7 @@ import uuid
 
 from sessionkv_proxy.index import TIER_DEVICE, MemoryIndex
 from sessionkv_proxy.index.redis import RedisIndex
-from vllm_sessionkv.hashing import request_keys
+from vllm_sessionkv.wire.hashing import request_keys
 
 
 def parse_args() -> argparse.Namespace:

@@ -56,7 +56,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proxy"), str(REPO / "benchmarks")]
 from sessionkv_proxy import policy  # noqa: E402
 from sessionkv_proxy.index import MemoryIndex  # noqa: E402
 from sessionkv_proxy.index.redis import RedisIndex  # noqa: E402
-from vllm_sessionkv.hashing import request_keys  # noqa: E402
+from vllm_sessionkv.wire.hashing import request_keys  # noqa: E402
 from vllm_sessionkv.dev.launch import (  # noqa: E402
     ClusterSpec,
     LocalCluster,

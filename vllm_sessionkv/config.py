@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv.cost import DEFAULT_HOST_LINK, DEFAULT_LINK, DEFAULT_RECOMPUTE
-from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S
-from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
+from vllm_sessionkv.wire.cost import DEFAULT_HOST_LINK, DEFAULT_LINK, DEFAULT_RECOMPUTE
+from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S
+from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
 __all__ = ["ConfigError", "CostConfig", "SessionKVConfig", "parse_config"]
 

@@ -10,8 +10,8 @@ the one the proxy would have sent after P: same parameters, same verification.
 The socket is a ZMQ PULL bound in the engine-core process; the scheduler drains it
 without blocking at each step.  The parameters come from P's own connector when it
 can reach D (it pushes them as its request finishes, before its answer travels back
-through its API server and the proxy), else from the proxy (``EarlyDecodeSender``
-serves both).  Unclaimed messages (the D request was aborted, or
+through its API server and the proxy), else from the proxy (both send with
+``wire/early_decode.EarlyDecodeSender``).  Unclaimed messages (the D request was aborted, or
 never came) and requests whose message never comes (the proxy died) both expire
 after ``timeout_s``; an expired request computes its prompt itself, so a lost
 message costs time, never correctness.
@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import zmq
 
-from vllm_sessionkv.protocol import PrefillDone, decode_prefill_done, encode_prefill_done
+from vllm_sessionkv.wire.protocol import decode_prefill_done
 
-__all__ = ["EarlyDecodeInbox", "EarlyDecodeSender", "Outcome", "new_early_decode_id"]
+__all__ = ["EarlyDecodeInbox", "Outcome"]
 
 logger = logging.getLogger("vllm.sessionkv.early_decode")
 
@@ -119,77 +118,4 @@ class EarlyDecodeInbox:
 
     def close(self) -> None:
         self._socket.close(linger=0)
-        self._context.term()
-
-
-def new_early_decode_id() -> str:
-    # Unguessable: the id alone decides which request P's parameters attach to.
-    return os.urandom(16).hex()
-
-
-class EarlyDecodeSender:
-    """Pushes P's parameters to D early-decode sockets (ZMQ PUSH).
-
-    Sends never block and queue only to a live connection (``IMMEDIATE``): a send
-    that fails returns False and the caller falls back (P: the proxy pushes; the
-    proxy: it sends D the request again after P).  ``endpoints`` connect at once; any
-    other endpoint connects on ``connect()`` or on its first send (which then fails:
-    the connection is not up yet)."""
-
-    def __init__(self, endpoints: Iterable[str] = (), max_endpoints: int = 1024) -> None:
-        self._context = zmq.Context()
-        self._sockets: dict[str, zmq.Socket] = {}
-        self._max_endpoints = max_endpoints
-        for endpoint in endpoints:
-            self._socket(endpoint)
-
-    def connect(self, endpoint: str) -> None:
-        """Start connecting now, so that a later send finds the connection up."""
-        self._socket(endpoint)
-
-    def connected(self, endpoint: str) -> bool:
-        """Whether a send to ``endpoint`` would find a live connection now."""
-        sock = self._sockets.get(endpoint)
-        return sock is not None and bool(sock.poll(0, zmq.POLLOUT))
-
-    def _socket(self, endpoint: str) -> zmq.Socket | None:
-        sock = self._sockets.get(endpoint)
-        if sock is None and len(self._sockets) < self._max_endpoints:
-            sock = self._context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDHWM, 10_000)
-            try:
-                sock.connect(endpoint)
-            except zmq.ZMQError as exc:
-                sock.close(linger=0)
-                logger.warning("early decode: cannot connect to %r: %s", endpoint, exc)
-                return None
-            self._sockets[endpoint] = sock
-        return sock
-
-    def send(self, endpoint: str, early_decode_id: str,
-             kv_transfer_params: dict[str, Any] | None) -> bool:
-        """Push P's parameters (None: P failed, D computes the prompt itself).
-        False when the message could not be queued to a live connection."""
-        sock = self._socket(endpoint)
-        if sock is None:
-            return False
-        try:
-            payload = encode_prefill_done(PrefillDone(early_decode_id=early_decode_id,
-                                                      kv_transfer_params=kv_transfer_params))
-        except (TypeError, msgspec.EncodeError) as exc:
-            logger.warning("early decode: parameters not encodable: %s", exc)
-            return False
-        try:
-            sock.send(payload, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:   # Again: no live connection yet, or queue full
-            logger.debug("early decode: cannot push to %s: %s", endpoint, exc)
-            return False
-        return True
-
-    def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
         self._context.term()

@@ -15,13 +15,13 @@ import queue
 import threading
 from typing import Any
 
-from vllm_sessionkv.protocol import (
+from vllm_sessionkv.wire.protocol import (
     PayloadError,
     encode_handle,
     handle_from_params,
     session_store_key,
 )
-from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, RedisKeys, parse_redis_url
+from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, RedisKeys, parse_redis_url
 
 __all__ = ["HandlePublisher"]
 

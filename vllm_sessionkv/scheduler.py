@@ -34,7 +34,7 @@ import msgspec
 from vllm_sessionkv._vllm import engine_state, nixl_state, pacing, side_channel, version
 from vllm_sessionkv._vllm import first_token as vllm_first_token
 from vllm_sessionkv.config import SessionKVConfig
-from vllm_sessionkv.cost import (
+from vllm_sessionkv.wire.cost import (
     LinkModel,
     PullQuote,
     RecomputeModel,
@@ -42,14 +42,15 @@ from vllm_sessionkv.cost import (
     decide_sync_load,
     transfer_time_s,
 )
-from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.wire.early_decode import EarlyDecodeSender
 from vllm_sessionkv.first_token import handoff_refusal
 from vllm_sessionkv.guard import SendLedger, decode_call, encode_answer, new_hold_token
-from vllm_sessionkv.hashing import decode_chain, encode_chain, full_blocks
+from vllm_sessionkv.wire.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.metadata import HostCopy, HostCopyKind, StepInstructions
-from vllm_sessionkv.protocol import (
+from vllm_sessionkv.wire.protocol import (
     EARLY_DECODE_PUSHED_KEY,
     SESSIONKV_PARAMS_KEY,
     PayloadError,

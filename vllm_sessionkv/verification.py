@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from vllm_sessionkv.hashing import verified_prefix_blocks
+from vllm_sessionkv.wire.hashing import verified_prefix_blocks
 
 __all__ = ["REFUSAL_REASONS", "LocalPrompt", "RemoteKV", "Verdict", "verify_remote_kv"]
 

@@ -1,7 +1,7 @@
 """sessionkv_proxy: the KV-aware router in front of vLLM prefill and decode pools.
 
 This package imports no torch and no vLLM; from ``vllm_sessionkv`` it may use only the
-pure modules ``hashing``, ``protocol`` and ``cost``.
+torch-free folder ``vllm_sessionkv/wire/`` (checked by ``tests/proxy/test_no_torch.py``).
 """
 
 __version__ = "0.1.0"

@@ -37,7 +37,7 @@ from urllib.parse import parse_qs
 import aiohttp
 import msgspec
 
-from vllm_sessionkv.redis_keys import RedisKeys
+from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.redis import delete_matching

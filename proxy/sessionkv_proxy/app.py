@@ -23,8 +23,8 @@ import aiohttp
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
-from vllm_sessionkv.protocol import (
+from vllm_sessionkv.wire.early_decode import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.wire.protocol import (
     EarlyDecodePush,
     PayloadError,
     SessionPayload,
@@ -33,7 +33,7 @@ from vllm_sessionkv.protocol import (
     payload_from_params,
     with_payload,
 )
-from vllm_sessionkv.redis_keys import RedisKeys
+from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 from sessionkv_proxy import admin
 from sessionkv_proxy.chat_template import PROBES as CHAT_PROBES

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
+from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
 # The proxy's one role type (re-exported), defined with the policy that reasons about it.
 from sessionkv_proxy.policy import Role
@@ -64,7 +64,7 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # redis://HOST:PORT/DB for one Redis; redis+cluster://HOST:PORT (any node) for a
     # Redis Cluster (rediss:// and rediss+cluster:// with TLS).
     redis_url: str | None = None
-    # The hash tag of every key (vllm_sessionkv/redis_keys.py), shared by all replicas
+    # The hash tag of every key (vllm_sessionkv/wire/redis_keys.py), shared by all replicas
     # of one deployment and by its engines (their sessionkv.redis_namespace).
     redis_namespace: str = DEFAULT_NAMESPACE
     # Bound on index entries per engine and tier; the oldest are dropped first.

@@ -1,6 +1,6 @@
 """Router request keys chained from a known parent key, and keys over a prompt's text.
 
-``vllm_sessionkv.hashing.request_keys`` hashes a whole prompt from block 0.  KV
+``vllm_sessionkv.wire.hashing.request_keys`` hashes a whole prompt from block 0.  KV
 events describe runs of blocks that continue an earlier run: ``BlockStored`` gives the
 parent's *engine* hash, the index maps it back to the parent's *request* key (llm-d's
 dual-key design), and this module continues the chain from there, with the one
@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from vllm_sessionkv.hashing import CHAIN_HASH_BYTES, RequestKey, chained_keys, request_keys
+from vllm_sessionkv.wire.hashing import CHAIN_HASH_BYTES, RequestKey, chained_keys, request_keys
 
 __all__ = ["chain_request_keys", "text_keys"]
 

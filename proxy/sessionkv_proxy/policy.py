@@ -25,7 +25,7 @@ P cost, in blocks of prefill work (Dynamo's linear cost)::
   connector's ``host_copy_*`` prior), near 1 for long context, lower for a short
   one, where Dynamo uses a fixed 0.75 (``weights.host``, used while the model's KV
   size is unknown).  A peer pull crosses the network, so its weight is priced per request by
-  :func:`vllm_sessionkv.cost.peer_credit_weight`, ``1 - pull_s / recompute_s``
+  :func:`vllm_sessionkv.wire.cost.peer_credit_weight`, ``1 - pull_s / recompute_s``
   clamped to [0, 1]: near 1 for long context on a fast link, 0 on a slow one.
 * ``decay = 1 / (1 + overlap_credit_decay * excess_blocks / prompt_blocks)``, with
   ``excess_blocks`` the worker's ``active_prefill_blocks`` above the least loaded
@@ -118,7 +118,7 @@ from typing import Any
 import msgspec
 
 from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, PrefixMatch
-from vllm_sessionkv.cost import (
+from vllm_sessionkv.wire.cost import (
     DEFAULT_HOST_LINK,
     LinkModel,
     PullQuote,
@@ -128,7 +128,7 @@ from vllm_sessionkv.cost import (
     overlap_credit_blocks,
     peer_credit_weight,
 )
-from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S, handle_expired
+from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S, handle_expired
 
 __all__ = [
     "DecodeTerms",
@@ -763,7 +763,7 @@ def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerm
     blocks are ``peer_pullable_blocks``) and D's reach (device and host) goes beyond
     P's own: P would
     pull that difference after D's restore, and
-    :func:`vllm_sessionkv.cost.decide_restore_for_pull` prices the restore and the
+    :func:`vllm_sessionkv.wire.cost.decide_restore_for_pull` prices the restore and the
     pull against P recomputing it.  P's connector prices the pull again itself."""
     if decode.host_blocks <= 0 or (decode.affinity and inp.peer_pullable_blocks > 0):
         return 0
@@ -783,7 +783,7 @@ def routing_params_from_config(raw: Mapping[str, Any]) -> RoutingParams:
     """``RoutingParams`` from the proxy config; the connector's cost defaults where
     ``recompute`` and ``link`` are unset.  ``kv_bytes_per_token`` is a request-level
     input, not a policy parameter, and is skipped here."""
-    from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+    from vllm_sessionkv.wire.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
 
     values = {k: v for k, v in raw.items() if k != "kv_bytes_per_token"}
     values.setdefault("recompute", msgspec.to_builtins(DEFAULT_RECOMPUTE))

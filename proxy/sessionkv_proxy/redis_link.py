@@ -18,7 +18,7 @@ The pool blocks for a free connection (up to the call's deadline) instead of fai
 at ``max_connections``: load becomes waiting, never a ``MaxConnectionsError``.  A
 pooled connection that died with a restarted Redis is retried once on a fresh one.
 
-On a Redis Cluster (``redis+cluster://``, see ``vllm_sessionkv.redis_keys``) the
+On a Redis Cluster (``redis+cluster://``, see ``vllm_sessionkv.wire.redis_keys``) the
 client is redis-py's ``RedisCluster``: it routes each command by its keys' slot and,
 after a connection error, reads the slot map again, so a promoted replica serves once
 the cluster has failed over.  All of a deployment's keys share one slot, whose node
@@ -62,7 +62,7 @@ def make_redis_client(url: str, *, max_connections: int, timeout_s: float):
     from redis.backoff import NoBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
 
-    from vllm_sessionkv.redis_keys import parse_redis_url
+    from vllm_sessionkv.wire.redis_keys import parse_redis_url
 
     target = parse_redis_url(url)
     if target.cluster:

@@ -27,8 +27,8 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv.hashing import request_keys
-from vllm_sessionkv.protocol import (
+from vllm_sessionkv.wire.hashing import request_keys
+from vllm_sessionkv.wire.protocol import (
     SessionHandle,
     handle_expired,
     session_store_key,

@@ -14,7 +14,7 @@ import re
 
 import msgspec
 
-from vllm_sessionkv.protocol import PayloadError, SessionHandle, check_version, decode_handle
+from vllm_sessionkv.wire.protocol import PayloadError, SessionHandle, check_version, decode_handle
 
 __all__ = ["HandleUnreadable", "SessionRecord", "decode_published_handle", "decode_record",
            "encode_record", "valid_session_id"]

@@ -36,7 +36,7 @@ from helpers import chat_body
 from sessionkv_proxy.app import ProxyApp, create_app
 from sessionkv_proxy.config import load_config
 from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
-from vllm_sessionkv.hashing import request_keys
+from vllm_sessionkv.wire.hashing import request_keys
 
 pytestmark = pytest.mark.cluster
 

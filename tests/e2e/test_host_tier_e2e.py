@@ -190,7 +190,7 @@ def test_real_event_stream_gives_same_answers_in_both_index_backends(host_engine
     from sessionkv_proxy.events import AllBlocksCleared
     from sessionkv_proxy.index.memory import MemoryIndex
     from sessionkv_proxy.index.redis import RedisIndex
-    from vllm_sessionkv.hashing import request_keys
+    from vllm_sessionkv.wire.hashing import request_keys
     from vllm_sessionkv.dev.launch import start_redis, wait_redis
 
     engine, _colocated, events = host_engine

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from vllm_sessionkv.early_decode import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.wire.early_decode import EarlyDecodeSender, new_early_decode_id
 from vllm_sessionkv.dev.launch import cpu_seconds, process_tree
 
 from helpers import (

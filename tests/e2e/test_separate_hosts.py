@@ -31,8 +31,8 @@ from helpers import (
     reset_prefix_cache,
     wait_until,
 )
-from vllm_sessionkv.protocol import session_store_key
-from vllm_sessionkv.redis_keys import RedisKeys
+from vllm_sessionkv.wire.protocol import session_store_key
+from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.cluster
 

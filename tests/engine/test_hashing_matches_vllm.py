@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from vllm_sessionkv.hashing import (
+from vllm_sessionkv.wire.hashing import (
     decode_chain,
     encode_chain,
     engine_block_hashes,

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from vllm_sessionkv.protocol import session_store_key
-from vllm_sessionkv.redis_keys import RedisKeys
+from vllm_sessionkv.wire.protocol import session_store_key
+from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 from sessionkv_proxy.admin import RESET_PATH, authorize
 from sessionkv_proxy.app import create_app

@@ -18,7 +18,7 @@ import zmq.asyncio
 from sessionkv_proxy.consumer import EngineSource, EngineSubscriber, KVEventConsumer
 from sessionkv_proxy.index import TIER_DEVICE, TIER_HOST, MemoryIndex
 from sessionkv_proxy.index.redis import RedisIndex
-from vllm_sessionkv.hashing import engine_block_hashes, request_keys
+from vllm_sessionkv.wire.hashing import engine_block_hashes, request_keys
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 

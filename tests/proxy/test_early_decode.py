@@ -19,8 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
-from vllm_sessionkv.early_decode import EarlyDecodeInbox, EarlyDecodeSender, Outcome
-from vllm_sessionkv.protocol import PROTOCOL_VERSION
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.wire.early_decode import EarlyDecodeSender
+from vllm_sessionkv.wire.protocol import PROTOCOL_VERSION
 
 P_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [[1, 2]], "remote_engine_id": "p0",

@@ -1,4 +1,4 @@
-"""``keys.chain_request_keys`` must agree with ``vllm_sessionkv.hashing.request_keys``."""
+"""``keys.chain_request_keys`` must agree with ``vllm_sessionkv.wire.hashing.request_keys``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from sessionkv_proxy.keys import chain_request_keys
-from vllm_sessionkv.hashing import request_keys
+from vllm_sessionkv.wire.hashing import request_keys
 
 
 @pytest.mark.parametrize("salt,lora_name", [(None, None), ("tenant-a", None),

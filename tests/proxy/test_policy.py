@@ -24,7 +24,7 @@ from sessionkv_proxy.policy import (
     score_decode,
     score_prefill,
 )
-from vllm_sessionkv.cost import LinkModel, OverlapWeights, RecomputeModel
+from vllm_sessionkv.wire.cost import LinkModel, OverlapWeights, RecomputeModel
 
 RECOMPUTE = RecomputeModel(s_per_token=1e-4, s_per_token_per_context_token=1e-9,
                            load_slowdown_per_unit=1.0)
@@ -723,7 +723,7 @@ def test_every_decision_names_its_reason_as_an_enum_label():
 
 
 def test_the_prefill_credit_is_the_cost_model_s_formula():
-    from vllm_sessionkv.cost import overlap_credit_blocks
+    from vllm_sessionkv.wire.cost import overlap_credit_blocks
 
     terms = policy.score_prefill(
         inp(320, overlaps={"p": TierOverlap(device_blocks=5, host_blocks=9)}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_sessionkv.protocol import session_store_key
+from vllm_sessionkv.wire.protocol import session_store_key
 
 from sessionkv_proxy.config import ConfigError, load_config
 

@@ -28,8 +28,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_cluster import LocalRedisCluster
 from test_route_round_trips import PROMPT, StubEngine
 
-from vllm_sessionkv.protocol import session_store_key
-from vllm_sessionkv.redis_keys import RedisKeys
+from vllm_sessionkv.wire.protocol import session_store_key
+from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The Redis key layout (``vllm_sessionkv/redis_keys.py``), on one Redis and on a Redis
+"""The Redis key layout (``vllm_sessionkv/wire/redis_keys.py``), on one Redis and on a Redis
 Cluster: an engine's publisher writes the handle where the proxy's one-script routing
 read takes it, and every key the index, the session records and the publisher write
 is one of the layout's names, in the deployment's one slot."""
@@ -13,9 +13,9 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 
-from vllm_sessionkv.protocol import session_store_key
+from vllm_sessionkv.wire.protocol import session_store_key
 from vllm_sessionkv.publisher import HandlePublisher
-from vllm_sessionkv.redis_keys import RedisKeys, parse_redis_url
+from vllm_sessionkv.wire.redis_keys import RedisKeys, parse_redis_url
 
 from sessionkv_proxy.index import TIER_DEVICE, TIER_HOST
 from sessionkv_proxy.index.redis import RedisIndex

@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from aiohttp import web
 from test_admin import StubEngine as AdminStub
 
-from vllm_sessionkv.protocol import encode_handle, handle_from_params, session_store_key
-from vllm_sessionkv.redis_keys import RedisKeys
+from vllm_sessionkv.wire.protocol import encode_handle, handle_from_params, session_store_key
+from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 from sessionkv_proxy.app import create_app
 from sessionkv_proxy.config import load_config
@@ -256,7 +256,7 @@ async def routed(any_redis):
 
 async def test_an_unused_handle_is_given_back_after_the_decision(routed):
     router, index, counter, d_url = routed
-    from vllm_sessionkv.hashing import request_keys
+    from vllm_sessionkv.wire.hashing import request_keys
 
     keys = request_keys(PROMPT, BS)
     await index.store(d_url, TIER_DEVICE, [(i, k) for i, k in enumerate(keys)])
@@ -280,7 +280,7 @@ async def test_an_unused_handle_is_given_back_after_the_decision(routed):
 async def test_a_record_held_handle_is_cleared_behind_the_request_and_at_once_here(routed):
     """The record's handle leaves this replica's view when the decision uses it, so a
     second request here cannot use it again while the write is on its way."""
-    from vllm_sessionkv.protocol import decode_handle
+    from vllm_sessionkv.wire.protocol import decode_handle
 
     from sessionkv_proxy.sessions import SessionRecord
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from vllm_sessionkv.hashing import request_keys
+from vllm_sessionkv.wire.hashing import request_keys
 
 from sessionkv_proxy.config import load_config
 from sessionkv_proxy.engines import EnginePool
@@ -98,7 +98,7 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
     """A D that refused connections and came back is a new process: P's read of the
     old handle would fail against its new NIXL agent, so the router does not send it."""
     from sessionkv_proxy.sessions import SessionRecord
-    from vllm_sessionkv.protocol import handle_from_params
+    from vllm_sessionkv.wire.protocol import handle_from_params
 
     config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
                                             {"url": D1, "role": "decode"}],
@@ -137,7 +137,7 @@ async def test_a_handle_in_its_last_seconds_is_not_consumed(left_s, outcome) -> 
     without reuse instead of spending the single-use handle on a refusal."""
     from sessionkv_proxy.sessions import SessionRecord
     from vllm_sessionkv.config import SessionKVConfig
-    from vllm_sessionkv.protocol import handle_expired, handle_from_params
+    from vllm_sessionkv.wire.protocol import handle_expired, handle_from_params
 
     config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
                                             {"url": D1, "role": "decode"}],
@@ -178,8 +178,8 @@ async def test_a_handle_in_its_last_seconds_is_not_consumed(left_s, outcome) -> 
 def test_router_policy_and_engine_share_one_expiry_margin() -> None:
     from sessionkv_proxy.policy import RoutingParams
     from vllm_sessionkv.config import SessionKVConfig
-    from vllm_sessionkv.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
-    from vllm_sessionkv.protocol import HANDLE_EXPIRY_MARGIN_S, handle_expired
+    from vllm_sessionkv.wire.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
+    from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S, handle_expired
 
     params = RoutingParams(recompute=DEFAULT_RECOMPUTE, link=DEFAULT_LINK)
     assert params.handle_expiry_margin_s == SessionKVConfig().expiry_margin_s \

@@ -12,7 +12,7 @@ from sessionkv_proxy.sessions import (
     decode_record,
     encode_record,
 )
-from vllm_sessionkv.protocol import PROTOCOL_VERSION, encode_handle, handle_from_params
+from vllm_sessionkv.wire.protocol import PROTOCOL_VERSION, encode_handle, handle_from_params
 
 PARAMS = {"do_remote_decode": True, "remote_engine_id": "d0",
           "sessionkv": {"session_id": "s", "hash_chain": "", "expires_at_unix_s": 5.0}}

@@ -8,9 +8,12 @@ import pathlib
 import msgspec
 import pytest
 
-from vllm_sessionkv import capacity, cost
-from vllm_sessionkv.capacity import CachingRegime, ConfigError, Hardware, KVDtype, Workload
-from vllm_sessionkv.cost import LinkModel, PullQuote, RecomputeModel
+from vllm_sessionkv.planner import capacity
+from vllm_sessionkv.planner import model as planner_model
+from vllm_sessionkv.planner.capacity import CachingRegime, Hardware, Workload
+from vllm_sessionkv.planner.model import ConfigError, KVDtype
+from vllm_sessionkv.wire import cost
+from vllm_sessionkv.wire.cost import LinkModel, PullQuote, RecomputeModel
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 REL = 0.02  # the tolerance for published figures
@@ -20,8 +23,8 @@ def load(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-def shape(name: str, **kw) -> capacity.ModelShape:
-    return capacity.model_shape_from_hf_config(load(name), **kw)
+def shape(name: str, **kw) -> planner_model.ModelShape:
+    return planner_model.model_shape_from_hf_config(load(name), **kw)
 
 
 # The reference replica: 4 GPUs at 400 TFLOP/s effective each.
@@ -45,7 +48,7 @@ WORKLOAD = Workload(
 )
 
 
-@pytest.mark.parametrize("module", [cost, capacity])
+@pytest.mark.parametrize("module", [cost, capacity, planner_model])
 def test_all_is_sorted_and_resolves(module):
     assert module.__all__ == sorted(module.__all__)
     for name in module.__all__:
@@ -58,30 +61,30 @@ def test_all_is_sorted_and_resolves(module):
 def test_llama_70b_kv_bytes_per_token():
     s = shape("llama-3.1-70b")
     assert (s.layers, s.kv_heads, s.kv_head_dim) == (80, 8, 128)
-    assert capacity.kv_bytes_per_token(s, KVDtype.BF16) == 327_680
+    assert planner_model.kv_bytes_per_token(s, KVDtype.BF16) == 327_680
 
 
 def test_llama_70b_8k_prompt_is_2_68_gb():
-    per_prompt = 8192 * capacity.kv_bytes_per_token(shape("llama-3.1-70b"), KVDtype.BF16)
+    per_prompt = 8192 * planner_model.kv_bytes_per_token(shape("llama-3.1-70b"), KVDtype.BF16)
     assert per_prompt == pytest.approx(2.68e9, rel=REL)
     assert round(per_prompt / 1e9, 2) == 2.68
 
 
 def test_70b_prefills_8k_in_717_ms_on_4_gpus_at_400_tflops():
     s = shape("llama-3.1-70b", active_params=70e9)  # "a 70B model"
-    t_s = capacity.prefill_time_s(capacity.prefill_flops(s, 8192, attention=False), REF_HW)
+    t_s = capacity.prefill_time_s(planner_model.prefill_flops(s, 8192, attention=False), REF_HW)
     assert capacity.replica_flops_per_s(REF_HW) == pytest.approx(1.6e15)
     assert t_s == pytest.approx(0.717, rel=REL)
     # The count estimated from config.json (70.55 B) lands within the tolerance too.
-    t_est_s = capacity.prefill_time_s(capacity.prefill_flops(shape("llama-3.1-70b"), 8192, attention=False), REF_HW)
+    t_est_s = capacity.prefill_time_s(planner_model.prefill_flops(shape("llama-3.1-70b"), 8192, attention=False), REF_HW)
     assert t_est_s == pytest.approx(0.717, rel=REL)
 
 
 def test_400g_handoff_is_about_7_pct_of_prefill():
     s = shape("llama-3.1-70b", active_params=70e9)
-    handoff_s = cost.transfer_time_s(8192 * capacity.kv_bytes_per_token(s, KVDtype.BF16),
+    handoff_s = cost.transfer_time_s(8192 * planner_model.kv_bytes_per_token(s, KVDtype.BF16),
                                      capacity.LINK_400G.line_bytes_per_s)
-    prefill_s = capacity.prefill_time_s(capacity.prefill_flops(s, 8192, attention=False), REF_HW)
+    prefill_s = capacity.prefill_time_s(planner_model.prefill_flops(s, 8192, attention=False), REF_HW)
     assert handoff_s == pytest.approx(0.0537, rel=REL)
     share = handoff_s / prefill_s
     assert share == pytest.approx(0.075, rel=REL)
@@ -92,25 +95,25 @@ def test_400g_handoff_is_about_7_pct_of_prefill():
 
 
 def test_llama_8b_is_128_kib_per_token():
-    assert capacity.kv_bytes_per_token(shape("llama-3.1-8b"), KVDtype.BF16) == 128 * 1024
+    assert planner_model.kv_bytes_per_token(shape("llama-3.1-8b"), KVDtype.BF16) == 128 * 1024
 
 
 @pytest.mark.parametrize("tokens", [512, 8192, 131072])
 def test_handoff_share_does_not_depend_on_prompt_length(tokens):
     s = shape("llama-3.1-70b")
-    per_token = capacity.kv_bytes_per_token(s, KVDtype.BF16)
+    per_token = planner_model.kv_bytes_per_token(s, KVDtype.BF16)
     link_bps = capacity.LINK_400G.line_bytes_per_s
     share = cost.transfer_time_s(tokens * per_token, link_bps) / capacity.prefill_time_s(
-        capacity.prefill_flops(s, tokens, attention=False), REF_HW
+        planner_model.prefill_flops(s, tokens, attention=False), REF_HW
     )
     assert share == pytest.approx(capacity.handoff_share_ratio(s, KVDtype.BF16, REF_HW, link_bps))
 
 
 def test_attention_term_shrinks_the_share_at_long_prompts():
     s = shape("llama-3.1-70b")
-    per_token = capacity.kv_bytes_per_token(s, KVDtype.BF16)
+    per_token = planner_model.kv_bytes_per_token(s, KVDtype.BF16)
     shares = [
-        cost.transfer_time_s(n * per_token, 50e9) / capacity.prefill_time_s(capacity.prefill_flops(s, n), REF_HW)
+        cost.transfer_time_s(n * per_token, 50e9) / capacity.prefill_time_s(planner_model.prefill_flops(s, n), REF_HW)
         for n in (1024, 8192, 131072)
     ]
     assert shares[0] > shares[1] > shares[2]
@@ -121,19 +124,19 @@ def test_attention_term_shrinks_the_share_at_long_prompts():
 
 def test_kv_dtypes():
     s = shape("llama-3.1-70b")
-    assert capacity.kv_bytes_per_token(s, KVDtype.FP8) == 163_840
+    assert planner_model.kv_bytes_per_token(s, KVDtype.FP8) == 163_840
     # NVFP4: 4 bits plus one FP8 scale per 16 values = 0.5625 bytes per value.
-    assert capacity.kv_bytes_per_element(KVDtype.NVFP4) == 0.5625
-    assert capacity.kv_bytes_per_token(s, KVDtype.NVFP4) == 163_840 * 0.5625 == 92_160
+    assert planner_model.kv_bytes_per_element(KVDtype.NVFP4) == 0.5625
+    assert planner_model.kv_bytes_per_token(s, KVDtype.NVFP4) == 163_840 * 0.5625 == 92_160
 
 
 def test_mla_stores_one_latent_per_layer_not_per_head():
     s = shape("deepseek-v3")
-    assert s.attention is capacity.AttentionKind.MLA
+    assert s.attention is planner_model.AttentionKind.MLA
     assert s.kv_elements_per_token == 61 * (512 + 64)
-    assert capacity.kv_bytes_per_token(s, KVDtype.BF16) == 70_272
-    assert capacity.kv_bytes_per_token(s, KVDtype.FP8) == 35_136
-    assert capacity.kv_bytes_per_token(s, KVDtype.NVFP4) == pytest.approx(35_136 * 0.5625)
+    assert planner_model.kv_bytes_per_token(s, KVDtype.BF16) == 70_272
+    assert planner_model.kv_bytes_per_token(s, KVDtype.FP8) == 35_136
+    assert planner_model.kv_bytes_per_token(s, KVDtype.NVFP4) == pytest.approx(35_136 * 0.5625)
     # vLLM keeps the whole latent on every TP rank.
     assert capacity.kv_copies_per_replica(s, REF_HW) == 4
 
@@ -162,7 +165,7 @@ def test_params_match_published_counts(name, total_b, active_b):
 
 def test_moe_prefill_uses_active_params():
     s = shape("mixtral-8x7b")
-    assert capacity.linear_prefill_flops(s, 1000) == pytest.approx(2 * s.active_params * 1000)
+    assert planner_model.linear_prefill_flops(s, 1000) == pytest.approx(2 * s.active_params * 1000)
     assert s.active_params < s.total_params / 3
 
 
@@ -177,7 +180,7 @@ def test_param_overrides():
 
 def test_head_dim_defaults_to_hidden_over_heads_and_text_config_is_read():
     cfg = {k: v for k, v in load("llama-3.1-8b").items() if k != "head_dim"}
-    assert capacity.model_shape_from_hf_config({"text_config": cfg}).kv_head_dim == 4096 // 32
+    assert planner_model.model_shape_from_hf_config({"text_config": cfg}).kv_head_dim == 4096 // 32
 
 
 @pytest.mark.parametrize(
@@ -193,13 +196,13 @@ def test_head_dim_defaults_to_hidden_over_heads_and_text_config_is_read():
 def test_missing_key_is_named(drop, source):
     cfg = {k: v for k, v in load(source).items() if k != drop}
     with pytest.raises(ConfigError, match=drop) as info:
-        capacity.model_shape_from_hf_config(cfg)
+        planner_model.model_shape_from_hf_config(cfg)
     assert info.value.key == drop
 
 
 def test_bad_value_is_named():
     with pytest.raises(ConfigError, match="num_key_value_heads"):
-        capacity.model_shape_from_hf_config({**load("llama-3.1-8b"), "num_key_value_heads": 0})
+        planner_model.model_shape_from_hf_config({**load("llama-3.1-8b"), "num_key_value_heads": 0})
 
 
 # --------------------------------------------------------------------- the connector
@@ -283,7 +286,7 @@ def test_recompute_model_from_hardware_matches_planner_prefill():
     model = capacity.recompute_model_from_hardware(s, REF_HW)
     for new, ctx in [(1, 0), (8192, 0), (500, 30_000)]:
         assert cost.recompute_time_s(new, ctx, model, 0.0) == pytest.approx(
-            capacity.prefill_time_s(capacity.prefill_flops(s, new, ctx), REF_HW)
+            capacity.prefill_time_s(planner_model.prefill_flops(s, new, ctx), REF_HW)
         )
 
 
@@ -415,7 +418,7 @@ def test_host_tier_sizing_keeps_the_gap_quantile_of_sessions():
     assert half.warm_gap_s == pytest.approx(5.0) and half.gap_mean_s > 5.0
     # By hand: turns finish at sessions / (step time + mean gap); the tier holds those
     # finished during the kept gap, each its KV beyond the shared prefix, plus the prefix.
-    per_token = capacity.kv_bytes_per_token(sh, KVDtype.BF16)
+    per_token = planner_model.kv_bytes_per_token(sh, KVDtype.BF16)
     assert half.sessions_per_replica == 64
     assert half.host_sessions_per_replica == pytest.approx(half.finished_sessions_per_s * 5.0)
     assert half.host_bytes_per_replica == pytest.approx(

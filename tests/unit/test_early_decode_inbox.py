@@ -9,13 +9,9 @@ import pytest
 import zmq
 
 from vllm_sessionkv.config import ConfigError, parse_config
-from vllm_sessionkv.early_decode import (
-    EarlyDecodeInbox,
-    EarlyDecodeSender,
-    Outcome,
-    new_early_decode_id,
-)
-from vllm_sessionkv.protocol import PrefillDone, decode_prefill_done, encode_prefill_done
+from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
+from vllm_sessionkv.wire.early_decode import EarlyDecodeSender, new_early_decode_id
+from vllm_sessionkv.wire.protocol import PrefillDone, decode_prefill_done, encode_prefill_done
 
 P_PARAMS = {"do_remote_prefill": True, "remote_block_ids": [[3, 4]],
             "remote_engine_id": "p0", "remote_host": "127.0.0.1", "remote_port": 5555,

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from vllm_sessionkv import plan
+from vllm_sessionkv.planner import plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "model_configs"
@@ -28,7 +28,7 @@ UNIT_KEY = re.compile(
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "vllm_sessionkv.plan", *args],
+        [sys.executable, "-m", "vllm_sessionkv.planner.plan", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
     )
 

@@ -7,9 +7,9 @@ import pickle
 import msgspec
 import pytest
 
-from vllm_sessionkv import protocol
+from vllm_sessionkv.wire import protocol
 from vllm_sessionkv.metadata import HostCopy, HostCopyKind, StepInstructions
-from vllm_sessionkv.protocol import (
+from vllm_sessionkv.wire.protocol import (
     PROTOCOL_VERSION,
     SESSIONKV_PARAMS_KEY,
     PayloadError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_sessionkv.hashing import engine_block_hashes
+from vllm_sessionkv.wire.hashing import engine_block_hashes
 from vllm_sessionkv.verification import LocalPrompt, RemoteKV, verify_remote_kv
 
 B = 32

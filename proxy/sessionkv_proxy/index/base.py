@@ -3,7 +3,7 @@
 Two keys per block (llm-d's dual-key design):
 
 * a **request key** is the router's own chained hash of the block's tokens
-  (``vllm_sessionkv.hashing.request_keys``); the router computes it from a prompt, so
+  (``vllm_sessionkv.wire.hashing.request_keys``); the router computes it from a prompt, so
   lookups use request keys only;
 * an **engine hash** is the engine's opaque block hash from KV events; it is kept only
   to map later events (``BlockRemoved``, a child ``BlockStored``'s parent, tokenless
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from vllm_sessionkv.hashing import RequestKey
+from vllm_sessionkv.wire.hashing import RequestKey
 
 __all__ = [
     "TIER_DEVICE",

@@ -20,7 +20,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from vllm_sessionkv.hashing import RequestKey
+from vllm_sessionkv.wire.hashing import RequestKey
 
 from sessionkv_proxy.redis_link import LinkState, RedisLink, RedisUnavailable
 

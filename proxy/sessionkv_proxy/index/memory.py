@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from vllm_sessionkv.hashing import RequestKey
+from vllm_sessionkv.wire.hashing import RequestKey
 
 from .base import EngineHash, PrefixMatch, RouteRead
 

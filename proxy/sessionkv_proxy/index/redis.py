@@ -3,7 +3,7 @@ Cluster.
 
 Every update and every lookup is one Lua script, so each is atomic and costs one
 round trip whatever the number of blocks.  The key names are
-``vllm_sessionkv.redis_keys``'s: all carry the deployment's hash tag, so on a
+``vllm_sessionkv.wire.redis_keys``'s: all carry the deployment's hash tag, so on a
 cluster every script (the routing read included: record, published handle and
 lookup) runs on the one node that holds that slot.  Scripts declare the keys they are
 given in ``KEYS`` (the lookup its request keys), so a cluster client sends them to
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from vllm_sessionkv.hashing import RequestKey
-from vllm_sessionkv.redis_keys import RedisKeys, parse_redis_url
+from vllm_sessionkv.wire.hashing import RequestKey
+from vllm_sessionkv.wire.redis_keys import RedisKeys, parse_redis_url
 
 from .base import EngineHash, PrefixMatch, RouteRead
 

@@ -3,7 +3,7 @@
     sessionkv-plan --config PATH/config.json --kv-dtype {bf16,fp8,nvfp4} [--json]
 
 Prints a table, or with ``--json`` one JSON object whose numeric keys end with their
-unit.  All arithmetic lives in :mod:`vllm_sessionkv.cost`, the module the connector
+unit.  All arithmetic lives in :mod:`vllm_sessionkv.wire.cost`, the module the connector
 and the router use; this file only gathers the numbers (:func:`build_plan`, pure) and
 renders them.  Exit status 2 means bad input (a missing config key is named).
 """
@@ -18,9 +18,10 @@ from typing import Any
 
 import msgspec
 
-from vllm_sessionkv import capacity
-from vllm_sessionkv.capacity import CachingRegime, Hardware, KVDtype, ModelShape, Workload
-from vllm_sessionkv.cost import transfer_time_s
+from vllm_sessionkv.planner import capacity, model
+from vllm_sessionkv.planner.capacity import CachingRegime, Hardware, Workload
+from vllm_sessionkv.planner.model import KVDtype, ModelShape
+from vllm_sessionkv.wire.cost import transfer_time_s
 
 __all__ = ["HostGaps", "build_plan", "main", "render_table"]
 
@@ -53,10 +54,10 @@ def build_plan(
 ) -> dict[str, Any]:
     """Every figure the planner reports, as plain data with unit-suffixed keys."""
     host_gaps = host_gaps or HostGaps()
-    per_token = capacity.kv_bytes_per_token(shape, kv_dtype)
+    per_token = model.kv_bytes_per_token(shape, kv_dtype)
     prompt_bytes = prompt_tokens * per_token
-    linear_flops = capacity.linear_prefill_flops(shape, prompt_tokens)
-    attn_flops = capacity.attention_prefill_flops(shape, prompt_tokens)
+    linear_flops = model.linear_prefill_flops(shape, prompt_tokens)
+    attn_flops = model.attention_prefill_flops(shape, prompt_tokens)
     linear_s = capacity.prefill_time_s(linear_flops, hw)
     full_s = capacity.prefill_time_s(linear_flops + attn_flops, hw)
     kv_capacity = capacity.kv_capacity_bytes_per_replica(shape, hw)
@@ -91,8 +92,8 @@ def build_plan(
     link = capacity.LINK_400G
     for tokens in sorted({*_SHARE_PROMPTS_TOKENS, prompt_tokens}):
         handoff_s = transfer_time_s(tokens * per_token, link.line_bytes_per_s)
-        lin_s = capacity.prefill_time_s(capacity.prefill_flops(shape, tokens, attention=False), hw)
-        att_s = capacity.prefill_time_s(capacity.prefill_flops(shape, tokens), hw)
+        lin_s = capacity.prefill_time_s(model.prefill_flops(shape, tokens, attention=False), hw)
+        att_s = capacity.prefill_time_s(model.prefill_flops(shape, tokens), hw)
         by_length.append({
             "prompt_tokens": tokens,
             "handoff_line_rate_ms": handoff_s * 1e3,
@@ -160,7 +161,7 @@ def build_plan(
             "prompt_tokens": prompt_tokens,
             "prompt_kv_bytes": prompt_bytes,
             "by_dtype": {
-                f"{d.value}_kv_bytes_per_token": capacity.kv_bytes_per_token(shape, d) for d in KVDtype
+                f"{d.value}_kv_bytes_per_token": model.kv_bytes_per_token(shape, d) for d in KVDtype
             },
         },
         "prefill": {
@@ -392,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not isinstance(config, dict):
         return _fail(f"{args.config}: expected a JSON object")
     try:
-        shape = capacity.model_shape_from_hf_config(
+        shape = model.model_shape_from_hf_config(
             config,
             active_params=None if args.params_b is None else args.params_b * 1e9,
             total_params=None if args.total_params_b is None else args.total_params_b * 1e9,
@@ -424,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         warm_shares=tuple(args.warm_share or _DEFAULT_GAPS.warm_shares))
         plan = build_plan(shape, KVDtype(args.kv_dtype), hw, workload, args.prompt_tokens,
                           gaps)
-    except capacity.ConfigError as e:
+    except model.ConfigError as e:
         return _fail(f"{args.config}: {e}")
     except ValueError as e:
         return _fail(str(e))
