@@ -27,6 +27,14 @@ class ConfigError(ValueError):
     """A bad ``kv_connector_extra_config.sessionkv`` value; the message names the key."""
 
 
+def _check_not_negative(struct: msgspec.Struct, prefix: str = "") -> None:
+    """Durations (``*_s``), rates and sizes below zero mean nothing: name the first."""
+    for name in struct.__struct_fields__:
+        value = getattr(struct, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"{prefix}{name} must be >= 0, got {value}")
+
+
 class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Parameters of the pull-versus-recompute decision (see ``cost.decide_pull``).
 
@@ -61,6 +69,7 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sync_load_max_stall_s: float = 0.005
 
     def __post_init__(self):
+        _check_not_negative(self, "cost.")
         if not 0 <= self.sync_load_max_stall_s <= 1.0:
             raise ValueError("cost.sync_load_max_stall_s must be within [0, 1], got "
                              f"{self.sync_load_max_stall_s}")
@@ -169,6 +178,7 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost: CostConfig = CostConfig()
 
     def __post_init__(self):
+        _check_not_negative(self)
         check_redis_settings(self.redis_url, self.redis_namespace)
         if not 0.0 < self.session_hold_max_kv_fraction <= 1.0:
             raise ValueError("session_hold_max_kv_fraction must be in (0, 1]")
@@ -239,7 +249,14 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def parse_config(extra_config: dict[str, Any] | None) -> SessionKVConfig:
     """Validate ``kv_connector_extra_config["sessionkv"]``; raise ConfigError on bad input."""
-    raw = (extra_config or {}).get(EXTRA_CONFIG_KEY, {})
+    extra_config = extra_config or {}
+    misplaced = sorted(set(extra_config) & set(SessionKVConfig.__struct_fields__))
+    if misplaced:
+        raise ConfigError(
+            f"kv_connector_extra_config.{misplaced[0]} is a sessionkv key: put it under "
+            f"kv_connector_extra_config.{EXTRA_CONFIG_KEY}.{misplaced[0]} (vLLM's NIXL "
+            "connector ignores it there)")
+    raw = extra_config.get(EXTRA_CONFIG_KEY, {})
     try:
         return msgspec.convert(raw, SessionKVConfig)
     except msgspec.ValidationError as exc:

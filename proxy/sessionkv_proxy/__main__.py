@@ -1,14 +1,4 @@
-"""``sessionkv-proxy``: run the router.
-
-    sessionkv-proxy --port 8000 \\
-        --prefill url=http://127.0.0.1:8100,events=tcp://127.0.0.1:5600,replay=tcp://127.0.0.1:5601 \\
-        --decode  url=http://127.0.0.1:8200,events=tcp://127.0.0.1:5610,replay=tcp://127.0.0.1:5611 \\
-        [--redis-url redis://127.0.0.1:6379/0 | redis+cluster://HOST:PORT]
-        [--config proxy.json]
-
-Flags override the JSON config file.  The config is validated before the port is
-bound; a bad key exits with status 2 and its name.
-"""
+"""``sessionkv-proxy``: run the router."""
 
 from __future__ import annotations
 
@@ -17,27 +7,50 @@ import asyncio
 import logging
 import sys
 
-from sessionkv_proxy.config import ConfigError, Role, load_config, parse_engine_spec
+from sessionkv_proxy.config import (LOG_LEVELS, ConfigError, Role, load_config,
+                                    parse_engine_spec)
 
 __all__ = ["main"]
 
+_DESCRIPTION = """\
+An OpenAI-compatible router for vLLM prefill (P) and decode (D) pools: routes each
+request by session, by where its prompt's KV is cached (the engines' KV events) and
+by load, and relays the answer.
+
+  sessionkv-proxy --port 8000 \\
+    --prefill url=http://10.0.0.1:8100,events=tcp://10.0.0.1:5557,replay=tcp://10.0.0.1:5558 \\
+    --decode  url=http://10.0.0.2:8100,events=tcp://10.0.0.2:5557,replay=tcp://10.0.0.2:5558,early=tcp://10.0.0.2:5700 \\
+    [--redis-url redis://10.0.0.9:6379/0] [--config proxy.json]
+
+Flags override the JSON config file; every key of that file, with its default, is in
+docs/running.md.  The config is checked before the port is bound: a bad key or value
+exits with status 2 naming it.
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sessionkv-proxy", description=__doc__,
+    p = argparse.ArgumentParser(prog="sessionkv-proxy", description=_DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="JSON config file (see sessionkv_proxy.config.ProxyConfig)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
+    p.add_argument("--config", metavar="FILE",
+                   help="JSON config file: any key of the proxy config (docs/running.md, "
+                        "'The proxy'); flags override it")
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every address)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
     p.add_argument("--prefill", action="append", default=[], metavar="SPEC",
-                   help="prefill engine: URL or url=URL,events=EP,replay=EP (repeatable)")
+                   help="prefill engine: URL or url=URL,events=EP,replay=EP[,topic=T] "
+                        "(repeatable; events/replay: its KV-event PUB and replay sockets)")
     p.add_argument("--decode", action="append", default=[], metavar="SPEC",
-                   help="decode engine: URL or url=URL,events=EP,replay=EP[,early=EP] "
-                        "(repeatable; early: the engine's early-decode socket)")
+                   help="decode engine: URL or url=URL,events=EP,replay=EP[,topic=T]"
+                        "[,early=EP] (repeatable; early: the engine's early-decode socket, "
+                        "its connector's early_decode_port)")
     p.add_argument("--redis-url", help="share the index and sessions through Redis: "
                         "redis://HOST:PORT/DB, or redis+cluster://HOST:PORT (any node) "
-                        "for a Redis Cluster")
-    p.add_argument("--policy", choices=["cost", "round_robin"])
-    p.add_argument("--block-size", type=int, help="engines' --block-size (default 32)")
+                        "for a Redis Cluster (default: in-process, this replica only)")
+    p.add_argument("--policy", choices=["cost", "round_robin"],
+                   help="routing policy (default cost: cache, session and load; "
+                        "round_robin: ignores them, a baseline)")
+    p.add_argument("--block-size", type=int,
+                   help="the engines' --block-size (default: learned from their KV events)")
     p.add_argument("--tokenizer", metavar="engine|none|text|PATH",
                    help="token ids for routing: 'engine' asks an engine's /tokenize "
                         "(default), 'none' routes without them, 'text' routes on blocks "
@@ -51,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                    action="store_false", default=None,
                    help="ask P engines not to hand D the token they sampled (D then "
                         "recomputes the last prompt token, as stock P/D does)")
-    p.add_argument("--log-level")
+    p.add_argument("--log-level", metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     return p
 
 
@@ -78,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"sessionkv-proxy: {exc}", file=sys.stderr)
         return 2
+    from sessionkv_proxy._aiohttp import AiohttpInternalsChanged, check_installed
+
+    try:
+        check_installed()
+    except AiohttpInternalsChanged as exc:
+        print(f"sessionkv-proxy: {exc}", file=sys.stderr)
+        return 1
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -776,10 +776,13 @@ def health_report(state: ProxyState) -> tuple[int, dict[str, Any]]:
         for engine, stats in state.consumer.stats().items():
             events[engine] = {"last_lag_s": round(stats.last_lag_s, 3),
                               "batches_lost": stats.batches_lost,
-                              "index_errors": stats.index_errors}
+                              "index_errors": stats.index_errors,
+                              "dropped": dict(stats.dropped_by_reason)}
             if stats.last_lag_s > _EVENT_LAG_DEGRADED_S:
                 problems.append(f"kv events of {engine} lag {stats.last_lag_s:.1f} s")
         report["events"] = events
+        report["block_size"] = state.router.block_size.report()
+        problems.extend(state.router.block_size.problems())
     serving = available["decode"] > 0
     report["status"] = "unavailable" if not serving else "degraded" if problems else "ok"
     report["problems"] = problems
@@ -803,6 +806,8 @@ async def metrics(state: ProxyState, request: Request) -> Response:
             state.metrics.replays.labels(engine).set(stats.replays)
             state.metrics.resets.labels(engine).set(stats.resets)
             state.metrics.undecodable.labels(engine).set(stats.batches_undecodable)
+            for reason, count in stats.dropped_by_reason.items():
+                state.metrics.dropped.labels(engine, reason).set(count)
     for engine in state.pool.engines:
         state.metrics.in_flight.labels(engine.url).set(engine.active_requests)
         state.metrics.engine_available.labels(engine.url).set(1 if engine.available else 0)
@@ -1033,11 +1038,11 @@ class ProxyApp:
             await _wait_connected(state.early, early_endpoints,
                                   min(2.0, config.connect_timeout_s))
         sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
-                                replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic,
-                                block_size_tokens=config.block_size)
+                                replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic)
                    for e in config.engines if e.kv_events]
         if sources:
-            state.consumer = KVEventConsumer(sources, state.index)
+            state.consumer = KVEventConsumer(sources, state.index,
+                                             block_size=state.router.block_size)
             state.consumer.start()
         await _discover_models(state)
         if state.router.local_tokenizer is not None:

@@ -22,6 +22,10 @@ __all__ = ["ConfigError", "EngineConfig", "IndexConfig", "ProxyConfig", "Role",
            "RoutingConfig", "load_config", "parse_engine_spec"]
 
 
+# Python's logging levels, as log_level takes them (any case).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 class ConfigError(ValueError):
     pass
 
@@ -37,7 +41,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_events_topic: str = "kv-events"
     # A decode engine's early-decode socket (its connector's early_decode_port, ZMQ
     # PULL): with it, a disaggregated request goes to D at the same time as to P, and
-    # P's parameters follow here (see early.py).
+    # P's parameters follow here (vllm_sessionkv/early_decode.py).
     early_decode: str | None = None
 
     def __post_init__(self):
@@ -131,7 +135,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # tokens): it saves each request its /tokenize round trip, the engine's
     # API server a request, and the host-tier restore (which needs token ids).
     tokenizer: str = "engine"
-    block_size: int = 32
+    # The engines' KV block size in tokens, which request keys are chained in.  None
+    # (the default): learned from the engines' first KV event (block_size.py); a
+    # number: used as given, and an engine whose events carry another is not indexed
+    # (counted and named in /health).  With "tokenizer": "text" it sizes the text
+    # blocks (32 tokens when None).
+    block_size: int | None = None
     max_body_bytes: int = 8 * 1024 * 1024
     # The front door's other limits: request line, header fields and count, the
     # deadline for a request's head, keep-alive (server.FrontLimits).
@@ -166,6 +175,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     first_token_handoff: bool = True
 
     def __post_init__(self):
+        for name in self.__struct_fields__:   # durations, sizes, counts
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         roles = {e.role for e in self.engines}
         if Role.DECODE not in roles:
             raise ValueError("engines: at least one engine with role 'decode' is required")
@@ -187,7 +200,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in self.session_headers:
             if not name or not all(c.isalnum() or c in "-_" for c in name):
                 raise ValueError(f"session_headers: not a header name: {name!r}")
-        if self.block_size <= 0 or self.block_size % 16:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                             f"got {self.log_level!r}")
+        if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
 
     @property

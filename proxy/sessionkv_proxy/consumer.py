@@ -44,6 +44,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from .block_size import BlockSize
 from .events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -78,9 +79,6 @@ class EngineSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     endpoint: str  # the engine's PUB socket, e.g. "tcp://10.0.0.5:5557"
     replay_endpoint: str | None = None  # its ROUTER replay socket; None: no recovery
     topic: str = ""
-    # Request keys are computed in blocks of this many tokens; it must equal the
-    # router's block size.  Events with another block size are dropped and counted.
-    block_size_tokens: int
     # KV-cache group to index (hybrid models publish one run per group).
     group_idx: int = 0
 
@@ -109,13 +107,13 @@ class ConsumerStats(msgspec.Struct, kw_only=True):
 class EventApplier:
     """Applies one engine's decoded events to an index, in the order given."""
 
-    def __init__(self, index: KVIndex, engine: str, block_size_tokens: int,
+    def __init__(self, index: KVIndex, engine: str, block_size: BlockSize,
                  stats: ConsumerStats, group_idx: int = 0) -> None:
-        if block_size_tokens <= 0:
-            raise ValueError(f"block_size_tokens must be positive, got {block_size_tokens}")
         self._index = index
         self._engine = engine
-        self._block_size_tokens = block_size_tokens
+        # Shared with the router: request keys are chained in the engines' block
+        # size, learned from the first event or configured (block_size.py).
+        self._block_size = block_size
         self._group_idx = group_idx
         self._stats = stats
 
@@ -142,7 +140,7 @@ class EventApplier:
         if not event.token_ids:
             return await self._stored_tokenless(event, tier)
         num_blocks = len(event.block_hashes)
-        if event.block_size != self._block_size_tokens:
+        if not self._block_size.accept(self._engine, event.block_size):
             return self._drop("block_size_mismatch")
         if len(event.token_ids) != num_blocks * event.block_size:
             # e.g. sliding-window groups skip null blocks: tokens no longer line up.
@@ -185,7 +183,8 @@ class EngineSubscriber:
     """One engine's event stream: subscribe, detect gaps and restarts, replay, apply."""
 
     def __init__(self, source: EngineSource, index: KVIndex, context: zmq.asyncio.Context,
-                 *, replay_timeout_s: float = 5.0, error_backoff_s: float = 0.5,
+                 *, block_size: BlockSize | None = None,
+                 replay_timeout_s: float = 5.0, error_backoff_s: float = 0.5,
                  clock: Callable[[], float] = time.time,
                  digest_window: int = 10_000) -> None:
         self.source = source
@@ -195,7 +194,8 @@ class EngineSubscriber:
         self._replay_timeout_s = replay_timeout_s
         self._error_backoff_s = error_backoff_s
         self._clock = clock
-        self._applier = EventApplier(index, source.engine, source.block_size_tokens,
+        self._applier = EventApplier(index, source.engine,
+                                     block_size if block_size is not None else BlockSize(None),
                                      self.stats, source.group_idx)
         self._next_seq = 0
         self._last_live_seq: int | None = None
@@ -346,6 +346,8 @@ class KVEventConsumer:
 
     def __init__(self, sources: Sequence[EngineSource], index: KVIndex,
                  **subscriber_kwargs) -> None:
+        # subscriber_kwargs: EngineSubscriber's keywords, block_size (one BlockSize
+        # shared by every engine and the router) among them.
         engines = [s.engine for s in sources]
         if len(set(engines)) != len(engines):
             raise ValueError(f"engine ids must be unique, got {engines}")

@@ -65,6 +65,11 @@ class ProxyMetrics:
         self.undecodable = Gauge("sessionkv_proxy_events_undecodable",
                                  "KV event batches that failed to decode, per engine.",
                                  ["engine"], registry=r)
+        self.dropped = Gauge("sessionkv_proxy_events_dropped",
+                             "KV events decoded but not indexed, per engine and reason "
+                             "(block_size_mismatch, other_group, tokens_not_aligned, "
+                             "unknown_parent, tokenless_unknown).", ["engine", "reason"],
+                             registry=r)
         self.errors = Counter("sessionkv_proxy_errors", "Errors by kind.", ["kind"],
                               registry=r)
         self.host_tier_restores = Counter(

@@ -34,6 +34,7 @@ from vllm_sessionkv.wire.protocol import (
     session_store_key,
 )
 
+from sessionkv_proxy.block_size import BlockSize
 from sessionkv_proxy import policy
 from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.policy import Mode, Role, RouteReason
@@ -118,6 +119,8 @@ class Router:
         self.kv_bytes_per_token = float(config.routing.params.get("kv_bytes_per_token", 0.0))
         self._rr = {Role.PREFILL: itertools.count(), Role.DECODE: itertools.count()}
         self.recent = RecentRoutes(ttl_s=config.routing.recent_routes_ttl_s)
+        # The engines' KV block size (configured, or learned by the event consumer).
+        self.block_size = BlockSize(config.block_size)
         # Completions string prompts are tokenized here once these ids matched an
         # engine's (``local_tokenizer_ok``); the app sets ``check_local_tokenizer``,
         # run in the background on a request while no check has given a verdict, and
@@ -225,7 +228,7 @@ class Router:
                            ) -> tuple[list[int] | None, list[int]]:
         """(token ids, block keys) of the prompt: keys over its token ids, or over its
         text with ``tokenizer: text`` (no ids then, unless the client sent ids)."""
-        block_size = self.config.block_size
+        block_size = self.block_size.tokens
         if self.text_keys:
             text = prompt_text(body, is_chat)
             if text is not None:
@@ -423,7 +426,7 @@ class Router:
             session_view = policy.SessionView(session_id=record.session_id,
                                               last_decode=record.last_decode,
                                               expires_at_s=expires_at)
-        block_size = self.config.block_size
+        block_size = self.block_size.tokens
         placed = self.recent.placement_counts(now_s)
         # A stalled engine takes no new requests while another of its role can; when
         # every D looks stalled, the D pool is tried anyway (slow beats a 503).

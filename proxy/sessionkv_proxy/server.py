@@ -36,6 +36,8 @@ from aiohttp import web, web_protocol
 from aiohttp.http_parser import RawRequestMessage
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ._aiohttp import check_installed as check_aiohttp_internals
+
 __all__ = ["FrontLimits", "HttpServer", "Request", "Response"]
 
 logger = logging.getLogger("sessionkv_proxy.server")
@@ -239,6 +241,7 @@ class HttpServer:
         self._listener: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> None:
+        check_aiohttp_internals()  # the subclasses below rely on them
         limits = self.limits
         self._server = _Server(
             self._handle, self.error_response, limits.header_timeout_s,

@@ -37,6 +37,8 @@ from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDictProxy
 
+from ._aiohttp import check_installed as check_aiohttp_internals
+
 __all__ = ["UpstreamConnectError", "UpstreamPool", "UpstreamResponse"]
 
 # vLLM's API server (uvicorn) closes a keep-alive connection after 5 s idle; dropping
@@ -142,6 +144,7 @@ class UpstreamPool:
 
     def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 600.0
                  ) -> None:
+        check_aiohttp_internals()  # ResponseHandler is driven directly below
         self.connect_timeout_s = connect_timeout_s
         # The longest an engine may go without sending a byte (aiohttp's sock_read).
         self.request_timeout_s = request_timeout_s

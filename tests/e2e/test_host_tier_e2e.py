@@ -173,9 +173,10 @@ def test_host_pool_stays_within_budget_and_publishes_cpu_events(host_engine):
 
 
 async def _replay(index, events, engine: str) -> None:
+    from sessionkv_proxy.block_size import BlockSize
     from sessionkv_proxy.consumer import ConsumerStats, EventApplier
 
-    applier = EventApplier(index, engine, BLOCK, ConsumerStats())
+    applier = EventApplier(index, engine, BlockSize(BLOCK), ConsumerStats())
     for event in events:
         await applier.apply(event)
 

@@ -97,7 +97,7 @@ class Engine:
     def source(self, engine="e0"):
         return EngineSource(engine=engine, endpoint=f"tcp://127.0.0.1:{self.port}",
                             replay_endpoint=f"tcp://127.0.0.1:{self.replay_port}",
-                            topic="kv@e0", block_size_tokens=BLOCK)
+                            topic="kv@e0")
 
     def publish(self, kv_batch):
         self.pub.publish(kv_batch)

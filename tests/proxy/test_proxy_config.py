@@ -42,6 +42,10 @@ def test_defaults_make_redis_an_accelerator_and_name_common_session_headers():
      "redis_url"),
     ({"index": {"redis_namespace": "a{b}"}}, "redis_namespace"),
     ({"index": {"redis_namespace": ""}}, "redis_namespace"),
+    ({"request_timeout_s": -1}, "request_timeout_s"),
+    ({"session_ttl_s": -60}, "session_ttl_s"),
+    ({"log_level": "FOO"}, "log_level"),
+    ({"block_size": 24}, "block_size"),
 ])
 def test_bad_values_are_refused_naming_the_key(raw, key):
     with pytest.raises(ConfigError, match=key):
@@ -67,3 +71,16 @@ def test_session_keys_differ_by_tenant_and_cannot_be_forged_by_a_session_id():
     tag = a.split(":", 1)[0]
     assert session_store_key(f"{tag}:s1", None) != a and "tenant-a" not in a
     assert session_store_key("s1", "") != plain
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--log-level", "FOO"], "log_level"),
+    (["--block-size", "-32"], "block_size"),
+    (["--decode", "url=http://127.0.0.1:1,evnts=tcp://127.0.0.1:2"], "evnts"),
+])
+def test_the_command_line_exits_2_naming_a_bad_value(argv, key, capsys):
+    from sessionkv_proxy.__main__ import main
+
+    assert main(["--decode", "http://127.0.0.1:1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sessionkv-proxy: ") and key in err and "Traceback" not in err

@@ -79,3 +79,26 @@ def test_addresses_of_another_host_are_taken():
     cfg = parse_config({"sessionkv": {"early_decode_bind_host": "10.0.0.2",
                                       "advertise_url": "http://10.0.0.2:8000"}})
     assert cfg.early_decode_bind_host == "10.0.0.2"
+
+
+@pytest.mark.parametrize("raw, key", [
+    ({"session_lease_s": -1}, "session_lease_s"),
+    ({"superseded_hold_grace_s": -0.5}, "superseded_hold_grace_s"),
+    ({"expiry_margin_s": -10}, "expiry_margin_s"),
+    ({"cost": {"per_transfer_s": -1e-3}}, "cost.per_transfer_s"),
+    ({"cost": {"link_bytes_per_s": -1}}, "cost.link_bytes_per_s"),
+])
+def test_negative_values_are_refused_by_name(raw, key):
+    with pytest.raises(ConfigError, match=rf"{key} must be >= 0"):
+        parse_config({"sessionkv": raw})
+    parse_config({"sessionkv": {"session_lease_s": 0}})   # zero is a value
+
+
+def test_a_sessionkv_key_outside_sessionkv_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.session_lease_s is a "
+                                          r"sessionkv key: put it under kv_connector_extra_"
+                                          r"config\.sessionkv\.session_lease_s"):
+        parse_config({"session_lease_s": 30, "sessionkv": {}})
+    # stock NIXL keys stay where vLLM reads them
+    assert parse_config({"backends": ["UCX"], "bidirectional_kv_xfer": True,
+                         "sessionkv": {"session_lease_s": 30}}).session_lease_s == 30
