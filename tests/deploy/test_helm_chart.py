@@ -199,7 +199,7 @@ def test_proxy_config_and_flags_load_as_the_proxy_loads_them(rendered, tmp_path)
     raw, deployment = _proxy_config(docs)
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    assert container["command"] == ["python3", "-m", "sessionkv_proxy"]
+    assert container["command"] == ["sessionkv-proxy"]   # the proxy image's entry point
     env = _container_env(pod, container, "proxy-pod")
     args = _parser().parse_args([_expand(a, env) for a in container["args"]])
     mount = container["volumeMounts"][0]["mountPath"]

@@ -27,6 +27,10 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 {{- end -}}
 
+{{- define "skv.proxyImage" -}}
+{{ printf "%s:%s" .Values.proxy.image.repository .Values.proxy.image.tag | quote }}
+{{- end -}}
+
 {{/* The stable DNS name of engine pod i of a pool: include "skv.engineHost" (list . "decode" 0) */}}
 {{- define "skv.engineHost" -}}
 {{- $root := index . 0 -}}
