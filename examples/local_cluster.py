@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-early-decode", action="store_true",
                    help="send D each disaggregated request after P answers, not while P "
                         "prefills (D engines then open no early-decode socket)")
+    p.add_argument("--no-handle-channel", action="store_true",
+                   help="D engines send no session handles on a handle channel (without "
+                        "--redis, streamed turns then leave the proxy no handle)")
     p.add_argument("--placement", default="{}",
                    help="JSON: process name (prefill0.., decode0.., colocated, redis, proxy) "
                         "-> {address, command_prefix, env}; unnamed ones run here on "
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
             nixl_extra=json.loads(args.nixl_extra_config),
             gpus=args.gpus.split(",") if args.gpus else None,
-            early_decode=not args.no_early_decode, fail_fast=args.fail_fast,
+            early_decode=not args.no_early_decode,
+            handle_channel=not args.no_handle_channel, fail_fast=args.fail_fast,
             max_restarts=args.max_restarts, restart_window_s=args.restart_window_s,
             log_dir=Path(args.log_dir) if args.log_dir else workdir / "logs",
             proxy_args=([] if args.decode_only_max_uncached_tokens is None else
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "kv_events": {e.url: e.kv_events_endpoint for e in cluster.prefill + cluster.decode},
         "early_decode": {e.url: e.early_decode_endpoint for e in cluster.decode
                          if e.early_decode_endpoint},
+        "handle_channel": {e.url: e.handle_channel_endpoint for e in cluster.decode
+                           if e.handle_channel_endpoint},
     }), flush=True)
     print(f"READY proxy={cluster.proxy_url or '-'} colocated={colocated}", flush=True)
     try:

@@ -72,6 +72,7 @@ class Cluster:
     decode: list[str]
     kv_events: dict[str, str]
     early_decode: dict[str, str]       # D url -> its early-decode socket
+    handle_channel: dict[str, str]     # D url -> its handle channel
     model: str
     launcher: subprocess.Popen
     ready_s: float
@@ -119,7 +120,8 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
     descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
     cluster = Cluster(proxy=layout["proxy"], redis=layout["redis"], prefill=layout["prefill"],
                       decode=layout["decode"], kv_events=layout["kv_events"],
-                      early_decode=layout.get("early_decode", {}), model=model,
+                      early_decode=layout.get("early_decode", {}),
+                      handle_channel=layout.get("handle_channel", {}), model=model,
                       launcher=proc, ready_s=ready_s, log_dir=log_dir,
                       descendants=descendants, output=lines)
     def drain() -> None:  # so it never blocks on a full pipe; line by line, for wait_output

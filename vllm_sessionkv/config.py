@@ -155,7 +155,15 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # continue from it when the request allows, instead of recomputing the last
     # prompt token to sample it again (one engine step less per request).
     first_token_handoff: bool = True
-    # Publish each session handle to Redis for streaming clients: redis://HOST:PORT/DB
+    # The handle channel (handle_channel.py): a ZMQ PUB port on which this engine, as
+    # D, sends each session handle at the end of a turn, for proxies without Redis
+    # (streamed answers carry no handle in vLLM 0.32).  0 = off.  Give the proxy the
+    # same endpoint: --decode url=...,handles=tcp://HOST:PORT.
+    handle_channel_port: int = 0
+    # The address it binds: "*" (every address of the host) or one IP address.
+    handle_channel_bind_host: str = "*"
+    # Publish each session handle to Redis too (streaming clients need it or the
+    # handle channel; every proxy replica reads it there): redis://HOST:PORT/DB
     # for one Redis, redis+cluster://HOST:PORT (any node) for a Redis Cluster.  The
     # namespace must be the proxy's index.redis_namespace (the keys' hash tag,
     # redis_keys.py).
@@ -202,12 +210,21 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 <= self.early_decode_port < 65536:
             raise ValueError(f"early_decode_port must be within [0, 65535], got "
                              f"{self.early_decode_port}")
-        if self.early_decode_bind_host != "*":
-            try:
-                ipaddress.ip_address(self.early_decode_bind_host)
-            except ValueError:
-                raise ValueError("early_decode_bind_host must be '*' or an IP address, got "
-                                 f"{self.early_decode_bind_host!r}") from None
+        if not 0 <= self.handle_channel_port < 65536:
+            raise ValueError(f"handle_channel_port must be within [0, 65535], got "
+                             f"{self.handle_channel_port}")
+        if self.handle_channel_port and \
+                self.handle_channel_port == self.early_decode_port:
+            raise ValueError("handle_channel_port and early_decode_port must differ, both "
+                             f"are {self.handle_channel_port}")
+        for key in ("early_decode_bind_host", "handle_channel_bind_host"):
+            host = getattr(self, key)
+            if host != "*":
+                try:
+                    ipaddress.ip_address(host)
+                except ValueError:
+                    raise ValueError(f"{key} must be '*' or an IP address, got "
+                                     f"{host!r}") from None
         if self.advertise_url is not None:
             url = urllib.parse.urlsplit(self.advertise_url)
             if url.scheme not in ("http", "https") or not url.hostname:

@@ -6,6 +6,7 @@ handle to Redis under the session id (``redis_keys.RedisKeys.handle``, in the
 proxy's hash tag, so the proxy's routing read takes it in the same script as the
 index on a Redis Cluster too).  ``request_finished`` runs on the scheduler's
 hot path, so writes happen on a background thread and never block a step.
+Without Redis, D's handle channel (``handle_channel.py``) carries the handle.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
 from vllm_sessionkv.wire.early_decode import EarlyDecodeSender
 from vllm_sessionkv.first_token import handoff_refusal
 from vllm_sessionkv.guard import SendLedger, decode_call, encode_answer, new_hold_token
+from vllm_sessionkv.handle_channel import HandleChannel
 from vllm_sessionkv.wire.hashing import decode_chain, encode_chain, full_blocks
 from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.host_tier import HostTierManager
@@ -144,6 +145,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                                  if num_blocks else 1 << 62)
         self._session_holds_reported = 0   # sessionkv_session_holds, sent on change
         self._publisher = HandlePublisher(config.redis_url, config.redis_namespace)
+        # And on a ZMQ channel, for proxies without Redis (handle_channel.py).
+        self._handle_channel = HandleChannel.from_config(
+            config, vllm_config.parallel_config.data_parallel_size)
         # The pull guard (guard.py), as holder: every finished request whose blocks
         # wait for a peer's read, with the readers' claims, answered on NIXL's side
         # channel; as reader: the hold tokens of this step's reads, for the worker.
@@ -782,6 +786,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 hold_token=self._guard_hold(request.request_id)))
             if self._publisher.publish(session_id, out, self.config.session_lease_s):
                 self.stats.record("session_handles_published")
+            if self._handle_channel is not None:
+                self.stats.record("session_handles_sent" if self._handle_channel.publish(out)
+                                  else "session_handles_publish_failed")
         else:
             # P end of turn: export the chain so D verifies what it pulls from us too,
             # and the token we sampled, for D to continue from.
@@ -940,6 +947,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
 
     def shutdown(self):
         self._publisher.close()
+        if self._handle_channel is not None:
+            self._handle_channel.close()
         if self.early_decode is not None:
             self.early_decode.close()
         if self._early_sender is not None:

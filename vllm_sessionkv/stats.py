@@ -47,6 +47,7 @@ _SESSION_KEYS = (
     "handle_refused",
     "pull_failed",
     "session_handles_published",
+    "session_handles_sent",
     "session_handles_publish_failed",
     "host_offloaded_blocks",
     "host_restored_blocks",
@@ -136,9 +137,16 @@ class SessionKVPromMetrics(NixlPromMetrics):
             counter("sessionkv_handles_published",
                     "Session handles published at the end of a turn."),
             per_engine_labelvalues)
+        self._sent = create_metric_per_engine(
+            counter("sessionkv_handle_channel_sent",
+                    "Session handles sent on the handle channel (handle_channel_port) "
+                    "at the end of a turn; a proxy too slow to take them loses them "
+                    "and counts the gap."),
+            per_engine_labelvalues)
         self._publish_failed = create_metric_per_engine(
             counter("sessionkv_handle_publish_failures",
-                    "Session handles that could not be written out of band (Redis)."),
+                    "Session handles that could not be written out of band (Redis or "
+                    "the handle channel)."),
             per_engine_labelvalues)
 
         self._host_counters = {
@@ -254,6 +262,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "handle_refused": self._handle_refused,
             "pull_failed": self._pull_failed,
             "session_handles_published": self._published,
+            "session_handles_sent": self._sent,
             "session_handles_publish_failed": self._publish_failed,
             **self._host_counters,
             **{f"session_holds_released_{r}": m for r, m in self._holds_released.items()},

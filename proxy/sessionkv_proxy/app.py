@@ -42,6 +42,7 @@ from sessionkv_proxy.config import ProxyConfig, Role
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
+from sessionkv_proxy.handle_subscriber import HandleSubscribers
 from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.metrics import ProxyMetrics
@@ -82,6 +83,7 @@ class ProxyState:
     consumer: KVEventConsumer | None = None
     redis: RedisLink | None = None  # shared index, sessions and published handles
     early: EarlyDecodeSender | None = None  # P's parameters to Ds that hold requests
+    handles: HandleSubscribers | None = None  # Ds' handle channels (no Redis needed)
     model_ids: frozenset[str] = frozenset()
     models_body: bytes = b""
 
@@ -783,6 +785,9 @@ def health_report(state: ProxyState) -> tuple[int, dict[str, Any]]:
         report["events"] = events
         report["block_size"] = state.router.block_size.report()
         problems.extend(state.router.block_size.problems())
+    if state.handles is not None:
+        report["handle_channel"], channel_problems = state.handles.health()
+        problems += channel_problems
     serving = available["decode"] > 0
     report["status"] = "unavailable" if not serving else "degraded" if problems else "ok"
     report["problems"] = problems
@@ -949,7 +954,8 @@ def _make_index(config: ProxyConfig, metrics: ProxyMetrics
                 ) -> tuple[KVIndex, RedisLink | None]:
     """The index (and the Redis link it and the published handles share): in-process,
     or Redis with the in-process copy to fall back on."""
-    local = MemoryIndex(max_blocks_per_slot=config.index.max_blocks_per_engine)
+    local = MemoryIndex(max_blocks_per_slot=config.index.max_blocks_per_engine,
+                        max_handles=config.index.max_published_handles)
     if config.index.backend != "redis":
         return local, None
     from sessionkv_proxy.index.fallback import FallbackIndex
@@ -1044,6 +1050,11 @@ class ProxyApp:
             state.consumer = KVEventConsumer(sources, state.index,
                                              block_size=state.router.block_size)
             state.consumer.start()
+        channels = {e.url: e.handle_channel for e in config.decode if e.handle_channel}
+        if channels:
+            state.handles = HandleSubscribers(channels, state.index)
+            state.metrics.registry.register(state.handles.collector())
+            state.handles.start()
         await _discover_models(state)
         if state.router.local_tokenizer is not None:
             state.router.check_local_tokenizer = lambda: _check_local_tokenizer(state)
@@ -1071,6 +1082,8 @@ class ProxyApp:
         await asyncio.gather(*self._background, return_exceptions=True)
         if state.consumer is not None:
             await state.consumer.stop()
+        if state.handles is not None:
+            await state.handles.stop()
         if state.router is not None:
             try:   # the writes behind the last requests
                 await asyncio.wait_for(state.router.flush(), 10.0)

@@ -43,11 +43,15 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # PULL): with it, a disaggregated request goes to D at the same time as to P, and
     # P's parameters follow here (vllm_sessionkv/early_decode.py).
     early_decode: str | None = None
+    # A decode engine's handle channel (its connector's handle_channel_port, ZMQ
+    # PUB): its end-of-turn session handles, streamed turns' included, reach this
+    # proxy without Redis (see handle_subscriber.py).
+    handle_channel: str | None = None
 
     def __post_init__(self):
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine url must start with http:// or https://: {self.url!r}")
-        for key in ("kv_events", "kv_events_replay", "early_decode"):
+        for key in ("kv_events", "kv_events_replay", "early_decode", "handle_channel"):
             endpoint = getattr(self, key)
             if endpoint is not None and ("*" in endpoint or "0.0.0.0" in endpoint):
                 # The engine's bind address, copied: the proxy connects, so it needs
@@ -61,6 +65,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not self.early_decode.startswith("tcp://"):
                 raise ValueError("early_decode must be a tcp://HOST:PORT endpoint, got "
                                  f"{self.early_decode!r}")
+        if self.handle_channel is not None:
+            if self.role is not Role.DECODE:
+                raise ValueError(f"handle_channel is for decode engines; {self.url} is "
+                                 f"{self.role.value}")
+            if not self.handle_channel.startswith("tcp://"):
+                raise ValueError("handle_channel must be a tcp://HOST:PORT endpoint, got "
+                                 f"{self.handle_channel!r}")
 
 
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -73,6 +84,9 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     redis_namespace: str = DEFAULT_NAMESPACE
     # Bound on index entries per engine and tier; the oldest are dropped first.
     max_blocks_per_engine: int = 1_000_000
+    # Bound on the session handles kept from the engines' handle channels (about 3 KB
+    # each at a 4K-token context); the oldest are dropped first.
+    max_published_handles: int = 50_000
     # Redis is an accelerator (see redis_link.py): each call waits at most about
     # twice this; after redis_failures_to_open failures in a row the proxy stops
     # calling it and routes from its own copy, pinging every redis_retry_interval_s
@@ -88,7 +102,7 @@ class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if not getattr(self, key) > 0:
                 raise ValueError(f"index.{key} must be > 0")
         for key in ("redis_failures_to_open", "redis_max_connections",
-                    "max_blocks_per_engine"):
+                    "max_blocks_per_engine", "max_published_handles"):
             if getattr(self, key) < 1:
                 raise ValueError(f"index.{key} must be >= 1")
         if self.backend not in ("memory", "redis"):
@@ -222,7 +236,8 @@ def parse_engine_spec(spec: str, role: Role) -> dict[str, Any]:
         return {"url": spec, "role": role.value}
     out: dict[str, Any] = {"role": role.value}
     names = {"url": "url", "events": "kv_events", "replay": "kv_events_replay",
-             "topic": "kv_events_topic", "early": "early_decode"}
+             "topic": "kv_events_topic", "early": "early_decode",
+             "handles": "handle_channel"}
     for part in spec.split(","):
         key, _, value = part.partition("=")
         if key not in names:

@@ -1,10 +1,11 @@
 """The session table: where each conversation's KV was left, shared across replicas.
 
 A record lives in the index backend (in-process or Redis) under the session id.  D's
-end-of-turn handle arrives two ways: in D's non-streaming response (the proxy stores
-it here), or published by the connector to Redis (``vllm_sessionkv.publisher``),
-which is the only way for streaming turns in vLLM 0.32.  Both are the one typed
-``protocol.SessionHandle``.
+end-of-turn handle arrives three ways: in D's non-streaming response (the proxy stores
+it here), published by the connector to Redis (``vllm_sessionkv.publisher``), or sent
+on D's handle channel, which this proxy keeps in its index's in-process table
+(``handle_subscriber.py``); the last two are the only ways for streaming turns in
+vLLM 0.32.  All are the one typed ``protocol.SessionHandle``.
 """
 
 from __future__ import annotations

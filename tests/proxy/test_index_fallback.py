@@ -42,3 +42,24 @@ class TestFallbackIndex(IndexContract):
             await index.link.client.set(index.remote.keys.handle(session_key), raw,
                                         px=ttl_ms)
         return publish
+
+
+async def test_a_channel_handle_serves_where_redis_holds_none_and_goes_with_redis_one(
+        index_factory):
+    """Handles from the engines' handle channel live in this replica's copy: used when
+    Redis holds none for the session (an engine without redis_url), and dropped when
+    Redis hands out its own copy of the turn (one handle, used once)."""
+    index = await index_factory()
+    index.put_handle("-:s1", b"from-channel", 60_000)
+    read = await index.route_read("-:s1", [], take_handle=True)
+    assert read.handle == b"from-channel" and read.handle_taken
+    assert (await index.route_read("-:s1", [], take_handle=True)).handle is None
+    # Given back while Redis answers: to Redis, where every replica finds it.
+    await index.return_handle("-:s1", read.handle, read.handle_ttl_ms)
+    assert (await index.route_read("-:s1", [])).handle == b"from-channel"
+
+    index.put_handle("-:s2", b"channel-copy", 60_000)
+    await index.link.client.set(index.remote.keys.handle("-:s2"), b"redis-copy", px=60_000)
+    read = await index.route_read("-:s2", [], take_handle=True)
+    assert read.handle == b"redis-copy" and read.handle_taken
+    assert index.local.take_handle("-:s2")[0] is None

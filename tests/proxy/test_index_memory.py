@@ -23,7 +23,27 @@ async def index_factory():
 
 
 class TestMemoryIndex(IndexContract):
-    pass
+    @pytest.fixture
+    def publish_handle(self):
+        # The engines' handle channel, as the proxy's subscriber keeps it.
+        async def publish(index: MemoryIndex, session_key: str, raw: bytes,
+                          ttl_ms: int) -> None:
+            index.put_handle(session_key, raw, ttl_ms)
+        return publish
+
+
+async def test_published_handles_are_bounded_oldest_first_and_expire():
+    now = [0.0]
+    index = MemoryIndex(max_handles=2, clock=lambda: now[0])
+    assert index.put_handle("a", b"ha", 10_000) == 0
+    assert index.put_handle("b", b"hb", 10_000) == 0
+    assert index.put_handle("a", b"ha2", 10_000) == 0   # replaced: newest wins, moves last
+    assert index.put_handle("c", b"hc", 10_000) == 1    # "b" was the oldest
+    assert (await index.route_read("b", [])).handle is None
+    assert (await index.route_read("a", [])).handle == b"ha2"
+    now[0] = 10.0                                       # the lease ran out
+    read = await index.route_read("c", [], take_handle=True)
+    assert read.handle is None and not read.handle_taken
 
 
 async def test_slots_are_reused_after_clear():

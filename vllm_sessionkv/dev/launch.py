@@ -171,6 +171,12 @@ class EngineSpec:
         port = self.sessionkv.get("early_decode_port") if self.connector == "sessionkv" else 0
         return f"tcp://{self.host.endpoint(port)}" if port else None
 
+    @property
+    def handle_channel_endpoint(self) -> str | None:
+        port = self.sessionkv.get("handle_channel_port") if self.connector == "sessionkv" \
+            else 0
+        return f"tcp://{self.host.endpoint(port)}" if port else None
+
 
 def kv_transfer_config(spec: EngineSpec) -> dict | None:
     if spec.role == "colocated":
@@ -449,6 +455,9 @@ class ClusterSpec:
     # D engines take P's parameters on an early-decode socket, and the proxy sends
     # them each disaggregated request while P prefills (see early_decode.py).
     early_decode: bool = True
+    # D engines send their session handles on a handle channel the proxy subscribes
+    # to, so streamed turns keep D->P reuse without Redis (handle_channel.py).
+    handle_channel: bool = True
     # Supervision (LocalCluster.supervise_once).  fail_fast: any child's exit is an
     # error (ChildExited), nothing is restarted.  Otherwise a child that exits is
     # started again after restart_backoff_s, doubling with each restart in the last
@@ -564,6 +573,9 @@ class LocalCluster:
             if role == "decode" and spec.early_decode:
                 sessionkv.setdefault("early_decode_port", self._port())
                 sessionkv.setdefault("early_decode_bind_host", host.address)
+            if role == "decode" and spec.handle_channel:
+                sessionkv.setdefault("handle_channel_port", self._port())
+                sessionkv.setdefault("handle_channel_bind_host", host.address)
         gpus = None
         if spec.gpus:
             gpus = spec.gpus[index % len(spec.gpus)]
@@ -659,6 +671,8 @@ class LocalCluster:
                           f"replay={e.kv_events_replay_endpoint}")
                 if e.early_decode_endpoint:
                     engine += f",early={e.early_decode_endpoint}"
+                if e.handle_channel_endpoint:
+                    engine += f",handles={e.handle_channel_endpoint}"
                 argv += [flag, engine]
         if self.redis_url:
             argv += ["--redis-url", self.redis_url]

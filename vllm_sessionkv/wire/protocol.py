@@ -222,8 +222,9 @@ class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Where a conversation's KV lives after a turn, and what it holds: D's
     end-of-turn ``kv_transfer_params``, typed.
 
-    Returned by D in the response and published out of band (Redis), because vLLM
-    0.32's streaming responses carry no ``kv_transfer_params``; stored by the proxy
+    Returned by D in the response and published out of band (Redis, D's handle
+    channel), because vLLM 0.32's streaming responses carry no
+    ``kv_transfer_params``; stored by the proxy
     for the session's next turn, whose P request it becomes (``prefill_params``).
     """
 

@@ -6,7 +6,7 @@ that the redis client is only needed when that backend is chosen.
 """
 
 from .base import (TIER_DEVICE, TIER_HOST, TIER_STORAGE, EngineHash, KVIndex, PrefixMatch,
-                   RouteRead)
+                   PublishedHandles, RouteRead)
 from .memory import MemoryIndex
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "KVIndex",
     "MemoryIndex",
     "PrefixMatch",
+    "PublishedHandles",
     "RouteRead",
 ]

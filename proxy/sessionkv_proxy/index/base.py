@@ -33,6 +33,7 @@ __all__ = [
     "TIER_STORAGE",
     "EngineHash",
     "KVIndex",
+    "PublishedHandles",
     "PrefixMatch",
     "RouteRead",
 ]
@@ -142,4 +143,17 @@ class KVIndex(Protocol):
 
     async def close(self) -> None:
         """Release connections.  The index must not be used afterwards."""
+        ...
+
+
+@runtime_checkable
+class PublishedHandles(Protocol):
+    """A backend that keeps handles the engines' handle channel delivers to this
+    replica (``handle_subscriber.py``); ``route_read`` then returns them as it returns
+    those the engines publish to Redis."""
+
+    def put_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> int:
+        """Keep ``handle`` for ``session_key`` for ``ttl_ms`` (-1: until evicted),
+        replacing an older one (the newest turn's wins); returns how many handles the
+        backend's bound evicted to make room."""
         ...

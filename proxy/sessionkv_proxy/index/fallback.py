@@ -127,27 +127,46 @@ class FallbackIndex:
 
     async def route_read(self, session_key: str | None, request_keys: Sequence[RequestKey],
                          take_handle: bool = False) -> RouteRead:
-        """Redis's answer in one round trip; while Redis is down, this replica's copy
-        (no published handle then: only Redis holds those)."""
+        """Redis's answer in one round trip; while Redis is down, this replica's copy.
+        A handle Redis does not hold may still be in this replica's copy (the engines'
+        handle channel delivers to every replica; ``put_handle``)."""
         try:
             read = await self.link.call("route_read", lambda: self.remote.route_read(
                 session_key, request_keys, take_handle))
         except RedisUnavailable:
             self._on_fallback("route_read")
-            return await self.local.route_read(session_key, request_keys)
-        if read.record is None and session_key:
-            # As in get_session: Redis lost a record this replica still holds.
-            read.record = await self.local.get_session(session_key)
+            return await self.local.route_read(session_key, request_keys, take_handle)
+        if session_key:
+            if read.record is None:
+                # As in get_session: Redis lost a record this replica still holds.
+                read.record = await self.local.get_session(session_key)
+            if take_handle:
+                # Redis's copy first; the channel's copy of one Redis handed out is
+                # dropped with it (single use).
+                local, ttl_ms = self.local.take_handle(session_key)
+                if read.handle is None and local is not None:
+                    read.handle, read.handle_taken, read.handle_ttl_ms = local, True, ttl_ms
         return read
+
+    def put_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> int:
+        """A handle from the engines' channel, kept in this replica's copy only: an
+        engine configured with Redis publishes there itself, and every replica
+        receives the channel's copy (written to Redis by each, a handle one replica
+        took would come back for another)."""
+        return self.local.put_handle(session_key, handle, ttl_ms)
 
     async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
         # Not a write of ours to re-publish: a handle lost to an outage costs one
-        # turn's reuse, never correctness.
+        # turn's reuse, never correctness.  While Redis is down, a handle taken from
+        # this replica's copy goes back there.
+        if not self.link.available:
+            await self.local.return_handle(session_key, handle, ttl_ms)
+            return
         try:
             await self.link.call("return_handle",
                                  lambda: self.remote.return_handle(session_key, handle, ttl_ms))
         except RedisUnavailable:
-            pass
+            await self.local.return_handle(session_key, handle, ttl_ms)
 
     async def size(self) -> int:
         try:

@@ -33,10 +33,12 @@ class MemoryIndex:
     bound); the least recently stored entry goes first.  ``clock`` is monotonic
     seconds, injectable so session expiry can be tested without sleeping.
     ``max_sessions`` bounds the session records; the least recently written go first.
+    ``max_handles`` bounds the published handles (``put_handle``: those the engines'
+    handle channel delivered), likewise.
     """
 
     def __init__(self, *, max_blocks_per_slot: int | None = None,
-                 max_sessions: int = 1_000_000,
+                 max_sessions: int = 1_000_000, max_handles: int = 50_000,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_blocks_per_slot is not None and max_blocks_per_slot <= 0:
             raise ValueError(f"max_blocks_per_slot must be positive, got {max_blocks_per_slot}")
@@ -50,6 +52,9 @@ class MemoryIndex:
         self._holders: dict[RequestKey, int] = {}
         self._extra_refs: dict[tuple[int, RequestKey], int] = {}
         self._sessions: dict[str, tuple[float, bytes]] = {}
+        # session key -> (monotonic expiry or inf, handle bytes), oldest first.
+        self._max_handles = max_handles
+        self._handles: dict[str, tuple[float, bytes]] = {}
 
     # -- slots ---------------------------------------------------------------------
 
@@ -143,13 +148,51 @@ class MemoryIndex:
 
     async def route_read(self, session_key: str | None, request_keys: Sequence[RequestKey],
                          take_handle: bool = False) -> RouteRead:
-        # No I/O and no await: engines publish handles to Redis only, so there is
-        # none here, and the read is atomic on the event loop.
-        return RouteRead(record=self._get_session(session_key) if session_key else None,
+        # No I/O and no await: the read (and a take) is atomic on the event loop.
+        read = RouteRead(record=self._get_session(session_key) if session_key else None,
                          matches=self._lookup(request_keys) if request_keys else {})
+        if session_key:
+            read.handle, ttl_ms = self.take_handle(session_key, take_handle)
+            if take_handle and read.handle is not None:
+                read.handle_taken, read.handle_ttl_ms = True, ttl_ms
+        return read
+
+    def take_handle(self, session_key: str, take: bool = True) -> tuple[bytes | None, int]:
+        """(the published handle of ``session_key`` or None, its remaining ms or -1
+        for none); ``take`` removes it (single use)."""
+        item = self._handles.get(session_key)
+        if item is None:
+            return None, -1
+        expires_at, handle = item
+        left_s = expires_at - self._clock()
+        if left_s <= 0:
+            del self._handles[session_key]
+            return None, -1
+        if take:
+            del self._handles[session_key]
+        return handle, -1 if left_s == float("inf") else max(1, int(left_s * 1000))
+
+    def put_handle(self, session_key: str, handle: bytes, ttl_ms: int,
+                   only_if_absent: bool = False) -> int:
+        """Hold a handle published for ``session_key`` for ``ttl_ms`` (-1: until
+        evicted), replacing any other unless ``only_if_absent``; returns how many
+        older handles the bound evicted."""
+        if only_if_absent and self.take_handle(session_key, take=False)[0] is not None:
+            return 0
+        if ttl_ms == 0 or ttl_ms < -1:
+            return 0
+        expires_at = float("inf") if ttl_ms == -1 else self._clock() + ttl_ms / 1000
+        self._handles.pop(session_key, None)   # re-inserted last: oldest first below
+        self._handles[session_key] = (expires_at, bytes(handle))
+        evicted = 0
+        while len(self._handles) > self._max_handles:
+            del self._handles[next(iter(self._handles))]
+            evicted += 1
+        return evicted
 
     async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
-        return None   # never takes one
+        # Unless a newer one was published since (a newer turn).
+        self.put_handle(session_key, handle, ttl_ms, only_if_absent=True)
 
     def _lookup(self, request_keys: Sequence[RequestKey]) -> PrefixMatch:
         holders = self._holders
@@ -209,6 +252,7 @@ class MemoryIndex:
     async def clear_sessions(self) -> int:
         dropped = len(self._sessions)
         self._sessions.clear()
+        self._handles.clear()
         return dropped
 
     def snapshot(self) -> tuple[list[tuple[str, str, list[tuple[EngineHash, RequestKey]]]],
@@ -229,3 +273,4 @@ class MemoryIndex:
         self._entries.clear()
         self._extra_refs.clear()
         self._sessions.clear()
+        self._handles.clear()

@@ -1,0 +1,196 @@
+"""Session handles from the decode engines' handle channel, without Redis.
+
+A streamed answer carries no ``kv_transfer_params`` in vLLM 0.32, so the proxy
+relaying it never sees D's end-of-turn handle.  A D with ``handle_channel_port``
+sends each handle on a ZMQ PUB socket (``vllm_sessionkv.handle_channel``); this
+module subscribes to every D configured with ``handles=tcp://HOST:PORT`` and keeps
+each handle in the index's in-process table (``PublishedHandles.put_handle``) under
+the session's store key, where the routing read (``route_read``) finds it as it finds
+a handle the engines published to Redis: single use, given back when unused.
+
+What arrives is a hint like any routing input.  A handle lost (the sequence numbers
+show the gap), late (the next turn was already routed) or stale costs that turn's
+reuse only: P verifies every block it pulls against the prompt and claims it under
+the pull guard.  The table is bounded (``index.max_published_handles``) and handles
+expire with D's lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+import zmq
+import zmq.asyncio
+from prometheus_client.core import CounterMetricFamily
+
+from vllm_sessionkv.wire.handle_channel import HANDLE_TOPIC, decode_frames
+from vllm_sessionkv.wire.protocol import PayloadError, decode_handle, session_store_key
+
+from sessionkv_proxy.index.base import PublishedHandles
+
+__all__ = ["CHANNEL_OUTCOMES", "HandleChannelStats", "HandleSubscriber", "HandleSubscribers"]
+
+logger = logging.getLogger("sessionkv_proxy.handle_subscriber")
+
+# What became of the handles an engine sent (``sessionkv_proxy_channel_handles``).
+CHANNEL_OUTCOMES = ("stored", "lost", "undecodable", "unsupported_version", "no_session",
+                    "expired", "evicted", "store_error")
+# Messages buffered per engine before ZMQ drops new ones (then counted as lost).
+_RECEIVE_HWM = 10_000
+
+
+class HandleChannelStats(msgspec.Struct, kw_only=True):
+    """One engine's channel, as this proxy saw it."""
+
+    received: int = 0
+    # By outcome (CHANNEL_OUTCOMES); "lost": sequence numbers never received.
+    outcomes: dict[str, int] = msgspec.field(default_factory=dict)
+    # The engine started counting again (it restarted).
+    publisher_restarts: int = 0
+    last_received_unix_s: float = 0.0
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        if n:
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + n
+
+
+class HandleSubscriber:
+    """One D's channel: receive, check, keep."""
+
+    def __init__(self, engine: str, endpoint: str, handles: PublishedHandles,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.stats = HandleChannelStats()
+        self._handles = handles
+        self._clock = clock
+        self._last_seq: int | None = None
+
+    async def run(self, context: zmq.asyncio.Context) -> None:
+        """Receive until cancelled.  ZMQ reconnects by itself after the engine
+        restarts."""
+        sub = context.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, HANDLE_TOPIC)
+        sub.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
+        sub.connect(self.endpoint)
+        try:
+            while True:
+                self.receive(await sub.recv_multipart())
+        finally:
+            sub.close(linger=0)
+
+    def receive(self, frames: list[bytes]) -> str:
+        """Handle one message; returns its outcome."""
+        now = self._clock()
+        self.stats.received += 1
+        self.stats.last_received_unix_s = now
+        decoded = decode_frames(frames)
+        if decoded is None:
+            return self._outcome("undecodable")
+        seq, raw = decoded
+        if self._last_seq is not None:
+            if seq > self._last_seq + 1:
+                self.stats.count("lost", seq - self._last_seq - 1)
+            elif seq <= self._last_seq:
+                self.stats.publisher_restarts += 1
+        self._last_seq = seq
+        try:
+            handle = decode_handle(raw)
+        except PayloadError:   # UnsupportedVersion
+            return self._outcome("unsupported_version")
+        except msgspec.DecodeError:
+            return self._outcome("undecodable")
+        if not handle.session_id:
+            return self._outcome("no_session")
+        ttl_ms = -1
+        if handle.expires_at_unix_s:
+            ttl_ms = int((handle.expires_at_unix_s - now) * 1000)
+            if ttl_ms <= 0:
+                return self._outcome("expired")
+        key = session_store_key(handle.session_id, handle.tenant)
+        try:
+            self.stats.count("evicted", self._handles.put_handle(key, raw, ttl_ms))
+        except Exception:   # a bug; the channel keeps going, the turn loses reuse only
+            logger.exception("keeping a channel handle failed", extra={"pod": self.engine})
+            return self._outcome("store_error")
+        return self._outcome("stored")
+
+    def _outcome(self, outcome: str) -> str:
+        self.stats.count(outcome)
+        if outcome != "stored":
+            logger.debug("channel handle %s", outcome, extra={"pod": self.engine})
+        return outcome
+
+
+class HandleSubscribers:
+    """One ``HandleSubscriber`` task per decode engine; start and stop with the app."""
+
+    def __init__(self, endpoints: dict[str, str], handles: PublishedHandles) -> None:
+        if not isinstance(handles, PublishedHandles):
+            raise TypeError(f"handle channels need an index that keeps published handles "
+                            f"(PublishedHandles); {type(handles).__name__} does not")
+        self._ctx = zmq.asyncio.Context()
+        self.subscribers = {engine: HandleSubscriber(engine, endpoint, handles)
+                            for engine, endpoint in endpoints.items()}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        self._tasks = {engine: asyncio.create_task(sub.run(self._ctx),
+                                                   name=f"handle-channel-{engine}")
+                       for engine, sub in self.subscribers.items()}
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks = {}
+        self._ctx.term()
+
+    def health(self, now_unix_s: float | None = None) -> tuple[dict, list[str]]:
+        """(per engine: what its channel delivered, problems for /health)."""
+        now = time.time() if now_unix_s is None else now_unix_s
+        report, problems = {}, []
+        for engine, sub in self.subscribers.items():
+            s = sub.stats
+            report[engine] = {
+                "endpoint": sub.endpoint, "received": s.received, **s.outcomes,
+                "publisher_restarts": s.publisher_restarts,
+                "last_received_s_ago": (round(now - s.last_received_unix_s, 1)
+                                        if s.last_received_unix_s else None)}
+            task = self._tasks.get(engine)
+            if task is not None and task.done() and not task.cancelled():
+                problems.append(f"handle channel of {engine} stopped: "
+                                f"{task.exception()!r}")
+        return report, problems
+
+    def collector(self) -> _ChannelCollector:
+        """Exports ``sessionkv_proxy_channel_handles`` at scrape time."""
+        return _ChannelCollector(self.subscribers.values())
+
+
+_METRIC = ("sessionkv_proxy_channel_handles",
+           "Session handles from the decode engines' handle channel, per engine, by "
+           "outcome: stored (kept for the session's next turn), lost (sent by the "
+           "engine and never received), undecodable, unsupported_version, no_session, "
+           "expired (its lease had ended), evicted (an older kept handle dropped for "
+           "index.max_published_handles), store_error.")
+
+
+class _ChannelCollector:
+    def __init__(self, subscribers: Sequence[HandleSubscriber] | object) -> None:
+        self._subscribers = list(subscribers)
+
+    def describe(self):
+        yield CounterMetricFamily(*_METRIC, labels=("engine", "outcome"))
+
+    def collect(self):
+        family = CounterMetricFamily(*_METRIC, labels=("engine", "outcome"))
+        for sub in self._subscribers:
+            for outcome in CHANNEL_OUTCOMES:
+                family.add_metric((sub.engine, outcome),
+                                  float(sub.stats.outcomes.get(outcome, 0)))
+        yield family

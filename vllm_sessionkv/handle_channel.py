@@ -1,0 +1,94 @@
+"""D's end-of-turn handles on a ZMQ channel the proxies subscribe to.
+
+vLLM 0.32 returns ``kv_transfer_params`` only in non-streamed answers, so a proxy
+relaying a stream never sees D's handle in the answer.  Redis carries it where one is
+configured (``publisher.py``); this channel carries it without one: D binds a ZMQ PUB
+socket (``handle_channel_port``) and sends each handle as it exports it; every proxy
+that names the socket (``--decode url=...,handles=tcp://HOST:PORT``) subscribes,
+keeps the handle for the session's next turn, and hands it to P as it would a handle
+from the answer.
+
+Delivery is best effort by design.  A send never blocks the scheduler (a PUB socket
+drops what a slow subscriber cannot take, above ``_SEND_HWM`` messages); a handle
+that is lost or arrives after the next turn was routed costs that turn's reuse only:
+P verifies every block against the prompt and claims it under the pull guard before
+it reads.  Frames carry a sequence number per publisher, so a subscriber counts the
+handles it missed.
+
+The frames are ``wire/handle_channel.py``'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+
+from vllm_sessionkv.config import SessionKVConfig
+from vllm_sessionkv.wire.handle_channel import encode_frames
+from vllm_sessionkv.wire.protocol import PayloadError, encode_handle, handle_from_params
+
+__all__ = ["HandleChannel"]
+
+logger = logging.getLogger("vllm.sessionkv.handle_channel")
+
+# Messages queued per subscriber before the socket drops new ones for it.
+_SEND_HWM = 1000
+
+
+class HandleChannel:
+    """The publishing end, in D's engine-core process (the scheduler's thread only)."""
+
+    @classmethod
+    def from_config(cls, config: SessionKVConfig, data_parallel_size: int
+                    ) -> HandleChannel | None:
+        """The channel ``config`` asks for (None: ``handle_channel_port`` is 0); a port
+        it cannot bind stops the engine at start-up, naming the address."""
+        if not config.handle_channel_port:
+            return None
+        if data_parallel_size > 1:
+            # Every rank's scheduler would bind the one port.
+            raise ValueError("sessionkv handle_channel_port does not support "
+                             "data_parallel_size > 1")
+        channel = cls(f"tcp://{config.handle_channel_bind_host}:"
+                      f"{config.handle_channel_port}")
+        logger.info("sessionkv handle channel: sending session handles on %s",
+                    channel.endpoint)
+        return channel
+
+    def __init__(self, bind: str) -> None:
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PUB)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        try:
+            self._socket.bind(bind)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ValueError(f"sessionkv handle_channel_port: cannot bind {bind}: {exc}"
+                             ) from None
+        # The bound address (a "*" port resolved), for logs and tests.
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._seq = 0
+
+    def publish(self, params: Mapping[str, Any]) -> bool:
+        """Send D's end-of-turn ``kv_transfer_params`` as a handle; False when they do
+        not make one (logged).  Never blocks."""
+        try:
+            raw = encode_handle(handle_from_params(params))
+        except PayloadError as exc:
+            logger.warning("sessionkv: handle not sent on the channel: %r", exc)
+            return False
+        try:
+            self._socket.send_multipart(encode_frames(self._seq, raw), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:   # not expected of PUB (it drops); never raise here
+            logger.warning("sessionkv: handle channel send failed: %r", exc)
+            return False
+        self._seq += 1
+        return True
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._context.term()
