@@ -41,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(repeatable; events/replay: its KV-event PUB and replay sockets)")
     p.add_argument("--decode", action="append", default=[], metavar="SPEC",
                    help="decode engine: URL or url=URL,events=EP,replay=EP[,topic=T]"
-                        "[,early=EP] (repeatable; early: the engine's early-decode socket, "
-                        "its connector's early_decode_port)")
+                        "[,early=EP][,handles=EP] (repeatable; early: the engine's "
+                        "early-decode socket, its connector's early_decode_port; handles: "
+                        "its handle channel, its connector's handle_channel_port)")
     p.add_argument("--redis-url", help="share the index and sessions through Redis: "
                         "redis://HOST:PORT/DB, or redis+cluster://HOST:PORT (any node) "
                         "for a Redis Cluster (default: in-process, this replica only)")
