@@ -26,7 +26,6 @@ from helpers import (
     chat_body,
     metric_sum,
     post,
-    reset_prefix_cache,
     wait_until,
 )
 from vllm_sessionkv.dev.launch import start_process, stop_all, wait_healthy
@@ -34,7 +33,7 @@ from vllm_sessionkv.dev.launch import start_process, stop_all, wait_healthy
 pytestmark = pytest.mark.cluster
 
 SYSTEM = " ".join(f"Rule {i}: answer briefly, keep tests real, never guess the {i}th fact."
-                  for i in range(60))
+                  for i in range(12))   # about 700 tokens of the tiny model
 
 
 def _start_proxy(cluster, channel: bool, log_dir):
@@ -75,7 +74,10 @@ def _two_streamed_turns(cluster, proxy: str, session: str) -> dict:
     if "handle_channel" in requests.get(proxy + "/health", timeout=10).json():
         wait_until(lambda: _stored(proxy, d_url) > stored_before, 30,
                    "turn 1's handle on the proxy's channel")
-    reset_prefix_cache(p_url)   # only D holds turn 1's prompt now
+    # Only D holds turn 1's prompt now.  A reset answers success: false while P
+    # still holds blocks for a read (D's of turn 1): asked again until it succeeds.
+    wait_until(lambda: requests.post(p_url + "/reset_prefix_cache", timeout=30)
+               .json().get("success") is True, 30, "P's prefix cache reset")
     pulled_before = metric_sum(p_url, "sessionkv_prompt_tokens_total",
                                source="pulled_from_peer")
     messages += [{"role": "assistant", "content": first.text},
@@ -107,6 +109,7 @@ def proxies(pd_cluster, tmp_path_factory):
 
 def test_streamed_chat_pulls_from_d_on_the_next_turn_without_redis(pd_cluster, proxies):
     turn2 = _two_streamed_turns(pd_cluster, proxies["channel"], "stream-channel")
+    print(f"with the channel, turn 2: {turn2}")
     assert turn2["handle"] == "attached", turn2
     acct = turn2["accounting"]
     # P pulled at least the blocks of turn 1's system prompt from D.
@@ -116,6 +119,7 @@ def test_streamed_chat_pulls_from_d_on_the_next_turn_without_redis(pd_cluster, p
 
 def test_control_without_the_channel_a_streamed_turn_leaves_no_handle(pd_cluster, proxies):
     turn2 = _two_streamed_turns(pd_cluster, proxies["none"], "stream-none")
+    print(f"without the channel, turn 2: {turn2}")
     assert turn2["handle"] == "none", turn2
     assert turn2["accounting"].get("pulled_from_peer_tokens", 0) == 0, turn2
     assert turn2["pulled_on_p"] == 0, turn2
