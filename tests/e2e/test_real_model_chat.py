@@ -1,0 +1,200 @@
+"""A real instruct model through P/D, in chat text, against a co-located server.
+
+The model is SmolLM2-135M-Instruct, built by ``sessionkv-real-model`` from its PyPI
+wheel (the session fixture ``real_model``), served in float32 (``--dtype``: in bfloat16
+a P/D answer and a co-located one can part at near-ties when the prefill is split
+differently, which would hide real faults in noise).  1P+1D+Redis behind our proxy,
+disaggregation forced (every turn goes P -> D), pulls priced as this model costs on a
+CPU (``real_model.CPU_COST``: P pulls D's blocks of an earlier answer rather than
+recomputing them, so the D -> P path runs too), a plain co-located server as the baseline, and a P that runs
+the model with its k/v projections scaled by -3 for the negative control.
+
+The session is what a chat client sends: a system prompt, tools in the request, a
+coding task, tool results, the model's answers kept in history as text, streamed and
+non-streamed turns, and one turn whose earlier answer the client trims to its last
+line.  Each answer must equal the co-located server's in text and token ids, with the
+top-5 logprobs within ``REAL_LOGPROB_TOLERANCE``.
+
+Cost on the 2-core machine: the model build (about 25 s), the cluster's start (four
+engines; vLLM compiles the model once per machine, minutes when its compile cache is
+cold) and the turns (short prompts: a few seconds each); see docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster import TEST_KV_CACHE_GB, free_port_block, launch_cluster, stop_cluster
+from helpers import Generation, chat_body, compare, fresh_prefill_params, post
+
+from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
+from vllm_sessionkv.dev.real_model import (
+    CPU_COST,
+    MARKER_NAME,
+    SERVED_NAME,
+    WHEEL_SHA256,
+    build_real_model,
+)
+
+DTYPE = "float32"
+MAX_MODEL_LEN = 4096
+MAX_TOKENS = 40
+# float32 P/D against float32 co-located on this model: equal runs differ by rounding
+# in how the prefill is split (measured below 1e-4); KV from the perturbed P moves
+# them by whole units.
+REAL_LOGPROB_TOLERANCE = 1e-3
+
+SYSTEM = ("You are a careful Python coding assistant. Answer briefly, with code when "
+          "the user asks for code.")
+TOOLS = [{"type": "function", "function": {
+    "name": "run_tests", "description": "Run the project's unit tests and report results.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
+# (user text, streamed, trim the previous answer to its last line first)
+TURNS = [
+    ("Write a Python function reverse(s) that returns the string s reversed.", False, False),
+    ("Tool result from run_tests: 3 passed, 0 failed. Now make it strip surrounding "
+     "whitespace first.", True, False),
+    ("Tool result from run_tests: 1 failed: test_none (reverse(None) raised TypeError). "
+     "Fix it.", False, False),
+    ("Thanks. In one sentence, what did we change?", True, True),
+]
+
+
+def last_line(text: str) -> str:
+    """What a client that trims an earlier answer keeps of it."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text
+
+
+def chat_request(messages: list[dict], stream: bool, session: str) -> dict:
+    return chat_body(SERVED_NAME, messages, max_tokens=MAX_TOKENS, stream=stream,
+                     ignore_eos=False, tools=TOOLS, tool_choice="none",
+                     prompt_cache_key=session)
+
+
+def same(got: Generation, base: Generation) -> bool:
+    result = compare(got, base)
+    return (got.text == base.text and result.token_mismatches == 0
+            and result.max_logprob_diff <= REAL_LOGPROB_TOLERANCE)
+
+
+def run_session(serve, colocated: str, session: str, turns=TURNS, system: str = SYSTEM
+                ) -> list[dict]:
+    """Drive the chat session through ``serve(body) -> Generation`` and the co-located
+    server alike; returns one record per turn."""
+    messages = [{"role": "system", "content": system}]
+    records = []
+    for n, (user, stream, trim) in enumerate(turns, 1):
+        if trim:
+            messages[-1] = {"role": "assistant", "content": last_line(messages[-1]["content"])}
+        messages.append({"role": "user", "content": user})
+        body = chat_request(messages, stream, session)
+        got = serve(body)
+        base = post(colocated, "/v1/chat/completions", body)
+        result = compare(got, base)
+        records.append({"turn": n, "stream": stream, "trimmed": trim, "got": got,
+                        "base": base, "comparison": result, "same": same(got, base),
+                        "prefill": json.loads(got.headers.get("x-sessionkv-prefill", "{}")),
+                        "route": got.headers.get("x-sessionkv-route")})
+        print(f"turn {n} stream={stream} trimmed={trim} route={records[-1]['route']} "
+              f"{result} text_equal={got.text == base.text} prefill={records[-1]['prefill']}"
+              f"\n  answer: {got.text[:120]!r}")
+        messages.append({"role": "assistant", "content": base.text})
+    return records
+
+
+@pytest.fixture(scope="module")
+def real_cluster(real_model, perturbed_real_model, tmp_path_factory):
+    """1P+1D+Redis+proxy from local_cluster.py in float32, forced disaggregation; a
+    co-located server and the perturbed-model P beside it."""
+    log_dir = tmp_path_factory.mktemp("real-cluster-logs")
+    cluster = launch_cluster(real_model, log_dir, [
+        "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE,
+        "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
+        "--decode-only-max-uncached-tokens", "-1",
+        "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
+        "--sessionkv-config", json.dumps({"cost": CPU_COST}),
+    ], ready_timeout_s=900)
+    extra = []
+    try:
+        base = free_port_block(3)
+        common = {"served_model_name": SERVED_NAME, "dtype": DTYPE,
+                  "max_model_len": MAX_MODEL_LEN, "kv_cache_space_gb": TEST_KV_CACHE_GB}
+        colocated = EngineSpec(role="colocated", model=real_model, port=base, **common)
+        perturbed = EngineSpec(role="prefill", model=perturbed_real_model, port=base + 1,
+                               side_channel_port=base + 2,
+                               nixl_extra={"enforce_handshake_compat": False}, **common)
+        extra = [start_engine(colocated, "colocated", log_dir),
+                 start_engine(perturbed, "perturbed-prefill", log_dir)]
+        wait_healthy([(extra[0], colocated.url), (extra[1], perturbed.url)], timeout_s=900)
+        cluster.colocated = colocated.url
+        cluster.extras["perturbed_prefill"] = perturbed.url
+        yield cluster
+    finally:
+        stop_all(extra)
+        report = stop_cluster(cluster)
+        assert not report["alive"], report
+
+
+def test_model_tool_builds_a_plain_float32_model(real_model):
+    """The session fixture built it from the wheel; a second build is a no-op."""
+    from pathlib import Path
+
+    folder = Path(real_model)
+    marker = json.loads((folder / MARKER_NAME).read_text())
+    assert marker["wheel_sha256"] == WHEEL_SHA256
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config, config
+    assert config["dtype"] == "float32" and config["num_hidden_layers"] == 30
+    assert "<|im_start|>" in (folder / "chat_template.jinja").read_text()
+    _, converted = build_real_model(folder)
+    assert not converted
+
+
+@pytest.mark.cluster
+def test_served_model_answers_a_known_question(real_cluster):
+    body = chat_body(SERVED_NAME, [{"role": "user", "content": "What is the capital of France?"}],
+                     max_tokens=16, ignore_eos=False)
+    got = post(real_cluster.proxy, "/v1/chat/completions", body)
+    print(f"answer through P/D: {got.text!r}")
+    assert "Paris" in got.text, got.text
+    assert same(got, post(real_cluster.colocated, "/v1/chat/completions", body))
+
+
+@pytest.mark.cluster
+def test_chat_session_through_pd_equals_colocated(real_cluster):
+    records = run_session(lambda body: post(real_cluster.proxy, "/v1/chat/completions", body),
+                          real_cluster.colocated, "real-chat")
+    for r in records:
+        assert r["route"] == "disaggregated", r["route"]
+        assert r["same"], (f"turn {r['turn']}: {r['comparison']}, text "
+                           f"{r['got'].text!r} vs {r['base'].text!r}")
+    pulled = sum(r["prefill"].get("pulled_from_peer_tokens", 0) for r in records)
+    assert pulled > 0, "P pulled nothing from D in the session"
+
+
+def _via_perturbed_prefill(cluster):
+    """P (the perturbed model) then D, as the proxy drives a disaggregated turn."""
+    def serve(body: dict) -> Generation:
+        p_out = post(cluster.extras["perturbed_prefill"], "/v1/chat/completions",
+                     dict(body, max_tokens=1, stream=False,
+                          kv_transfer_params=fresh_prefill_params()))
+        return post(cluster.decode[0], "/v1/chat/completions",
+                    dict(body, kv_transfer_params=p_out.raw["kv_transfer_params"]))
+    return serve
+
+
+@pytest.mark.cluster
+def test_negative_control_perturbed_prefill_fails_the_comparison(real_cluster):
+    """The same comparison on a turn whose KV came from the perturbed P: it must fail,
+    so the session test above can."""
+    records = run_session(_via_perturbed_prefill(real_cluster), real_cluster.colocated,
+                          "real-chat-negative", turns=TURNS[:1],
+                          system=SYSTEM + " Negative control.")
+    got = records[0]["got"]
+    acct = got.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+    assert acct["pulled_from_peer_tokens"] > 0, acct
+    assert not records[0]["same"], "D's answer ignored the perturbed KV it was handed"
