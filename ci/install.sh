@@ -66,7 +66,7 @@ fi
 # pyproject.toml.  The test extras include the demo's, so a demo after the tests skips.
 # real-model: the real-model tests' converter (gguf, accelerate; vllm_sessionkv/dev/real_model.py).
 test_extras=cpu,proxy,test,real-model
-extras=cpu,proxy
+extras=cpu,proxy,real-model  # the demo builds the real model
 [ $purpose = demo ] || extras=$test_extras
 stamp="$VENV/.sessionkv-installed"
 pyproject_sha=$(sha256sum pyproject.toml | cut -d' ' -f1)

@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="every engine's --dtype (the co-located one too): bfloat16 is "
                         "faster on CPU; float32 where answers are compared with another "
                         "engine's, since bf16 near-ties flip with how a prefill is split")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="every engine without torch.compile (vLLM's --enforce-eager): no "
+                        "compile warm-up at start, slower steps")
     p.add_argument("--kv-cache-gb", type=float, default=1.0,
                    help="KV cache per engine in GiB on CPU (--kv-cache-memory-bytes)")
     p.add_argument("--decode-kv-cache-gb", type=float,
@@ -145,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             decode_kv_cache_space_gb=args.decode_kv_cache_gb,
             connector=args.connector, sessionkv=json.loads(args.sessionkv_config),
             nixl_extra=json.loads(args.nixl_extra_config),
+            engine_extra_args=["--enforce-eager"] if args.enforce_eager else [],
             gpus=args.gpus.split(",") if args.gpus else None,
             early_decode=not args.no_early_decode,
             handle_channel=not args.no_handle_channel, fail_fast=args.fail_fast,

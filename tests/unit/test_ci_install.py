@@ -144,7 +144,7 @@ def test_the_demo_installs_only_what_it_runs(machine):
     done = machine.run("install.sh", "--demo")
     assert done.returncode == 0, done.stderr
     assert sorted(machine.apt_installs()) == ["python3-venv", "redis-server"]
-    assert machine.pip_installs() == ["python -m pip install -e .[cpu,proxy]"]
+    assert machine.pip_installs() == ["python -m pip install -e .[cpu,proxy,real-model]"]
 
 
 def test_a_rerun_skips_everything_and_needs_no_network(machine):

@@ -230,3 +230,26 @@ def test_every_engine_of_a_cluster_runs_the_clusters_dtype(monkeypatch, tmp_path
     assert specs[-1].dtype == "float32"
     with pytest.raises(SystemExit):
         cli.main([*common, "--dtype", "fp32"])
+
+
+def test_local_cluster_can_start_every_engine_eager(monkeypatch, tmp_path):
+    cli = _local_cluster_main()
+    specs = []
+
+    class NoStart:
+        def __init__(self, spec):
+            specs.append(spec)
+
+        def start(self):
+            raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(cli, "LocalCluster", NoStart)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
+    assert cli.main(common) == 1
+    assert specs[-1].engine_extra_args == []
+    assert cli.main([*common, "--enforce-eager"]) == 1
+    cluster = LocalCluster(specs[-1])
+    for engine in (cluster._engine("prefill", 0, "prefill0"), cluster._colocated_engine()):
+        assert "--enforce-eager" in engine_command(engine)[0]
