@@ -34,37 +34,34 @@ import msgspec
 from vllm_sessionkv._vllm import engine_state, nixl_state, pacing, side_channel, version
 from vllm_sessionkv._vllm import first_token as vllm_first_token
 from vllm_sessionkv.config import SessionKVConfig
-from vllm_sessionkv.wire.cost import (
-    LinkModel,
-    PullQuote,
-    RecomputeModel,
-    decide_pull,
-    decide_sync_load,
-    transfer_time_s,
-)
+from vllm_sessionkv.wire.cost import LinkModel
 from vllm_sessionkv.early_decode import EarlyDecodeInbox, Outcome
 from vllm_sessionkv.wire.early_decode import EarlyDecodeSender
 from vllm_sessionkv.first_token import handoff_refusal
 from vllm_sessionkv.guard import SendLedger, decode_call, encode_answer, new_hold_token
 from vllm_sessionkv.handle_channel import HandleChannel
-from vllm_sessionkv.wire.hashing import decode_chain, encode_chain, full_blocks
+from vllm_sessionkv.wire.hashing import encode_chain, full_blocks
 from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.metadata import HostCopy, HostCopyKind, StepInstructions
 from vllm_sessionkv.wire.protocol import (
     EARLY_DECODE_PUSHED_KEY,
     SESSIONKV_PARAMS_KEY,
-    PayloadError,
     SessionPayload,
-    TokenAccounting,
-    UnsupportedVersion,
     encode_payload,
-    handle_expired,
-    payload_from_params,
 )
 from vllm_sessionkv.publisher import HandlePublisher
+from vllm_sessionkv.scheduling import remote_plan
+from vllm_sessionkv.scheduling.accounting import (
+    account_decision,
+    accounting,
+    record_accounting,
+)
+from vllm_sessionkv.scheduling.pricing import Pricing
+from vllm_sessionkv.scheduling.remote_plan import D_TO_P, P_TO_D, RemotePlan
+from vllm_sessionkv.scheduling.request_state import RequestState, RequestStates
 from vllm_sessionkv.stats import SessionKVStats
-from vllm_sessionkv.verification import LocalPrompt, RemoteKV, Verdict, verify_remote_kv
+from vllm_sessionkv.verification import LocalPrompt, Verdict
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -87,56 +84,18 @@ _USED_FIRST_TOKENS_KEPT = 4096
 # worker.
 _NIXL_EXPIRY_BACKSTOP_S = 5.0
 
-_REMOTE_FIELDS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
-
-
-def _names_remote_blocks(params: dict[str, Any]) -> bool:
-    """The handle stock code needs to queue a read: blocks and where they live."""
-    return bool(params.get("remote_block_ids")) and all(k in params for k in _REMOTE_FIELDS)
-
-
-class _Plan(msgspec.Struct):
-    """What we decided for one request, kept until it finishes."""
-
-    direction: str                 # "d_to_p" (session pull) or "p_to_d"
-    verdict: Verdict
-    local_hit_tokens: int
-    load_tokens: int               # tokens we ask vLLM to load
-    decision: str                  # "pull", "recompute", "refused", "none"
-    pull_s: float = 0.0
-    recompute_s: float = 0.0
-    engine_load: float = 0.0       # the estimate the decision was priced at
-    accounted: bool = False
-    failed: bool = False           # the load failed or expired; vLLM recomputed
-    pull_started_s: float = 0.0    # perf_counter when the read was queued
-    pull_ms: float = 0.0           # queued to received, as the scheduler sees it
-    remote_engine_id: str = ""
-    sync: bool = False             # read inside the step that computes the request
-    sync_block_ids: frozenset[int] = frozenset()   # its destinations (group 0)
-    first_token: bool = False      # continues from P's token (all prompt KV loaded)
-
-
 class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.config = config
         nixl_state.disable_stock_recompute_threshold(self)
         self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
-        self.kv_bytes_per_token = engine_state.kv_bytes_per_token(kv_cache_config, self.block_size)
-        cost = config.cost
-        self.recompute_model = RecomputeModel(
-            s_per_token=cost.recompute_s_per_token,
-            s_per_token_per_context_token=cost.recompute_s_per_token_per_context_token,
-            load_slowdown_per_unit=cost.load_slowdown_per_unit)
-        self.link_bytes_per_s = cost.link_bytes_per_s
-        self.engine_load = 0.0
-        # Requests vLLM has asked about and not yet finished: when a request finds
-        # none, the engine was idle, whatever its last busy steps left in the estimate.
-        self._live_requests: set[str] = set()
+        self.pricing = Pricing(
+            config.cost, engine_state.kv_bytes_per_token(kv_cache_config, self.block_size),
+            host_link=LinkModel(bytes_per_s=config.host_copy_bytes_per_s,
+                                per_transfer_s=config.host_copy_per_transfer_s))
         self.stats = SessionKVStats()
-        self._plans: dict[str, _Plan] = {}
-        # Local prefix hits of requests that involve no remote KV, for accounting.
-        self._local_hits: dict[str, int] = {}
+        self._requests = RequestStates()
         # Session holds (D): which request's blocks each session keeps, until when.
         self._holds = HoldTable()
         self._holds_to_release: set[str] = set()   # for the next step's metadata
@@ -165,16 +124,11 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             self.host = HostTierManager(config.host_tier_bytes,
                                         engine_state.kv_bytes_per_block(kv_cache_config),
                                         config.host_tier_policy)
-        self.host_link = LinkModel(bytes_per_s=config.host_copy_bytes_per_s,
-                                   per_transfer_s=config.host_copy_per_transfer_s)
         # Ordered copy operations for the worker's next step, and slots pinned by
         # loads, released two metadata builds later (the worker may run a step behind).
         self._host_ops: list[HostCopy] = []
         self._host_pins: list[list[list[int]]] = [[], []]
         self._host_counted = (0, 0, 0)
-        # Host restores decided for a request: (start_block, num_blocks).
-        self._host_plans: dict[str, tuple[int, int]] = {}
-        self._host_restored: dict[str, int] = {}
         # As P: pushes our parameters straight to the D holding the request.
         self._early_sender: EarlyDecodeSender | None = None
         # Synchronous reads: peers we have read from (no handshake left to wait for),
@@ -186,8 +140,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         self._warm_engines: set[str] = set()
         self._sync_reads_next: set[str] = set()
         self._sync_reads_in_step: set[str] = set()
-        # First-token handoff, as D: the token each request continues from, and the
-        # P requests whose token was used (insertion-ordered, bounded).
+        # First-token handoff, as D: the P requests whose token was used
+        # (insertion-ordered, bounded).
         self.max_model_len = vllm_config.model_config.max_model_len
         self._first_token_unsupported = (
             vllm_first_token.first_token_unsupported(vllm_config) if config.first_token_handoff
@@ -195,7 +149,6 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if config.first_token_handoff and self._first_token_unsupported:
             logger.info("sessionkv first-token handoff off on this engine: %s",
                         self._first_token_unsupported)
-        self._first_tokens: dict[str, int] = {}
         self._used_first_tokens: dict[str, None] = {}
         # As D: requests sent while P prefills wait here for P's parameters.
         self.early_decode: EarlyDecodeInbox | None = None
@@ -237,117 +190,33 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         return encode_answer(answer)
 
     # ------------------------------------------------------------------ inputs
-    @staticmethod
-    def _payload(params: dict[str, Any] | None) -> SessionPayload:
-        """Our part of a request's params; empty when absent or unreadable (a claim
-        in an unreadable payload is refused by ``_remote_kv``)."""
-        try:
-            return payload_from_params(params)
-        except PayloadError:
-            return SessionPayload()
-
-    def _remote_kv(self, params: dict[str, Any]) -> tuple[RemoteKV | None, str | None]:
-        """(the remote's claim, None), (None, None) when the params carry no chain,
-        or (None, reason) when the payload is refused whole."""
-        try:
-            ours = payload_from_params(params)
-            if ours.hash_chain is None:
-                return None, None
-            return RemoteKV(
-                num_tokens=int(params.get("remote_num_tokens") or 0),
-                block_size=ours.block_size, hash_algo=ours.hash_algo,
-                chain=decode_chain(ours.hash_chain), tail_token_ids=ours.tail_token_ids,
-                tenant=ours.tenant), None
-        except UnsupportedVersion as exc:
-            logger.warning("sessionkv: handle not used: %s", exc)
-            return None, "unsupported_version"
-        except (PayloadError, TypeError, ValueError) as exc:
-            logger.warning("sessionkv: malformed handle (%s); not used", exc)
-            return None, "malformed_handle"
-
-    def _plan(self, request: Request, num_computed_tokens: int) -> _Plan | None:
+    def _plan(self, request: Request, num_computed_tokens: int,
+              state: RequestState) -> RemotePlan | None:
         params = request.kv_transfer_params
-        if not params:
+        way = remote_plan.direction(params)
+        if way is None or nixl_state.remote_blocks_processed(params):
             return None
-        is_p_to_d = bool(params.get("do_remote_prefill"))
-        is_d_to_p = bool(params.get("do_remote_decode")) and _names_remote_blocks(params)
-        if not (is_p_to_d or is_d_to_p) or nixl_state.remote_blocks_processed(params):
-            return None
-        cached = self._plans.get(request.request_id)
+        cached = state.plan
         if cached is not None and cached.local_hit_tokens == num_computed_tokens:
             return cached
         # Asked again with a different local hit (the request waited while other
         # requests filled the prefix cache): plan afresh, or the load would start
         # past the verified prefix.
-
-        prompt = request.prompt_token_ids or []
-        max_loadable = (nixl_state.remote_prefill_token_count(self, len(prompt)) if is_p_to_d
-                        else request.num_prompt_tokens)
-        remote, refusal = self._remote_kv(params)
-        if refusal is not None:
-            verdict = Verdict(verified_tokens=0,
-                              refused_tokens=min(int(params.get("remote_num_tokens") or 0),
-                                                 max_loadable),
-                              reason=refusal)
-        elif remote is None:
-            if is_d_to_p:
-                # A D->P handle without a hash chain cannot be verified: never attach it.
-                verdict = Verdict(verified_tokens=0,
-                                  refused_tokens=min(int(params.get("remote_num_tokens") or 0),
-                                                     request.num_prompt_tokens),
-                                  reason="unverifiable_handle")
-            else:
-                # P->D from a stock P: vLLM's own contract (P computed this very prompt).
-                verdict = Verdict(verified_tokens=max_loadable, refused_tokens=0,
-                                  reason="unverified_p_to_d")
-        else:
-            local = LocalPrompt(prompt_token_ids=prompt,
-                                block_hashes=request.block_hashes,
-                                block_size=self.block_size, hash_algo=self.hash_algo,
-                                tenant=engine_state.request_cache_salt(request),
-                                max_loadable_tokens=max_loadable)
-            verdict = verify_remote_kv(local, remote)
-        ours = self._payload(params)
-        if is_d_to_p and handle_expired(ours.expires_at_unix_s, time.time(),
-                                        self.config.expiry_margin_s):
-            # D's lease is over (or nearly): its blocks may already hold other KV.
-            verdict = Verdict(verified_tokens=0,
-                              refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
-                              reason="expired_handle")
-        elif is_d_to_p and self.config.pull_guard and not ours.hold_token and \
-                verdict.verified_tokens:
-            # D cannot be asked to keep the blocks while we read them (guard.py).
-            verdict = Verdict(verified_tokens=0,
-                              refused_tokens=verdict.verified_tokens + verdict.refused_tokens,
-                              reason="unguarded_handle")
+        verdict = self._verdict(request, params, way, state)
         # Decided once per request (the token becomes its first output); a re-plan
         # for a new local hit keeps the decision, since the verdict does not change.
         first_token = (cached.first_token if cached is not None
-                       else is_p_to_d and self._continue_from_first_token(request, params,
-                                                                        verdict))
-        load_tokens = max(0, verdict.verified_tokens - num_computed_tokens)
-        decision, pull_s, recompute_s = ("pull" if load_tokens else "none"), 0.0, 0.0
-        if verdict.refused_whole_handle:
-            decision = "refused"
-        if is_d_to_p and load_tokens:
-            priced = decide_pull(
-                PullQuote(pull_tokens=load_tokens, context_tokens=num_computed_tokens,
-                          kv_bytes_per_token=self.kv_bytes_per_token,
-                          engine_load=self.engine_load),
-                self.recompute_model,
-                LinkModel(bytes_per_s=self.link_bytes_per_s,
-                          per_transfer_s=self.config.cost.per_transfer_s),
-                min_pull_tokens=self.config.cost.min_pull_tokens)
-            pull_s, recompute_s = priced.pull_s, priced.recompute_s
-            if not priced.pull:
-                decision, load_tokens = "recompute", 0
-        plan = _Plan(direction="p_to_d" if is_p_to_d else "d_to_p", verdict=verdict,
-                     local_hit_tokens=num_computed_tokens, load_tokens=load_tokens,
-                     decision=decision, pull_s=pull_s, recompute_s=recompute_s,
-                     engine_load=self.engine_load, first_token=first_token,
-                     remote_engine_id=str(params.get("remote_engine_id") or ""))
+                       else way == P_TO_D and self._continue_from_first_token(
+                           request, params, verdict, state))
+        decision, load_tokens, pull_s, recompute_s = remote_plan.decide_load(
+            verdict, way, num_computed_tokens, self.pricing)
+        plan = RemotePlan(direction=way, verdict=verdict,
+                          local_hit_tokens=num_computed_tokens, load_tokens=load_tokens,
+                          decision=decision, pull_s=pull_s, recompute_s=recompute_s,
+                          engine_load=self.pricing.engine_load, first_token=first_token,
+                          remote_engine_id=str(params.get("remote_engine_id") or ""))
         self._choose_sync_read(request, plan)
-        self._plans[request.request_id] = plan
+        state.plan = plan
         logger.info(
             "sessionkv plan request_id=%s session_id=%s direction=%s decision=%s "
             "verify=%s verified_tokens=%d refused_tokens=%d local_hit_tokens=%d "
@@ -356,16 +225,32 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             request.request_id, engine_state.request_session_id(request), plan.direction,
             decision, verdict.reason, verdict.verified_tokens, verdict.refused_tokens,
             num_computed_tokens, plan.load_tokens, "sync" if plan.sync else "async",
-            first_token, request.num_prompt_tokens, pull_s, recompute_s, self.engine_load,
-            self.link_bytes_per_s)
+            first_token, request.num_prompt_tokens, pull_s, recompute_s,
+            self.pricing.engine_load, self.pricing.link_bytes_per_s)
         return plan
 
+    def _verdict(self, request: Request, params: dict[str, Any], way: str,
+                 state: RequestState) -> Verdict:
+        prompt = request.prompt_token_ids or []
+        max_loadable = (nixl_state.remote_prefill_token_count(self, len(prompt))
+                        if way == P_TO_D else request.num_prompt_tokens)
+        read = state.read
+        claim, refusal = remote_plan.remote_claim(params, read.payload, read.refusal,
+                                                  read.error)
+        local = LocalPrompt(prompt_token_ids=prompt, block_hashes=request.block_hashes,
+                            block_size=self.block_size, hash_algo=self.hash_algo,
+                            tenant=engine_state.request_cache_salt(request),
+                            max_loadable_tokens=max_loadable)
+        return remote_plan.judge(params, read.payload, claim, refusal, way, local,
+                                 request.num_prompt_tokens, time.time(),
+                                 self.config.expiry_margin_s, self.config.pull_guard)
+
     def _continue_from_first_token(self, request: Request, params: dict[str, Any],
-                                   verdict: Verdict) -> bool:
+                                   verdict: Verdict, state: RequestState) -> bool:
         """Continue from the token P sampled, if P sent one and the request allows
         (``first_token.handoff_refusal``); then every verified prompt token is
         loaded and D's first step starts at the token after P's."""
-        token_id = self._payload(params).first_token_id
+        token_id = state.payload.first_token_id
         if token_id is None:
             return False
         refusal = "engine_unsupported" if self._first_token_unsupported else None
@@ -386,10 +271,10 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             if len(self._used_first_tokens) > _USED_FIRST_TOKENS_KEPT:
                 del self._used_first_tokens[next(iter(self._used_first_tokens))]
         vllm_first_token.continue_from_token(request, token_id)
-        self._first_tokens[request.request_id] = token_id
+        state.first_token_id = token_id
         return True
 
-    def _choose_sync_read(self, request: Request, plan: _Plan) -> None:
+    def _choose_sync_read(self, request: Request, plan: RemotePlan) -> None:
         """Make the plan's read synchronous where ``cost.decide_sync_load`` says so.
 
         Only from a peer this engine has read from: a first read waits for a NIXL
@@ -398,7 +283,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         synchronous read stops short of it."""
         if not (self._sync_reads_possible and plan.load_tokens > 0
                 and plan.remote_engine_id in self._warm_engines
-                and _names_remote_blocks(request.kv_transfer_params or {})):
+                and remote_plan.names_remote_blocks(request.kv_transfer_params or {})):
             # (Without a complete handle stock code queues no read, and a synchronous
             # load would run the forward on blocks nothing wrote.)
             return
@@ -406,24 +291,21 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                           request.num_tokens - 1 - plan.local_hit_tokens)
         if sync_tokens <= 0:
             return
-        cost = self.config.cost
-        read_s = transfer_time_s(sync_tokens * self.kv_bytes_per_token,
-                                 self.link_bytes_per_s, cost.per_transfer_s)
-        if decide_sync_load(read_s, self.engine_load, cost.sync_load_max_stall_s):
+        if self.pricing.sync_read(sync_tokens):
             plan.sync = True
             plan.load_tokens = sync_tokens
 
     # ------------------------------------------------------- scheduler hooks
-    def _is_direct_session_turn(self, params: dict[str, Any]) -> bool:
+    def _is_direct_session_turn(self, params: dict[str, Any],
+                                payload: SessionPayload) -> bool:
         return (not params.get("do_remote_decode") and not params.get("do_remote_prefill")
-                and bool(self._payload(params).session_id)
+                and bool(payload.session_id)
                 and self.is_bidirectional_kv_xfer_enabled)
 
-    def _early_decode_ready(self, request: Request) -> bool:
+    def _early_decode_ready(self, request: Request, ours: SessionPayload) -> bool:
         """False while a D request sent before P finished still waits for P's
         parameters; once they are in (or will not come) the request carries exactly
         what it would have carried if sent after P, and goes on as such."""
-        ours = self._payload(request.kv_transfer_params)
         early_id = ours.early_decode_id
         if not early_id:
             return True
@@ -453,46 +335,40 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
-        self._note_live(request.request_id)
-        if not self._early_decode_ready(request):
+        self.pricing.note_live(request.request_id)
+        state = self._requests.of(request.request_id, request.kv_transfer_params)
+        if not self._early_decode_ready(request, state.payload):
             return None, False   # vLLM asks again at the next step; no blocks held
-        self._early_push_connect(request)
         params = request.kv_transfer_params
+        state = self._requests.of(request.request_id, params)   # P's, after early decode
+        self._early_push_connect(state.payload)
         if nixl_state.remote_blocks_processed(params):
             # Asked again after a failed or declined load (vLLM resets the request to
             # recompute): stock code would claim the remote tokens once more and park
             # the request waiting for a read it never queues again.  Recompute.
-            self._local_hits[request.request_id] = num_computed_tokens
+            state.local_hit_tokens = num_computed_tokens
             return 0, False
-        plan = self._plan(request, num_computed_tokens)
+        plan = self._plan(request, num_computed_tokens, state)
         if plan is None:
-            self._local_hits[request.request_id] = num_computed_tokens
-            host_tokens = self._host_restore_tokens(request, num_computed_tokens)
+            state.local_hit_tokens = num_computed_tokens
+            host_tokens = self._host_restore_tokens(request, num_computed_tokens, state)
             if host_tokens:
                 return host_tokens, False  # a synchronous copy, done before the forward
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if plan.direction == "d_to_p" and not self.is_bidirectional_kv_xfer_enabled:
+        if plan.direction == D_TO_P and not self.is_bidirectional_kv_xfer_enabled:
             # Stock would park the request waiting for a read it never starts (a hang).
             return 0, False
         if plan.load_tokens <= 0:
             return 0, False
         return plan.load_tokens, not plan.sync
 
-    def _note_live(self, request_id: str) -> None:
-        # The load estimate only moves when the engine steps, and an idle engine does
-        # not step: without this reset the first request after a busy spell would be
-        # priced as if that spell were still on (recompute overpriced, every read
-        # made asynchronous).
-        if not self._live_requests:
-            self.engine_load = 0.0
-        self._live_requests.add(request_id)
-
-    def _host_restore_tokens(self, request: Request, num_computed_tokens: int) -> int:
+    def _host_restore_tokens(self, request: Request, num_computed_tokens: int,
+                             state: RequestState) -> int:
         """Tokens to restore from the host tier, if that beats recomputing them.
 
         Only for requests that bring no remote KV (plain requests and turns served on
         D directly); side-effect free except for remembering the decision."""
-        self._host_plans.pop(request.request_id, None)
+        state.host_plan = None
         params = request.kv_transfer_params or {}
         if self.host is None or params.get("do_remote_prefill") or \
                 params.get("do_remote_decode"):
@@ -504,12 +380,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if hit_blocks <= 0:
             return 0
         tokens = hit_blocks * self.block_size
-        priced = decide_pull(
-            PullQuote(pull_tokens=tokens, context_tokens=num_computed_tokens,
-                      kv_bytes_per_token=self.kv_bytes_per_token,
-                      engine_load=self.engine_load),
-            self.recompute_model, self.host_link,
-            min_pull_tokens=self.config.cost.min_pull_tokens)
+        priced = self.pricing.decide(tokens, num_computed_tokens, self.pricing.host_link)
         logger.info(
             "sessionkv host request_id=%s session_id=%s decision=%s host_tokens=%d "
             "local_hit_tokens=%d restore_s=%.6f recompute_s=%.6f",
@@ -518,19 +389,20 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             priced.pull_s, priced.recompute_s)
         if not priced.pull:
             return 0
-        self._host_plans[request.request_id] = (start_block, hit_blocks)
+        state.host_plan = (start_block, hit_blocks)
         return tokens
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
-        host_plan = self._host_plans.pop(request.request_id, None)
+        state = self._requests.of(request.request_id, request.kv_transfer_params)
+        host_plan, state.host_plan = state.host_plan, None
         if host_plan is not None and num_external_tokens > 0 and self.host is not None:
             start_block, num_blocks = host_plan
             slots = self.host.plan_load(request.block_hashes, start_block, num_blocks)
             dst = list(blocks.get_block_ids()[0][start_block:start_block + num_blocks])
             self._host_ops.append(HostCopy(kind=HostCopyKind.LOAD, src=list(slots), dst=dst))
             self._host_pins[-1].append(list(slots))
-            self._host_restored[request.request_id] = num_blocks * self.block_size
-        plan = self._plans.get(request.request_id)
+            state.host_restored_tokens = num_blocks * self.block_size
+        plan = state.plan
         params = request.kv_transfer_params
         if plan is not None and params and not nixl_state.remote_blocks_processed(params):
             # Cut the remote list to the verified prefix *before* stock code queues the
@@ -547,24 +419,24 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 params["remote_block_ids"] = None
             # With nothing to load, stock code sends D a notify-only read, which
             # releases D's hold on the blocks at once.
-            self._account(request, plan)
+            account_decision(self.stats, plan)
             if num_external_tokens:
                 plan.pull_started_s = time.perf_counter()
                 self.stats.record("load_sync" if plan.sync else "load_async")
-                token = self._payload(params).hold_token
+                token = state.payload.hold_token
                 if token and self.config.pull_guard:
                     self._read_guards_next[request.request_id] = token
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             if plan.sync and num_external_tokens:
                 self._queue_sync_read(request, plan, blocks)
             return
-        if params and self._is_direct_session_turn(params):
+        if params and self._is_direct_session_turn(params, state.payload):
             # Served on D without P: D still holds the turn for the next P pull, and
             # the worker only honours a hold for requests it saw in a batch.
             nixl_state.mark_in_batch(self, request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def _queue_sync_read(self, request: Request, plan: _Plan, blocks) -> None:
+    def _queue_sync_read(self, request: Request, plan: RemotePlan, blocks) -> None:
         if not nixl_state.has_queued_read(self, request.request_id):
             # _choose_sync_read checks the handle stock code needs to queue the read.
             raise RuntimeError(f"sessionkv: no read queued for the synchronous load of "
@@ -582,65 +454,6 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         nixl_state.stop_heartbeat(self, request.request_id)
         self._sync_reads_next.add(request.request_id)
 
-    def _account(self, request: Request, plan: _Plan) -> None:
-        if plan.accounted:
-            return
-        plan.accounted = True
-        if plan.direction == "d_to_p":
-            if plan.decision in ("pull", "recompute"):
-                self.stats.record(f"decision_{plan.decision}")
-            if plan.verdict.reason == "expired_handle":
-                self.stats.record("pull_failed")
-            elif plan.verdict.refused_whole_handle:
-                self.stats.record("handle_refused")
-
-    def _forget(self, request_id: str) -> None:
-        self._local_hits.pop(request_id, None)
-        self._host_restored.pop(request_id, None)
-        self._host_plans.pop(request_id, None)
-
-    def _record_accounting(self, acct: TokenAccounting) -> None:
-        for source in ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
-                       "refused_by_verification"):
-            tokens = getattr(acct, f"{source}_tokens")
-            if tokens:
-                self.stats.record(f"prompt_tokens_{source}", tokens)
-
-    def accounting(self, request: Request, plan: _Plan | None) -> TokenAccounting:
-        if plan is None:
-            # No remote KV involved: what was not hit locally or restored from the
-            # host tier was computed here.
-            local = self._local_hits.get(request.request_id, 0)
-            host = self._host_restored.get(request.request_id, 0)
-            return TokenAccounting(
-                prompt_tokens=request.num_prompt_tokens, local_hit_tokens=local,
-                pulled_from_host_tokens=host,
-                recomputed_tokens=max(0, request.num_prompt_tokens - local - host),
-                decision="host:restore" if host else "none")
-        pulled = 0 if plan.failed else plan.load_tokens
-        # When the whole prompt is loaded, vLLM recomputes the last token anyway to
-        # get the first logits (scheduler._update_waiting_for_remote_kv), unless
-        # the request continues from P's token, whose KV comes after the prompt.
-        computed = max(0, request.num_prompt_tokens - plan.local_hit_tokens - pulled)
-        if pulled and computed == 0 and not plan.first_token:
-            pulled, computed = pulled - 1, 1
-        return TokenAccounting(
-            prompt_tokens=request.num_prompt_tokens,
-            local_hit_tokens=plan.local_hit_tokens,
-            pulled_from_peer_tokens=pulled,
-            recomputed_tokens=computed,
-            refused_by_verification_tokens=max(
-                0, plan.verdict.verified_tokens + plan.verdict.refused_tokens
-                - max(plan.verdict.verified_tokens, plan.local_hit_tokens)),
-            pulled_bytes=int(pulled * self.kv_bytes_per_token),
-            pull_ms=round(plan.pull_ms, 3) if pulled else 0.0,
-            priced_pull_ms=round(plan.pull_s * 1e3, 4),
-            priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
-            priced_engine_load=round(plan.engine_load, 3),
-            first_token_from_prefill=plan.first_token,
-            decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
-                     f":{plan.verdict.reason}")
-
     def _take_host_ops(self) -> list[HostCopy]:
         ops, self._host_ops = self._host_ops, []
         if self.host is not None:
@@ -655,12 +468,10 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         return engine_state.host_tier_events(self.host.take_events())
 
     def build_connector_meta(self, scheduler_output):
-        # Smoothed over a few steps: one step between batches says little about how
-        # busy the engine is.
         running = float(engine_state.scheduled_requests(scheduler_output))
-        alpha = self.config.cost.load_ewma_alpha
-        self.engine_load = (1 - alpha) * self.engine_load + alpha * running
-        vllm_first_token.show_first_tokens_to_worker(scheduler_output, self._first_tokens)
+        self.pricing.observe_step(running)
+        vllm_first_token.show_first_tokens_to_worker(scheduler_output,
+                                                     self._requests.first_tokens())
         meta = super().build_connector_meta(scheduler_output)
         instructions = StepInstructions(
             host_copies=self._take_host_ops(), release_holds=self._take_hold_releases(),
@@ -689,21 +500,14 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 connector_output.finished_sending = free_now
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
-        alpha = self.config.cost.bandwidth_ewma_alpha
-        min_bytes = self.config.cost.bandwidth_min_sample_bytes
-        for num_bytes, duration_s in zip(data.get("bytes_transferred", ()),
-                                         data.get("transfer_duration", ())):
-            # Small transfers measure latency, which per_transfer_s already prices;
-            # counting them as bandwidth would drag the estimate down step by step.
-            if num_bytes >= min_bytes and duration_s > 0:
-                self.link_bytes_per_s = ((1 - alpha) * self.link_bytes_per_s
-                                         + alpha * num_bytes / duration_s)
+        self.pricing.observe_transfers(data.get("bytes_transferred", ()),
+                                       data.get("transfer_duration", ()))
         failed = getattr(connector_output, "failed_recving", None) or set()
         # A synchronous read is done by the end of its step and never reported
         # received; a failed one comes back as invalid blocks (vLLM recomputes them).
         received = getattr(connector_output, "finished_recving", None) or set()
         for req_id in received | self._sync_reads_in_step:
-            plan = self._plans.get(req_id)
+            plan = self._plan_of(req_id)
             if plan is not None and plan.pull_started_s:
                 plan.pull_ms = (time.perf_counter() - plan.pull_started_s) * 1e3
                 if req_id in received and req_id not in failed and plan.remote_engine_id:
@@ -711,7 +515,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         self._sync_reads_in_step.clear()
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
-            for req_id, plan in self._plans.items():
+            for req_id, plan in self._requests.planned():
                 if plan.sync and not plan.failed and not plan.sync_block_ids.isdisjoint(
                         invalid):
                     self._pull_failed(req_id, plan)
@@ -723,10 +527,14 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 logger.debug("sessionkv hold released request_id=%s reason=%s", req_id,
                              reason)
         for req_id in failed:
-            self._pull_failed(req_id, self._plans.get(req_id))
+            self._pull_failed(req_id, self._plan_of(req_id))
         super().update_connector_output(connector_output)
 
-    def _pull_failed(self, req_id: str, plan: _Plan | None) -> None:
+    def _plan_of(self, request_id: str) -> RemotePlan | None:
+        state = self._requests.get(request_id)
+        return state.plan if state is not None else None
+
+    def _pull_failed(self, req_id: str, plan: RemotePlan | None) -> None:
         self.stats.record("pull_failed")
         if plan is not None:
             plan.failed = True
@@ -736,25 +544,26 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                        "sync" if plan is not None and plan.sync else "async")
 
     def request_finished(self, request: Request, block_ids):
-        self._live_requests.discard(request.request_id)
-        if self._first_tokens.pop(request.request_id, None) is not None:
-            vllm_first_token.forget_first_token(request.request_id)
+        self.pricing.finished(request.request_id)
         params = request.kv_transfer_params
-        payload = self._payload(params)
+        state = self._requests.of(request.request_id, params)
+        self._requests.pop(request.request_id)
+        if state.first_token_id is not None:
+            vllm_first_token.forget_first_token(request.request_id)
+        payload = state.payload
         if payload.early_decode_id and self.early_decode is not None:
             self.early_decode.forget(payload.early_decode_id)   # aborted while waiting for P
-        plan = self._plans.pop(request.request_id, None)
-        accounting = None
-        if plan is not None or request.request_id in self._local_hits:
-            accounting = self.accounting(request, plan)
-            self._record_accounting(accounting)
+        acct = None
+        if state.plan is not None or state.local_hit_tokens is not None:
+            acct = accounting(request.num_prompt_tokens, state.plan,
+                              state.local_hit_tokens or 0, state.host_restored_tokens,
+                              self.pricing.kv_bytes_per_token)
+            record_accounting(self.stats, acct)
         is_d_node = bool(params) and not params.get("do_remote_decode")
         delay_free, out = super().request_finished(request, block_ids)
         if out is None:
-            self._forget(request.request_id)
             return delay_free, out
         session_id = engine_state.request_session_id(request) or payload.session_id
-        self._forget(request.request_id)
         if is_d_node:
             if not session_id or not delay_free:
                 # Nothing will come back for these blocks by handle; free them now
@@ -762,7 +571,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 if delay_free:
                     nixl_state.cancel_pending_send(self, request.request_id)
                 return False, ({SESSIONKV_PARAMS_KEY: encode_payload(
-                    SessionPayload(accounting=accounting))} if accounting else None)
+                    SessionPayload(accounting=acct))} if acct else None)
             lease_s = self.config.session_lease_s
             nixl_state.set_pending_send_deadline(self, request.request_id,
                                             lease_s + _NIXL_EXPIRY_BACKSTOP_S)
@@ -780,7 +589,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             out["remote_blocks_expiry_time"] = deadline
             out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
                 **self._chain_export(request, out["remote_num_tokens"]),
-                session_id=session_id, accounting=accounting,
+                session_id=session_id, accounting=acct,
                 expires_at_unix_s=nixl_state.pending_send_deadline_unix_s(deadline),
                 engine_url=self.config.advertise_url or None,
                 hold_token=self._guard_hold(request.request_id)))
@@ -798,7 +607,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                               else None)
             out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
                 **self._chain_export(request, out.get("remote_num_tokens") or 0),
-                session_id=session_id or None, accounting=accounting,
+                session_id=session_id or None, accounting=acct,
                 first_token_id=first_token_id,
                 hold_token=self._guard_hold(request.request_id) if delay_free else 0))
             self._push_to_early_decode(payload, out)
@@ -825,9 +634,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             self._early_sender = EarlyDecodeSender()
         return endpoint, early_id
 
-    def _early_push_connect(self, request: Request) -> None:
+    def _early_push_connect(self, payload: SessionPayload) -> None:
         # While P prefills, so the push at the end finds the connection up.
-        target = self._early_push_target(self._payload(request.kv_transfer_params))
+        target = self._early_push_target(payload)
         if target is not None:
             self._early_sender.connect(target[0])
 

@@ -3,7 +3,8 @@ with its own verdict reason (never a KeyError, never a partial read)."""
 
 from __future__ import annotations
 
-from vllm_sessionkv.scheduler import SessionKVScheduler
+from vllm_sessionkv.scheduling.remote_plan import remote_claim
+from vllm_sessionkv.scheduling.request_state import read_payload
 from vllm_sessionkv.verification import REFUSAL_REASONS
 
 PARAMS = {"do_remote_decode": True, "remote_num_tokens": 64,
@@ -11,8 +12,10 @@ PARAMS = {"do_remote_decode": True, "remote_num_tokens": 64,
 
 
 def _read(ours: dict):
-    # _remote_kv reads only its argument.
-    return SessionKVScheduler._remote_kv(None, dict(PARAMS, sessionkv=ours))
+    # The payload is decoded once per request (read_payload), then read as a claim.
+    params = dict(PARAMS, sessionkv=ours)
+    read = read_payload(params)
+    return remote_claim(params, read.payload, read.refusal, read.error)
 
 
 def test_known_version_is_read():

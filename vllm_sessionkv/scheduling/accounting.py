@@ -1,0 +1,76 @@
+"""Where each prompt token of a finished request came from (``TokenAccounting``,
+returned to the proxy in the payload and counted as ``sessionkv_prompt_tokens``), and
+the once-per-request counts of a session pull's decision."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_sessionkv.scheduling.remote_plan import D_TO_P, RemotePlan
+from vllm_sessionkv.wire.protocol import TokenAccounting
+
+if TYPE_CHECKING:
+    from vllm_sessionkv.stats import SessionKVStats
+
+__all__ = ["account_decision", "accounting", "record_accounting"]
+
+_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
+            "refused_by_verification")
+
+
+def accounting(num_prompt_tokens: int, plan: RemotePlan | None, local_hit_tokens: int,
+               host_restored_tokens: int, kv_bytes_per_token: float) -> TokenAccounting:
+    if plan is None:
+        # No remote KV involved: what was not hit locally or restored from the host
+        # tier was computed here.
+        return TokenAccounting(
+            prompt_tokens=num_prompt_tokens, local_hit_tokens=local_hit_tokens,
+            pulled_from_host_tokens=host_restored_tokens,
+            recomputed_tokens=max(0, num_prompt_tokens - local_hit_tokens
+                                  - host_restored_tokens),
+            decision="host:restore" if host_restored_tokens else "none")
+    pulled = 0 if plan.failed else plan.load_tokens
+    # When the whole prompt is loaded, vLLM recomputes the last token anyway to get
+    # the first logits (scheduler._update_waiting_for_remote_kv), unless the request
+    # continues from P's token, whose KV comes after the prompt.
+    computed = max(0, num_prompt_tokens - plan.local_hit_tokens - pulled)
+    if pulled and computed == 0 and not plan.first_token:
+        pulled, computed = pulled - 1, 1
+    verdict = plan.verdict
+    return TokenAccounting(
+        prompt_tokens=num_prompt_tokens,
+        local_hit_tokens=plan.local_hit_tokens,
+        pulled_from_peer_tokens=pulled,
+        recomputed_tokens=computed,
+        refused_by_verification_tokens=max(
+            0, verdict.verified_tokens + verdict.refused_tokens
+            - max(verdict.verified_tokens, plan.local_hit_tokens)),
+        pulled_bytes=int(pulled * kv_bytes_per_token),
+        pull_ms=round(plan.pull_ms, 3) if pulled else 0.0,
+        priced_pull_ms=round(plan.pull_s * 1e3, 4),
+        priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
+        priced_engine_load=round(plan.engine_load, 3),
+        first_token_from_prefill=plan.first_token,
+        decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
+                 f":{verdict.reason}")
+
+
+def record_accounting(stats: SessionKVStats, acct: TokenAccounting) -> None:
+    for source in _SOURCES:
+        tokens = getattr(acct, f"{source}_tokens")
+        if tokens:
+            stats.record(f"prompt_tokens_{source}", tokens)
+
+
+def account_decision(stats: SessionKVStats, plan: RemotePlan) -> None:
+    """Count a session pull's decision once, when its blocks are allocated."""
+    if plan.accounted:
+        return
+    plan.accounted = True
+    if plan.direction == D_TO_P:
+        if plan.decision in ("pull", "recompute"):
+            stats.record(f"decision_{plan.decision}")
+        if plan.verdict.reason == "expired_handle":
+            stats.record("pull_failed")
+        elif plan.verdict.refused_whole_handle:
+            stats.record("handle_refused")
