@@ -4,13 +4,9 @@ the once-per-request counts of a session pull's decision."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from vllm_sessionkv.scheduling.counters import StatsSink
 from vllm_sessionkv.scheduling.remote_plan import D_TO_P, RemotePlan
 from vllm_sessionkv.wire.protocol import TokenAccounting
-
-if TYPE_CHECKING:
-    from vllm_sessionkv.stats import SessionKVStats
 
 __all__ = ["account_decision", "accounting", "record_accounting"]
 
@@ -55,14 +51,14 @@ def accounting(num_prompt_tokens: int, plan: RemotePlan | None, local_hit_tokens
                  f":{verdict.reason}")
 
 
-def record_accounting(stats: SessionKVStats, acct: TokenAccounting) -> None:
+def record_accounting(stats: StatsSink, acct: TokenAccounting) -> None:
     for source in _SOURCES:
         tokens = getattr(acct, f"{source}_tokens")
         if tokens:
             stats.record(f"prompt_tokens_{source}", tokens)
 
 
-def account_decision(stats: SessionKVStats, plan: RemotePlan) -> None:
+def account_decision(stats: StatsSink, plan: RemotePlan) -> None:
     """Count a session pull's decision once, when its blocks are allocated."""
     if plan.accounted:
         return

@@ -1,0 +1,105 @@
+"""Session holds and the guard's ledger as the scheduler drives them, on plain data:
+a hold's lease, supersession, the KV cap, a reset, a claim that delays a release."""
+
+from __future__ import annotations
+
+import itertools
+
+from vllm_sessionkv.guard import GuardCall, GuardOp, decode_answer, encode_call
+from vllm_sessionkv.publisher import HandlePublisher
+from vllm_sessionkv.scheduling.guard_ledger import GuardLedger
+from vllm_sessionkv.scheduling.session_holds import SessionHolds
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.data: dict[str, list] = {}
+
+    def record(self, key: str, value: int | float = 1) -> None:
+        self.data.setdefault(key, []).append(value)
+
+
+def holds(max_blocks: int = 100) -> SessionHolds:
+    return SessionHolds(max_blocks, 0.5, HandlePublisher(None))
+
+
+def guard(enabled: bool = True) -> GuardLedger:
+    tokens = itertools.count(7)
+    return GuardLedger("D", enabled, claim_ttl_s=5.0, new_token=lambda: next(tokens))
+
+
+def claim(ledger: GuardLedger, request_id: str, token: int, now: float) -> bool:
+    raw = encode_call(GuardCall(op=GuardOp.CLAIM, engine_id="D", request_id=request_id,
+                                token=token, reader="p/r", member="tp0", seq=1))
+    return decode_answer(ledger.answer(raw, now)).ok
+
+
+def test_a_lease_ends_at_its_deadline_and_a_newer_turn_supersedes():
+    table, ledger, stats = holds(), guard(enabled=False), Stats()
+    assert table.hold("s", "t1", now_s=0.0, lease_s=10.0, grace_s=1.0, num_blocks=4) == 10.0
+    assert table.take_releases(5.0, ledger) == set()
+    table.hold("s", "t2", now_s=5.0, lease_s=10.0, grace_s=1.0, num_blocks=4)
+    assert table.take_releases(6.5, ledger) == {"t1"}          # superseded, grace over
+    assert table.take_releases(15.5, ledger) == {"t2"}         # lease over
+    table.released(["t1", "t2", "unheld"], stats)
+    assert stats.data == {"session_holds_released_superseded": [1],
+                          "session_holds_released_lease_ended": [1]}
+
+
+def test_holds_over_the_cap_end_oldest_first_and_a_reset_ends_all():
+    table, ledger = holds(max_blocks=6), guard(enabled=False)
+    table.hold("a", "ta", 0.0, 100.0, 1.0, num_blocks=4)
+    table.hold("b", "tb", 1.0, 100.0, 1.0, num_blocks=4)      # 8 > 6: "a" ends
+    assert table.take_releases(2.0, ledger) == {"ta"}
+    assert table.end_all() == 1 and table.take_releases(2.0, ledger) == {"tb"}
+    stats = Stats()
+    table.record_stats(stats)
+    assert stats.data == {"session_holds": [2]}   # the table forgets a hold when released
+
+
+def test_a_claim_delays_a_release_and_the_free_of_its_send():
+    table, ledger, stats = holds(), guard(), Stats()
+    token = ledger.hold_token("t1")
+    assert token == 7
+    table.hold("s", "t1", 0.0, lease_s=10.0, grace_s=1.0, num_blocks=4)
+    assert claim(ledger, "t1", token, now=9.0)
+    assert table.take_releases(10.5, ledger) == set()           # the claim stands
+    # The worker reports the send done; the claim keeps it from being freed.
+    assert ledger.gate({"t1", "other"}, 10.5) == {"other"}
+    assert table.take_releases(14.5, ledger) == {"t1"}          # the claim lapsed
+    assert ledger.take_sent(14.5) == {"t1"}
+    ledger.record_totals(stats)
+    assert stats.data == {"guard_claims_granted": [1], "guard_frees_deferred": [1]}
+    assert not claim(ledger, "t1", token, now=15.0)             # ending: no new claims
+
+
+def test_the_guard_off_gates_nothing_and_gives_no_tokens():
+    ledger = guard(enabled=False)
+    assert ledger.hold_token("t1") == 0 and ledger.gate({"t1"}, 0.0) is None
+    ledger.read_next_step("r", 7)
+    assert ledger.take_reads() == {} and ledger.answer(b"\x00", 0.0) is None
+    on = guard()
+    on.read_next_step("r", 7)
+    on.read_next_step("s", 0)       # an unguarded handle: nothing to claim
+    assert on.take_reads() == {"r": 7} and on.take_reads() == {}
+
+
+def test_a_handle_goes_to_the_handle_channel_too_and_a_failed_send_is_counted():
+    class Channel:
+        def __init__(self, ok: bool) -> None:
+            self.ok, self.sent, self.closed = ok, [], False
+
+        def publish(self, params) -> bool:
+            self.sent.append(params)
+            return self.ok
+
+        def close(self) -> None:
+            self.closed = True
+
+    for ok, key in ((True, "session_handles_sent"), (False, "session_handles_publish_failed")):
+        channel, stats = Channel(ok), Stats()
+        table = SessionHolds(100, 0.5, HandlePublisher(None), channel)
+        table.publish("s", {"remote_num_tokens": 16}, 10.0, stats)
+        assert channel.sent == [{"remote_num_tokens": 16}] and stats.data == {key: [1]}
+        table.close()
+        assert channel.closed
