@@ -111,6 +111,16 @@ class SessionKVPromMetrics(NixlPromMetrics):
             return metrics.prom_counter(self, name=name, documentation=doc,
                                       labelnames=[*labelnames, *extra_labels])
 
+        def gauge(name: str, doc: str):
+            return create_metric_per_engine(metrics.prom_gauge(
+                self, name=name, documentation=doc, labelnames=labelnames,
+                multiprocess_mode="mostrecent"), per_engine_labelvalues)
+
+        def histogram(name: str, doc: str, buckets: list[float]):
+            return create_metric_per_engine(metrics.prom_histogram(
+                self, name=name, documentation=doc, buckets=buckets,
+                labelnames=labelnames), per_engine_labelvalues)
+
         def by_label(name: str, doc: str, label: str, values: tuple[str, ...]):
             """One counter with an extra label: its per-engine children by value."""
             metric = counter(name, doc, (label,))
@@ -158,18 +168,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
                  "Blocks restored from the host-DRAM tier."),
                 ("host_evicted_blocks", "sessionkv_host_evicted_blocks",
                  "Blocks evicted from the host-DRAM tier by its policy."))}
-        self._host_resident = create_metric_per_engine(
-            metrics.prom_gauge(self, name="sessionkv_host_resident_bytes",
-                             documentation="Bytes resident in the host-DRAM tier.",
-                             labelnames=labelnames, multiprocess_mode="mostrecent"),
-            per_engine_labelvalues)
-        self._session_holds = create_metric_per_engine(
-            metrics.prom_gauge(self, name="sessionkv_session_holds",
-                             documentation="Sessions whose last turn's KV this engine "
-                                           "holds for the next turn's pull (until it is "
-                                           "read, superseded or its lease ends).",
-                             labelnames=labelnames, multiprocess_mode="mostrecent"),
-            per_engine_labelvalues)
+        self._host_resident = gauge("sessionkv_host_resident_bytes",
+                                    "Bytes resident in the host-DRAM tier.")
+        self._session_holds = gauge(
+            "sessionkv_session_holds",
+            "Sessions whose last turn's KV this engine holds for the next turn's pull "
+            "(until it is read, superseded or its lease ends).")
         self._holds_released = by_label(
             "sessionkv_session_holds_released",
             "Session holds ended, by reason, each a normal outcome: pulled (the next "
@@ -178,34 +182,30 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "reset (reset_prefix_cache with reset_external), kv_pressure (holds pinned "
             "more than session_hold_max_kv_fraction of the KV; the oldest ended).",
             "reason", RELEASE_REASONS)
-        self._host_restore_s = create_metric_per_engine(
-            metrics.prom_histogram(self, name="sessionkv_host_restore_seconds",
-                                 documentation="Time to restore one request's blocks from "
-                                               "the host-DRAM tier.",
-                                 buckets=[1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0],
-                                 labelnames=labelnames), per_engine_labelvalues)
+        self._host_restore_s = histogram(
+            "sessionkv_host_restore_seconds",
+            "Time to restore one request's blocks from "
+            "the host-DRAM tier.",
+            [1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0])
 
-        self._idle_recv_wait_s = create_metric_per_engine(
-            metrics.prom_histogram(self, name="sessionkv_idle_step_recv_wait_seconds",
-                                 documentation="Time a step with no model to run and "
-                                               "KV reads in flight waited for them (0 "
-                                               "when done at the first poll; "
-                                               "idle_step_recv_wait_s caps it).",
-                                 buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1],
-                                 labelnames=labelnames), per_engine_labelvalues)
+        self._idle_recv_wait_s = histogram(
+            "sessionkv_idle_step_recv_wait_seconds",
+            "Time a step with no model to run and "
+            "KV reads in flight waited for them (0 "
+            "when done at the first poll; "
+            "idle_step_recv_wait_s caps it).",
+            [1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1])
 
         self._loads = by_label(
             "sessionkv_peer_loads",
             "Peer KV reads by mode: sync (read inside the step that computes the request, "
             "which then skips a step) or async (vLLM's way: the request waits for the "
             "read in steps of its own).", "mode", LOAD_MODES)
-        self._sync_load_wait_s = create_metric_per_engine(
-            metrics.prom_histogram(self, name="sessionkv_sync_load_wait_seconds",
-                                 documentation="Time a step's forward waited for its "
-                                               "synchronous peer reads.",
-                                 buckets=[1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1,
-                                          1.0],
-                                 labelnames=labelnames), per_engine_labelvalues)
+        self._sync_load_wait_s = histogram(
+            "sessionkv_sync_load_wait_seconds",
+            "Time a step's forward waited for its "
+            "synchronous peer reads.",
+            [1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0])
         self._sync_load_timeouts = create_metric_per_engine(
             counter("sessionkv_sync_load_timeouts",
                     "Synchronous peer reads not done within sync_load_timeout_s; the "
@@ -217,14 +217,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "parameters came), prefill_failed, timed_out, refused (no early-decode socket "
             "here); all but ready compute the prompt on D.", "outcome",
             EARLY_DECODE_OUTCOMES)
-        self._early_decode_wait_s = create_metric_per_engine(
-            metrics.prom_histogram(self, name="sessionkv_early_decode_wait_seconds",
-                                 documentation="Time a request sent to D while P "
-                                               "prefilled waited in D's scheduler for "
-                                               "P's parameters.",
-                                 buckets=[1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
-                                          1.0, 5.0, 30.0],
-                                 labelnames=labelnames), per_engine_labelvalues)
+        self._early_decode_wait_s = histogram(
+            "sessionkv_early_decode_wait_seconds",
+            "Time a request sent to D while P "
+            "prefilled waited in D's scheduler for "
+            "P's parameters.",
+            [1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0])
 
         self._early_decode_pushes = create_metric_per_engine(
             counter("sessionkv_early_decode_pushes",
