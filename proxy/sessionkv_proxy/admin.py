@@ -31,23 +31,21 @@ import hmac
 import ipaddress
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 from urllib.parse import parse_qs
 
 import aiohttp
 import msgspec
 
-from vllm_sessionkv.wire.redis_keys import RedisKeys
-
 from sessionkv_proxy.errors import ApiError
+from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.redis import delete_matching
-from sessionkv_proxy.redis_link import RedisUnavailable
-from sessionkv_proxy.server import Request, Response
+from sessionkv_proxy.redis_link import RedisLink, RedisUnavailable
+from sessionkv_proxy.server import Request
 
-if TYPE_CHECKING:
-    from sessionkv_proxy.app import ProxyState
-
-__all__ = ["RESET_TIMEOUT_S", "reset", "reset_engines"]
+__all__ = ["RESET_PATH", "RESET_TIMEOUT_S", "authorize", "reset_engines",
+           "timeout_from_query", "withdraw_sessions"]
 
 logger = logging.getLogger("sessionkv_proxy.admin")
 
@@ -56,7 +54,6 @@ RESET_PATH = "/reset_prefix_cache?reset_external=true"
 RESET_TIMEOUT_S = 10.0
 _RETRY_S = 0.05
 _MAX_TIMEOUT_S = 600.0
-_json = msgspec.json.Encoder()
 
 
 def _success_field(raw: bytes) -> bool | None:
@@ -101,13 +98,11 @@ async def _reset_one(http: aiohttp.ClientSession, url: str, timeout_s: float
         await asyncio.sleep(_RETRY_S)
 
 
-async def reset_engines(state: ProxyState, timeout_s: float = RESET_TIMEOUT_S
-                        ) -> tuple[int, dict[str, Any]]:
-    """Reset every engine, in parallel; (status, JSON body) with a result per engine."""
-    assert state.http is not None
-    engines = [e.url for e in state.pool.engines]
-    results = await asyncio.gather(*(_reset_one(state.http, url, timeout_s)
-                                     for url in engines))
+async def reset_engines(http: aiohttp.ClientSession, engines: Sequence[str],
+                        timeout_s: float = RESET_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
+    """Reset every engine (by URL), in parallel; (status, JSON body) with a result
+    per engine."""
+    results = await asyncio.gather(*(_reset_one(http, url, timeout_s) for url in engines))
     by_engine = dict(zip(engines, results))
     failed = [url for url, result in by_engine.items() if not result["success"]]
     if failed:
@@ -119,7 +114,7 @@ async def reset_engines(state: ProxyState, timeout_s: float = RESET_TIMEOUT_S
     return (502 if failed else 200), body
 
 
-def _timeout_from_query(query: str) -> float:
+def timeout_from_query(query: str) -> float:
     values = parse_qs(query).get("timeout_s")
     if not values:
         return RESET_TIMEOUT_S
@@ -133,10 +128,10 @@ def _timeout_from_query(query: str) -> float:
     return seconds
 
 
-def authorize(state: ProxyState, request: Request) -> None:
+def authorize(admin_token: str | None, request: Request) -> None:
     """Refuse (403) an admin call that is neither from loopback nor carries the
     configured admin token."""
-    token = state.config.admin_token
+    token = admin_token
     if token is not None:
         sent = request.headers.get("authorization", "")
         if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
@@ -150,36 +145,23 @@ def authorize(state: ProxyState, request: Request) -> None:
                    "when admin_token is set", type_="permission_error")
 
 
-async def withdraw_sessions(state: ProxyState) -> dict[str, int]:
-    """Drop the session records and the published handles (see the module doc)."""
-    if state.router is not None:
-        # The writes behind earlier requests (records, handles given back) land
-        # first, so that they are withdrawn too.
-        await state.router.flush()
+async def withdraw_sessions(flush: Callable[[], Awaitable[None]], index: KVIndex,
+                            redis: RedisLink | None, handles_pattern: str
+                            ) -> dict[str, int]:
+    """Drop the session records and the published handles (see the module doc).
+    ``flush`` first: the writes behind earlier requests (records, handles given
+    back) land, so that they are withdrawn too."""
+    await flush()
     try:
-        records = await state.index.clear_sessions()
+        records = await index.clear_sessions()
         handles = 0
-        if state.redis is not None:
-            client = state.redis.client
-            pattern = RedisKeys(state.config.index.redis_namespace).handles_pattern
-            handles = await state.redis.call_long(
-                "withdraw_handles", lambda: delete_matching(client, pattern))
+        if redis is not None:
+            client = redis.client
+            handles = await redis.call_long(
+                "withdraw_handles", lambda: delete_matching(client, handles_pattern))
     except RedisUnavailable as exc:
         raise ApiError(503, f"sessions could not be withdrawn, nothing was reset: {exc}",
                        type_="server_error") from None
     logger.info("admin reset: dropped %d session records and %d published handles",
                 records, handles)
     return {"session_records": records, "published_handles": handles}
-
-
-async def reset(state: ProxyState, request: Request) -> Response:
-    authorize(state, request)
-    timeout_s = _timeout_from_query(request.query)
-    dropped = await withdraw_sessions(state)
-    status, body = await reset_engines(state, timeout_s)
-    if state.router is not None:
-        # The routes it remembers name prefixes the engines no longer hold: kept, they
-        # sent long prompts to D alone as if D still had them.
-        state.router.recent.clear()
-    body["dropped"] = dropped
-    return Response(status, _json.encode(body))

@@ -116,9 +116,9 @@ async def engine_tokenize(http: aiohttp.ClientSession, url: str, body: dict) -> 
 
 async def test_chat_routes_on_ids_rendered_in_the_proxy(two_engines, tiny_model) -> None:
     app, proxy = await start_proxy(two_engines, tiny_model)
-    router = app.state.router
+    keys = app.services.router.prompt_keys
     try:
-        assert router.local_chat_ok, "the start-up probes should match the engines"
+        assert keys.local_chat_ok, "the start-up probes should match the engines"
         calls_before = tokenize_calls(two_engines)
         served: dict[str, int] = {}
         routed: dict[str, list[int]] = {}
@@ -138,7 +138,7 @@ async def test_chat_routes_on_ids_rendered_in_the_proxy(two_engines, tiny_model)
             # These engines refuse a request's own template (no
             # --trust-request-chat-template): the probe saw it, so such a request goes
             # to /tokenize and is refused as the engine refuses it.
-            assert not router.request_templates_ok
+            assert not keys.request_templates_ok
             body = chat_body(tiny_model, max_tokens=4, chat_template="{{ messages }}",
                              **CONVERSATIONS["system_user"])
             async with http.post(proxy + "/v1/chat/completions", json=body) as resp:
@@ -172,13 +172,13 @@ def _errors(metrics_text: str, kind: str) -> float:
 async def test_a_template_unlike_the_engines_is_counted_and_not_used(
         two_engines, tiny_model, tmp_path) -> None:
     app, proxy = await start_proxy(two_engines, _other_template_dir(tiny_model, tmp_path / "tok"))
-    router = app.state.router
+    keys = app.services.router.prompt_keys
     try:
         async with aiohttp.ClientSession() as http:
             async with http.get(proxy + "/metrics") as resp:
                 metrics_text = await resp.text()
             assert _errors(metrics_text, "local_chat_template_mismatch") == 1
-            assert router.local_chat is None and router.local_tokenizer_ok
+            assert keys.local_chat is None and keys.local_tokenizer_ok
             body = chat_body(tiny_model, max_tokens=8, **CONVERSATIONS["multi_turn"])
             calls_before = tokenize_calls(two_engines)
             out, headers = await chat(http, proxy, body)

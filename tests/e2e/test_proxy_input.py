@@ -6,7 +6,7 @@ Runs against the session's ``pd_cluster`` proxy (real vLLM P and D behind it).
   ``{"error": {"message", "type", "param", "code"}}``, never a 5xx, a hang or an
   HTML page; afterwards ``/health`` answers 200 and a normal request through the
   same proxy still equals the co-located baseline.
-* The token ids the router hashes into request keys (``Router.prompt_token_ids``,
+* The token ids the router hashes into request keys (``PromptKeys.token_ids``,
   driven here through the proxy's own upstream client against the same engines) are
   exactly the ``prompt_token_ids`` vLLM reports for that request when it is sent
   through the proxy.  If they differed, every index lookup would miss.
@@ -252,7 +252,7 @@ async def _router_token_ids(cluster, body: dict, is_chat: bool) -> list[int] | N
     upstream = UpstreamPool()
     router = Router(config, EnginePool.from_configs(config.engines), index, upstream)
     try:
-        return await router.prompt_token_ids(body, is_chat)
+        return await router.prompt_keys.token_ids(body, is_chat)
     finally:
         await upstream.close()
         await index.close()

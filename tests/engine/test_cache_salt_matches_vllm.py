@@ -5,11 +5,10 @@ one the proxy refuses that vLLM would serve)."""
 from __future__ import annotations
 
 import importlib.util
-from types import SimpleNamespace
 
 import pytest
 
-from sessionkv_proxy.app import _validate
+from sessionkv_proxy.request import validate
 from sessionkv_proxy.errors import ApiError
 
 if importlib.util.find_spec("vllm") is None:
@@ -33,7 +32,7 @@ def _refused_by_vllm(model, body: dict) -> bool:
 
 def _refused_by_proxy(body: dict, is_chat: bool) -> bool:
     try:
-        _validate(dict(body), is_chat, SimpleNamespace(model_ids=frozenset()))
+        validate(dict(body), is_chat, frozenset())
     except ApiError as err:
         assert err.status == 400 and err.param == "cache_salt", err.message
         return True

@@ -146,7 +146,7 @@ async def test_sessions_and_published_handles_are_withdrawn_before_the_engines_r
     handle_keys = []
 
     async def before(proxy):
-        state = proxy.state
+        state = proxy.services
         # As an engine publishes it, in the deployment's namespace.
         handle_keys.append(RedisKeys(state.config.index.redis_namespace).handle(session_key))
         await state.index.put_session(session_key, b"record", 60)
@@ -173,7 +173,7 @@ async def test_the_reset_forgets_the_routes_the_proxy_remembers(free_port):
     recent = []
 
     async def before(proxy):
-        router = proxy.state.router
+        router = proxy.services.router
         router.recent.record([1, 2, 3], ["http://d"], time.time())
         recent.append(router.recent)
         assert router.recent.overlaps([1, 2, 3], time.time()) == {"http://d": 3}
@@ -195,13 +195,12 @@ async def test_the_reset_forgets_the_routes_the_proxy_remembers(free_port):
     (None, None, None, False),
 ])
 def test_admin_answers_loopback_or_the_token(peer, token, header, allowed):
-    state = SimpleNamespace(config=SimpleNamespace(admin_token=token))
     request = SimpleNamespace(peer_host=peer,
                               headers={"authorization": header} if header else {})
     if allowed:
-        authorize(state, request)
+        authorize(token, request)
     else:
         with pytest.raises(ApiError) as refused:
-            authorize(state, request)
+            authorize(token, request)
         assert refused.value.status == 403
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from sessionkv_proxy.app import _lax_bool, _lax_int
+from sessionkv_proxy.request import lax_bool as _lax_bool
+from sessionkv_proxy.request import lax_int as _lax_int
 
 pydantic = pytest.importorskip("pydantic")
 

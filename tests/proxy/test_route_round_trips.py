@@ -196,7 +196,7 @@ async def test_a_routed_request_costs_one_redis_round_trip_before_p_is_called(
         # The handle was taken in that round trip (single use), and the session
         # record is written after the answer, behind it.
         assert await client.get(handle_key) is None
-        await proxy.state.router.flush()
+        await proxy.services.router.sessions.flush()
         end = await monitor.mark("written")
         after = monitor.client_commands(before_p[0], end)
         assert any(c.upper().startswith("SET") and "sess:" in c for c in after), after
@@ -245,7 +245,7 @@ async def routed(any_redis):
     router = Router(config, EnginePool.from_configs(config.engines), index, upstream)
     counter = CountingClient(link.client)
     yield router, index, counter, d_url
-    await router.flush()
+    await router.sessions.flush()
     # The admin test counts the published handles on the shared server.
     await link.client.delete(*(remote.keys.handle(session_store_key(s, None))
                                for s in ("s2", "s3", "s4")))
@@ -271,7 +271,7 @@ async def test_an_unused_handle_is_given_back_after_the_decision(routed):
     assert counter.sent == ["EVALSHA"], counter.sent
     assert plan.mode == "decode_only" and plan.handle_outcome == "unused_decode_only"
     # Taken by the read, given back behind the request with the rest of its time.
-    await router.flush()
+    await router.sessions.flush()
     assert counter.sent == ["EVALSHA", "SET"], counter.sent
     assert await index.link.client.get(handle_key) == raw
     assert 0 < await index.link.client.pttl(handle_key) <= 120_000
@@ -287,7 +287,7 @@ async def test_a_record_held_handle_is_cleared_behind_the_request_and_at_once_he
     router, index, counter, d_url = routed
     router.params = msgspec.structs.replace(router.params,   # always P then D
                                             decode_only_max_uncached_tokens=-1)
-    await router.save_session(SessionRecord(session_id="s3", last_decode=d_url,
+    await router.sessions.save(SessionRecord(session_id="s3", last_decode=d_url,
                                             handle=decode_handle(_handle(d_url))))
     body = {"model": "m", "prompt": PROMPT, "max_tokens": 4}
     await router.plan(body, False, None)
@@ -298,8 +298,8 @@ async def test_a_record_held_handle_is_cleared_behind_the_request_and_at_once_he
     assert (first.handle_outcome, second.handle_outcome) == ("attached", "none")
     assert first.prefill_params["remote_engine_id"] == "d1"
     assert second.prefill_params["remote_engine_id"] is None
-    await router.flush()
-    stored = await router.load_session("s3", None)
+    await router.sessions.flush()
+    stored = await router.sessions.load("s3", None)
     assert stored is not None and stored.handle is None
 
 
@@ -314,5 +314,5 @@ async def test_a_taken_handle_goes_back_when_no_worker_can_take_the_request(rout
     with pytest.raises(ApiError) as err:
         await router.plan({"model": "m", "prompt": PROMPT, "max_tokens": 4}, False, "s4")
     assert err.value.status == 503
-    await router.flush()
+    await router.sessions.flush()
     assert await index.link.client.get(handle_key) == raw

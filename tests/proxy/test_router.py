@@ -111,19 +111,19 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
         "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}})
     try:
         record = SessionRecord(session_id="s", last_decode=D1, handle=handle)
-        await router.save_session(record)
-        loaded = await router.load_session("s", None)
-        assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
+        await router.sessions.save(record)
+        loaded = await router.sessions.load("s", None)
+        assert router.usable_handle(loaded, "s", None)[1] == "attached"
         d1 = pool.get(D1)
         pool.mark_failure(d1)
         pool.mark_failure(d1)          # refused twice: lost
         pool.mark_success(d1)          # answers again, a new process
-        assert (await router._usable_handle(loaded, "s", None))[1] == "engine_lost"
+        assert router.usable_handle(loaded, "s", None)[1] == "engine_lost"
         # A turn served after it came back leaves a usable handle again.
-        await router.save_session(SessionRecord(session_id="s", last_decode=D1,
+        await router.sessions.save(SessionRecord(session_id="s", last_decode=D1,
                                                 handle=handle))
-        loaded = await router.load_session("s", None)
-        assert (await router._usable_handle(loaded, "s", None))[1] == "attached"
+        loaded = await router.sessions.load("s", None)
+        assert router.usable_handle(loaded, "s", None)[1] == "attached"
     finally:
         await upstream.close()
 
@@ -156,13 +156,13 @@ async def test_a_handle_in_its_last_seconds_is_not_consumed(left_s, outcome) -> 
         "sessionkv": {"engine_url": D1, "expires_at_unix_s": expires_at,
                       "hash_chain": ""}})
     try:
-        await router.save_session(SessionRecord(session_id="s", last_decode=D1,
+        await router.sessions.save(SessionRecord(session_id="s", last_decode=D1,
                                                 handle=handle, prompt_keys=[1]))
         plan = await router.plan(_body(list(range(100, 164))), False, "s")
         assert plan.mode == "disaggregated"
         assert plan.handle_outcome == outcome
         assert (outcome == "expired") == engine_refuses
-        stored = await router.load_session("s", None)
+        stored = await router.sessions.load("s", None)
         if outcome == "expired":
             # No reuse this turn, and the handle is left where it was.
             assert plan.prefill_params["remote_engine_id"] is None

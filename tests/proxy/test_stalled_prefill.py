@@ -172,7 +172,7 @@ async def test_the_only_p_back_from_a_stall_that_resets_its_idle_connections(fre
         assert [(status, route) for status, route, _ in answers] == \
             [(200, "disaggregated")] * 9, answers
         assert p.prefills == 6 + 9
-        engine = proxy.state.pool.engines[0]   # P, the first configured
+        engine = proxy.services.pool.engines[0]   # P, the first configured
         assert engine.healthy and engine.consecutive_failures == 0
 
 
@@ -182,7 +182,7 @@ async def test_a_p_that_cannot_be_reached_leaves_the_request_to_d_alone(free_por
     (P alone would have answered it) too.  Two such failures take P out of routing,
     and the policy sends the next request to D alone itself."""
     async with _cluster(free_port) as (url, http, p, proxy):
-        engine = proxy.state.pool.engines[0]
+        engine = proxy.services.pool.engines[0]
         await _wait_for(lambda: engine.last_scrape_s > 0, "the start-up scrape")
         p.reset_prefills = True
         for i, max_tokens in enumerate((1, 4, 4)):

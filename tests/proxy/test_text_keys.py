@@ -19,7 +19,8 @@ from sessionkv_proxy.config import ConfigError, load_config
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.index.memory import MemoryIndex
 from sessionkv_proxy.keys import text_keys
-from sessionkv_proxy.router import CHARS_PER_TOKEN, Router, prompt_text
+from sessionkv_proxy.prompt_keys import CHARS_PER_TOKEN, prompt_text
+from sessionkv_proxy.router import Router
 from sessionkv_proxy.upstream import UpstreamPool
 
 D1, D2 = "http://127.0.0.1:10", "http://127.0.0.1:11"

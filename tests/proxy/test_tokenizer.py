@@ -157,12 +157,12 @@ async def test_router_uses_local_ids_once_checked(tiny_model: Path) -> None:
     try:
         router = Router(config, EnginePool.from_configs(config.engines), MemoryIndex(),
                         upstream)
-        assert router.local_tokenizer is LocalTokenizer.load(str(tiny_model))
-        router.local_tokenizer_ok = True  # what a passed check sets
+        assert router.prompt_keys.local_tokenizer is LocalTokenizer.load(str(tiny_model))
+        router.prompt_keys.local_tokenizer_ok = True  # what a passed check sets
         body = {"prompt": "the user is a tool call", "add_special_tokens": False}
-        assert (await router.prompt_token_ids(body, is_chat=False)
-                == router.local_tokenizer.encode(body["prompt"], False))
-        assert await router.prompt_token_ids({"prompt": [5, 6, 7]}, is_chat=False) == [5, 6, 7]
+        assert (await router.prompt_keys.token_ids(body, is_chat=False)
+                == router.prompt_keys.local_tokenizer.encode(body["prompt"], False))
+        assert await router.prompt_keys.token_ids({"prompt": [5, 6, 7]}, is_chat=False) == [5, 6, 7]
     finally:
         await upstream.close()
 
