@@ -24,7 +24,7 @@ import msgspec
 
 from vllm_sessionkv.wire.early_decode import EarlyDecodeSender
 
-from sessionkv_proxy.config import ProxyConfig, Role
+from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
@@ -35,6 +35,7 @@ from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.ops import Ops
 from sessionkv_proxy.redis_link import RedisLink
 from sessionkv_proxy.relay import EngineSender
+from sessionkv_proxy.route_types import Role
 from sessionkv_proxy.router import Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.startup_checks import ModelCatalog

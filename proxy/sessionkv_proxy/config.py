@@ -14,8 +14,8 @@ import msgspec
 
 from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
-# The proxy's one role type (re-exported), defined with the policy that reasons about it.
-from sessionkv_proxy.policy import Role
+# The proxy's one role type (re-exported), defined with the routing types.
+from sessionkv_proxy.route_types import Role
 from sessionkv_proxy.server import FrontLimits
 
 __all__ = ["ConfigError", "EngineConfig", "IndexConfig", "ProxyConfig", "Role",

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from sessionkv_proxy.config import EngineConfig, Role
+from sessionkv_proxy.config import EngineConfig
+from sessionkv_proxy.route_types import Role
 
 __all__ = ["Engine", "EnginePool", "parse_vllm_metrics"]
 

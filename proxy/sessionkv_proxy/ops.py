@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 from sessionkv_proxy import admin
-from sessionkv_proxy.config import ProxyConfig, Role
+from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.consumer import KVEventConsumer
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
@@ -22,6 +22,7 @@ from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.redis_link import LinkState, RedisLink
 from sessionkv_proxy.relay import EngineSender, Load
+from sessionkv_proxy.route_types import Role
 from sessionkv_proxy.request import new_request_id
 from sessionkv_proxy.router import DEFAULT_OUTPUT_ESTIMATE, Router
 from sessionkv_proxy.server import Request, Response

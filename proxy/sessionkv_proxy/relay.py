@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from sessionkv_proxy import handoff
-from sessionkv_proxy.config import Role
+from sessionkv_proxy.route_types import Role
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.metrics import ProxyMetrics

@@ -30,7 +30,7 @@ from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.engines import Engine, EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import TIER_DEVICE, KVIndex, RouteRead
-from sessionkv_proxy.policy import Mode, Role, RouteReason
+from sessionkv_proxy.route_types import Mode, Role, RouteReason
 from sessionkv_proxy.prompt_keys import PromptKeys, estimate_tokens
 from sessionkv_proxy.recent import RecentRoutes
 from sessionkv_proxy.session_store import SessionStore, usable_handle

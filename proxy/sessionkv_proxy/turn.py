@@ -25,11 +25,11 @@ from vllm_sessionkv.wire.early_decode import EarlyDecodeSender, new_early_decode
 from vllm_sessionkv.wire.protocol import EarlyDecodePush, PayloadError, handle_expired
 
 from sessionkv_proxy import handoff
-from sessionkv_proxy.config import ProxyConfig, Role
+from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.engines import Engine
 from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.metrics import ProxyMetrics
-from sessionkv_proxy.policy import Mode
+from sessionkv_proxy.route_types import Mode, Role
 from sessionkv_proxy.relay import (
     Answer,
     EngineSender,

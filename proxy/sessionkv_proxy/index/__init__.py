@@ -5,18 +5,9 @@ several proxy replicas sharing one index, is imported from ``.redis`` explicitly
 that the redis client is only needed when that backend is chosen.
 """
 
+from . import base
 from .base import (TIER_DEVICE, TIER_HOST, TIER_STORAGE, EngineHash, KVIndex, PrefixMatch,
                    PublishedHandles, RouteRead)
 from .memory import MemoryIndex
 
-__all__ = [
-    "TIER_DEVICE",
-    "TIER_HOST",
-    "TIER_STORAGE",
-    "EngineHash",
-    "KVIndex",
-    "MemoryIndex",
-    "PrefixMatch",
-    "PublishedHandles",
-    "RouteRead",
-]
+__all__ = sorted([*base.__all__, "MemoryIndex"])
