@@ -267,7 +267,8 @@ class TurnRunner:
         try:
             prefill, p_params = await self._prefill(
                 client, plan, d_body, params,
-                EarlyDecodePush(endpoint=endpoint, id=early_id) if decode_task else None)
+                EarlyDecodePush(endpoint=endpoint, id=early_id) if decode_task is not None
+                else None)
         except BaseException:
             if decode_task is not None:
                 await _cancel(decode_task)   # D's engine aborts the held request
