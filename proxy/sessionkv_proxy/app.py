@@ -75,6 +75,8 @@ class Services:
 class ProxyApp:
     """The proxy: :meth:`start`, then :meth:`stop`."""
 
+    services: Services   # set, whole, by a start that succeeded
+
     def __init__(self, config: ProxyConfig, index: KVIndex | None = None) -> None:
         self.config = config
         self.metrics = ProxyMetrics(redis=index is None and config.index.backend == "redis")
@@ -91,17 +93,9 @@ class ProxyApp:
             self._undo.push_async_callback(redis.aclose)
         self._undo.push_async_callback(index.close)
         self._grace_s = 30.0
-        self._services: Services | None = None
 
     def _count_error(self, kind: str) -> None:
         self.metrics.errors.labels(kind).inc()
-
-    @property
-    def services(self) -> Services:
-        """The started proxy's services (a RuntimeError before :meth:`start`)."""
-        if self._services is None:
-            raise RuntimeError("the proxy has not started")
-        return self._services
 
     async def start(self) -> None:
         """Open the clients, the index consumer and the scraper, then listen."""
@@ -113,7 +107,7 @@ class ProxyApp:
                             max_body_bytes=config.max_body_bytes, limits=config.front)
         await server.start(config.host, config.port)
         self._undo.push_async_callback(lambda: server.stop(self._grace_s))
-        self._services = services
+        self.services = services
         logger.info("proxy ready on %s:%d: %d prefill, %d decode engines, index=%s, "
                     "policy=%s", config.host, config.port, len(config.prefill),
                     len(config.decode), config.index.backend, config.routing.policy)
