@@ -51,6 +51,14 @@ class UpstreamConnectError(ConnectionError):
     started, or connect timeout): safe to retry on another worker."""
 
 
+def _body_error(exc: Exception, what: str) -> Exception:
+    """aiohttp's error reading a body as the relay handles it: a read timeout is a
+    timeout, a broken body a reset connection."""
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return asyncio.TimeoutError(str(exc))
+    return ConnectionResetError(f"engine {what} broke: {exc!r}")
+
+
 class UpstreamResponse:
     """Status and headers at once; the body read whole or streamed, exactly once."""
 
@@ -79,20 +87,16 @@ class UpstreamResponse:
             async for chunk, _ in self._payload.iter_chunks():
                 if chunk:
                     yield chunk
-        except aiohttp.ClientPayloadError as exc:
-            raise ConnectionResetError(f"engine stream broke: {exc!r}") from exc
-        except aiohttp.ServerTimeoutError as exc:
-            raise asyncio.TimeoutError(str(exc)) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError) as exc:
+            raise _body_error(exc, "stream") from exc
         finally:
             self.release()
 
     async def read(self) -> bytes:
         try:
             return await self._payload.read()
-        except aiohttp.ClientPayloadError as exc:
-            raise ConnectionResetError(f"engine answer broke: {exc!r}") from exc
-        except aiohttp.ServerTimeoutError as exc:
-            raise asyncio.TimeoutError(str(exc)) from exc
+        except (aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError) as exc:
+            raise _body_error(exc, "answer") from exc
         finally:
             self.release()
 
