@@ -116,9 +116,10 @@ async def engine_tokenize(http: aiohttp.ClientSession, url: str, body: dict) -> 
 
 async def test_chat_routes_on_ids_rendered_in_the_proxy(two_engines, tiny_model) -> None:
     app, proxy = await start_proxy(two_engines, tiny_model)
-    keys = app.services.router.prompt_keys
+    router = app.services.router
+    prompt_keys = router.prompt_keys
     try:
-        assert keys.local_chat_ok, "the start-up probes should match the engines"
+        assert prompt_keys.local_chat_ok, "the start-up probes should match the engines"
         calls_before = tokenize_calls(two_engines)
         served: dict[str, int] = {}
         routed: dict[str, list[int]] = {}
@@ -126,7 +127,7 @@ async def test_chat_routes_on_ids_rendered_in_the_proxy(two_engines, tiny_model)
             for name, conversation in CONVERSATIONS.items():
                 body = chat_body(tiny_model, max_tokens=4, **conversation)
                 # What the router routes this request on (the same call plan() makes).
-                routed[name] = ids = await router.prompt_token_ids(body, True)
+                routed[name] = ids = await prompt_keys.token_ids(body, True)
                 out, headers = await chat(http, proxy, body)
                 assert out["prompt_token_ids"] == ids, name
                 assert out["usage"]["prompt_tokens"] == len(ids), name
@@ -138,7 +139,7 @@ async def test_chat_routes_on_ids_rendered_in_the_proxy(two_engines, tiny_model)
             # These engines refuse a request's own template (no
             # --trust-request-chat-template): the probe saw it, so such a request goes
             # to /tokenize and is refused as the engine refuses it.
-            assert not keys.request_templates_ok
+            assert not prompt_keys.request_templates_ok
             body = chat_body(tiny_model, max_tokens=4, chat_template="{{ messages }}",
                              **CONVERSATIONS["system_user"])
             async with http.post(proxy + "/v1/chat/completions", json=body) as resp:
@@ -172,13 +173,14 @@ def _errors(metrics_text: str, kind: str) -> float:
 async def test_a_template_unlike_the_engines_is_counted_and_not_used(
         two_engines, tiny_model, tmp_path) -> None:
     app, proxy = await start_proxy(two_engines, _other_template_dir(tiny_model, tmp_path / "tok"))
-    keys = app.services.router.prompt_keys
+    router = app.services.router
+    prompt_keys = router.prompt_keys
     try:
         async with aiohttp.ClientSession() as http:
             async with http.get(proxy + "/metrics") as resp:
                 metrics_text = await resp.text()
             assert _errors(metrics_text, "local_chat_template_mismatch") == 1
-            assert keys.local_chat is None and keys.local_tokenizer_ok
+            assert prompt_keys.local_chat is None and prompt_keys.local_tokenizer_ok
             body = chat_body(tiny_model, max_tokens=8, **CONVERSATIONS["multi_turn"])
             calls_before = tokenize_calls(two_engines)
             out, headers = await chat(http, proxy, body)
@@ -187,7 +189,7 @@ async def test_a_template_unlike_the_engines_is_counted_and_not_used(
         assert out["prompt_token_ids"] == direct["prompt_token_ids"]
         assert (out["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]), \
             json.dumps([out["choices"][0], direct["choices"][0]])[:500]
-        routed = await router.prompt_token_ids(body, True)
+        routed = await prompt_keys.token_ids(body, True)
         assert routed == direct["prompt_token_ids"]
     finally:
         await app.stop(5.0)

@@ -88,7 +88,7 @@ async def test_health_and_metrics_show_the_size_and_what_was_dropped(free_port):
     proxy = create_app(config)
     await proxy.start()
     try:
-        subscribers = proxy.state.consumer.subscribers
+        subscribers = proxy.services.consumer.subscribers
         for name, block_size in (("a", 64), ("b", 16)):
             payload = msgspec.msgpack.encode(
                 KVEventBatch(ts=time.time(), events=[stored(1000, 2, block_size)]))
