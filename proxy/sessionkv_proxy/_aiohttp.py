@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["INTERNALS", "TESTED", "AiohttpInternalsChanged", "Surface", "check",
+__all__ = ["AiohttpInternalsChanged", "INTERNALS", "Surface", "TESTED", "check",
            "check_installed", "installed_surface"]
 
 logger = logging.getLogger(__name__)

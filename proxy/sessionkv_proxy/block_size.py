@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["UNLEARNED_TOKENS", "BlockSize"]
+__all__ = ["BlockSize", "UNLEARNED_TOKENS"]
 
 logger = logging.getLogger(__name__)
 

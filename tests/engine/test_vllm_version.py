@@ -55,3 +55,15 @@ def test_the_engine_refuses_an_untested_vllm_without_the_override(monkeypatch):
     with pytest.raises(AttributeError, match="parallel_config"):
         SessionKVConnector(engine({"sessionkv": {"allow_untested_vllm": True}}),
                            KVConnectorRole.SCHEDULER, None)
+
+
+def test_a_surface_checked_release_is_refused_naming_what_differs():
+    with pytest.raises(version.UntestedVllmVersion) as refused:
+        version.check_vllm_version(False, "0.33.0")
+    message = str(refused.value)
+    assert "0.33.0's wheel was only read, never run" in message
+    assert "kv_event_fields BlockStored: added lookahead_token_ids" in message
+    assert "NixlPullConnectorScheduler.request_finished: code changed" in message
+    with pytest.raises(version.UntestedVllmVersion) as refused:
+        version.check_vllm_version(False, "0.34.0")   # no snapshot: the plain refusal
+    assert "only read" not in str(refused.value)

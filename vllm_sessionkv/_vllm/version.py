@@ -8,6 +8,7 @@ from vllm.platforms import current_platform
 
 __all__ = [
     "UntestedVllmVersion",
+    "VLLM_VERSIONS_SURFACE_CHECKED",
     "VLLM_VERSIONS_TESTED",
     "VLLM_VERSION_TESTED",
     "check_vllm_version",
@@ -28,6 +29,15 @@ def is_cpu_platform() -> bool:
 # (the adapter tests in tests/engine check each).  A local build suffix ("+cpu") is
 # ignored.  VLLM_VERSION_TESTED above is the first of them.
 VLLM_VERSIONS_TESTED = (VLLM_VERSION_TESTED,)
+
+# Releases whose wheel was only read, not run: their surface snapshot
+# (``surfaces/vllm-X.json``) was compared with the tested release's, and what differs
+# is named when the engine refuses them.  vLLM 0.33.0: every name, signature and
+# private attribute our code touches is still there with the same parameters, but the
+# code of four NIXL methods we override and five we patch or call changed, our
+# subclasses would inherit new sleep-mode hooks, and BlockStored gained a trailing
+# field (docs/vllm_0.33_surface.md).  None of it was run here.
+VLLM_VERSIONS_SURFACE_CHECKED = ("0.33.0",)
 
 
 class UntestedVllmVersion(RuntimeError):
@@ -53,11 +63,20 @@ def check_vllm_version(allow_untested: bool, version: str | None = None) -> None
     if base in VLLM_VERSIONS_TESTED:
         logger.info("sessionkv: vLLM %s (tested: %s)", version, tested)
         return
+    checked = ""
+    if base in VLLM_VERSIONS_SURFACE_CHECKED:
+        from vllm_sessionkv._vllm import surfaces
+
+        found = surfaces.differences(VLLM_VERSION_TESTED, base)
+        checked = (f"  vLLM {base}'s wheel was only read, never run with this connector: "
+                   f"the names and signatures it touches differ from {VLLM_VERSION_TESTED} "
+                   f"in: {'; '.join(found) or 'nothing'}; what changed behind them "
+                   "is unchecked.")
     if not allow_untested:
         raise UntestedVllmVersion(
             f"SessionKVConnector was tested with vLLM {tested}, not {version}: it relies "
-            "on vLLM internals that change between releases.  Install a tested vLLM, or "
-            "set allow_untested_vllm: true under kv_connector_extra_config.sessionkv to "
-            "start anyway.")
+            f"on vLLM internals that change between releases.{checked}  Install a tested "
+            "vLLM, or set allow_untested_vllm: true under "
+            "kv_connector_extra_config.sessionkv to start anyway.")
     logger.warning("sessionkv: vLLM %s is not a tested release (tested: %s); starting "
                    "because allow_untested_vllm is set", version, tested)
