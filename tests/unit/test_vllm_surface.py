@@ -60,13 +60,20 @@ def ours() -> vllm_surface.Touched:
 
 @pytest.mark.parametrize("version", [TESTED, NEXT])
 def test_each_snapshot_covers_what_our_code_touches(ours, version):
+    """A new vLLM import, or a new method of ours that overrides one of the vLLM
+    class's members, needs the snapshots rewritten.  A new method of our own (no such
+    member in vLLM) does not; a new private attribute is listed, not failed (the
+    snapshot cannot tell ours from vLLM's without the wheel)."""
     snap = surfaces.load(version)
     assert snap is not None and snap["vllm_version"] == version
     missing = sorted(set(ours.imports) - set(snap["imports"]))
     missing += sorted(f"{b}.{m}" for b, m in ours.overrides
-                      if f"{b}.{m}" not in snap["overrides"])
-    missing += sorted(set(ours.attributes) - set(snap["attributes"]))
+                      if f"{b}.{m}" not in snap["overrides"]
+                      and m in snap["base_members"].get(b, [m]))
     assert not missing, f"not in the {version} snapshot: {missing}; rewrite it ({REWRITE})"
+    unseen = sorted(set(ours.attributes) - set(snap["attributes"]))
+    if unseen:
+        print(f"attributes not in the {version} snapshot (ours, or rewrite it): {unseen}")
 
 
 def test_the_tested_release_has_everything_we_import_and_override():

@@ -408,13 +408,22 @@ def snapshot(index: WheelIndex, what: Touched, version: str, wheel: str,
         inherited[base] = "missing class" if qual is None else sorted(
             {m for c in index.mro(qual) for m in index.classes[c].methods
              if not m.startswith("_")})
+    members = {}
+    for base in sorted({b for b, _ in what.overrides}):
+        qual = index.resolve_class(*_class_key(base))
+        members[base] = [] if qual is None else sorted(
+            {m for c in index.mro(qual) for m in
+             set(index.classes[c].methods) | index.classes[c].attributes})
     events = {}
     for struct in EVENT_STRUCTS:
         cls = index.classes.get(f"{EVENTS_MODULE}:{struct}")
         events[struct] = cls.fields if cls else "missing"
     return {"vllm_version": version, "wheel": wheel, "wheel_sha256": sha256,
             "imports": imports, "overrides": overrides, "attributes": attributes,
-            "inherited_methods": inherited, "kv_event_fields": events}
+            "inherited_methods": inherited, "kv_event_fields": events,
+            # every member name along each subclassed class's bases: tells an override
+            # (in here) from a method of our own (not), for the coverage test
+            "base_members": members}
 
 
 def main(argv: list[str] | None = None) -> int:
