@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 
 import msgspec
 import zmq
@@ -181,7 +181,7 @@ _METRIC = ("sessionkv_proxy_channel_handles",
 
 
 class _ChannelCollector:
-    def __init__(self, subscribers: Sequence[HandleSubscriber] | object) -> None:
+    def __init__(self, subscribers: Iterable[HandleSubscriber]) -> None:
         self._subscribers = list(subscribers)
 
     def describe(self):
