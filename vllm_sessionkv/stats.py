@@ -106,61 +106,72 @@ class SessionKVPromMetrics(NixlPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._labels = list(labelnames)
+        self._per_engine = per_engine_labelvalues
+        self._session_metrics()
+        self._host_and_hold_metrics()
+        self._step_metrics()
+        self._handoff_and_guard_metrics()
+        self._counters, self._histograms = self._by_stats_key()
 
-        def counter(name: str, doc: str, extra_labels: tuple[str, ...] = ()):
-            return metrics.prom_counter(self, name=name, documentation=doc,
-                                      labelnames=[*labelnames, *extra_labels])
+    def _counter(self, name: str, doc: str, extra_labels: tuple[str, ...] = ()):
+        return metrics.prom_counter(self, name=name, documentation=doc,
+                                    labelnames=[*self._labels, *extra_labels])
 
-        def gauge(name: str, doc: str):
-            return create_metric_per_engine(metrics.prom_gauge(
-                self, name=name, documentation=doc, labelnames=labelnames,
-                multiprocess_mode="mostrecent"), per_engine_labelvalues)
+    def _gauge(self, name: str, doc: str):
+        return create_metric_per_engine(metrics.prom_gauge(
+            self, name=name, documentation=doc, labelnames=self._labels,
+            multiprocess_mode="mostrecent"), self._per_engine)
 
-        def histogram(name: str, doc: str, buckets: list[float]):
-            return create_metric_per_engine(metrics.prom_histogram(
-                self, name=name, documentation=doc, buckets=buckets,
-                labelnames=labelnames), per_engine_labelvalues)
+    def _histogram(self, name: str, doc: str, buckets: list[float]):
+        return create_metric_per_engine(metrics.prom_histogram(
+            self, name=name, documentation=doc, buckets=buckets,
+            labelnames=self._labels), self._per_engine)
 
-        def by_label(name: str, doc: str, label: str, values: tuple[str, ...]):
-            """One counter with an extra label: its per-engine children by value."""
-            metric = counter(name, doc, (label,))
-            return {v: _per_engine_with_label(metric, per_engine_labelvalues, v)
-                    for v in values}
+    def _by_label(self, name: str, doc: str, label: str, values: tuple[str, ...]):
+        """One counter with an extra label: its per-engine children by value."""
+        metric = self._counter(name, doc, (label,))
+        return {v: _per_engine_with_label(metric, self._per_engine, v) for v in values}
 
-        self._prompt_tokens = by_label(
+    def _session_metrics(self) -> None:
+        """Prompt-token sources, pull decisions, refused handles, failed pulls, handles
+        published."""
+        self._prompt_tokens = self._by_label(
             "sessionkv_prompt_tokens",
             "Prompt tokens by how they were obtained: local_hit, pulled_from_peer, "
             "pulled_from_host, recomputed, refused_by_verification.", "source",
             PROMPT_TOKEN_SOURCES)
-        self._decisions = by_label("sessionkv_pull_decisions",
+        self._decisions = self._by_label("sessionkv_pull_decisions",
                                    "Pull-or-recompute decisions on remote session KV.",
                                    "decision", ("pull", "recompute"))
         self._handle_refused = create_metric_per_engine(
-            counter("sessionkv_handles_refused",
+            self._counter("sessionkv_handles_refused",
                     "Session handles not used at all: other tenant, hash settings "
-                    "differ, malformed, unknown protocol version."), per_engine_labelvalues)
+                    "differ, malformed, unknown protocol version."), self._per_engine)
         self._pull_failed = create_metric_per_engine(
-            counter("sessionkv_pull_failures",
+            self._counter("sessionkv_pull_failures",
                     "Pulls that failed or expired and fell back to recompute."),
-            per_engine_labelvalues)
+            self._per_engine)
         self._published = create_metric_per_engine(
-            counter("sessionkv_handles_published",
+            self._counter("sessionkv_handles_published",
                     "Session handles published at the end of a turn."),
-            per_engine_labelvalues)
+            self._per_engine)
         self._sent = create_metric_per_engine(
-            counter("sessionkv_handle_channel_sent",
+            self._counter("sessionkv_handle_channel_sent",
                     "Session handles sent on the handle channel (handle_channel_port) "
                     "at the end of a turn; a proxy too slow to take them loses them "
                     "and counts the gap."),
-            per_engine_labelvalues)
+            self._per_engine)
         self._publish_failed = create_metric_per_engine(
-            counter("sessionkv_handle_publish_failures",
+            self._counter("sessionkv_handle_publish_failures",
                     "Session handles that could not be written out of band (Redis or "
                     "the handle channel)."),
-            per_engine_labelvalues)
+            self._per_engine)
 
+    def _host_and_hold_metrics(self) -> None:
+        """The host-DRAM tier and session holds."""
         self._host_counters = {
-            key: create_metric_per_engine(counter(name, doc), per_engine_labelvalues)
+            key: create_metric_per_engine(self._counter(name, doc), self._per_engine)
             for key, name, doc in (
                 ("host_offloaded_blocks", "sessionkv_host_offloaded_blocks",
                  "Blocks copied to the host-DRAM tier."),
@@ -168,13 +179,13 @@ class SessionKVPromMetrics(NixlPromMetrics):
                  "Blocks restored from the host-DRAM tier."),
                 ("host_evicted_blocks", "sessionkv_host_evicted_blocks",
                  "Blocks evicted from the host-DRAM tier by its policy."))}
-        self._host_resident = gauge("sessionkv_host_resident_bytes",
+        self._host_resident = self._gauge("sessionkv_host_resident_bytes",
                                     "Bytes resident in the host-DRAM tier.")
-        self._session_holds = gauge(
+        self._session_holds = self._gauge(
             "sessionkv_session_holds",
             "Sessions whose last turn's KV this engine holds for the next turn's pull "
             "(until it is read, superseded or its lease ends).")
-        self._holds_released = by_label(
+        self._holds_released = self._by_label(
             "sessionkv_session_holds_released",
             "Session holds ended, by reason, each a normal outcome: pulled (the next "
             "turn's P read the blocks or declined them), lease_ended (no next turn "
@@ -182,13 +193,15 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "reset (reset_prefix_cache with reset_external), kv_pressure (holds pinned "
             "more than session_hold_max_kv_fraction of the KV; the oldest ended).",
             "reason", RELEASE_REASONS)
-        self._host_restore_s = histogram(
+        self._host_restore_s = self._histogram(
             "sessionkv_host_restore_seconds",
             "Time to restore one request's blocks from "
             "the host-DRAM tier.",
             [1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0])
 
-        self._idle_recv_wait_s = histogram(
+    def _step_metrics(self) -> None:
+        """Idle steps, peer reads (sync or async) and early decode."""
+        self._idle_recv_wait_s = self._histogram(
             "sessionkv_idle_step_recv_wait_seconds",
             "Time a step with no model to run and "
             "KV reads in flight waited for them (0 "
@@ -196,28 +209,28 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "idle_step_recv_wait_s caps it).",
             [1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1])
 
-        self._loads = by_label(
+        self._loads = self._by_label(
             "sessionkv_peer_loads",
             "Peer KV reads by mode: sync (read inside the step that computes the request, "
             "which then skips a step) or async (vLLM's way: the request waits for the "
             "read in steps of its own).", "mode", LOAD_MODES)
-        self._sync_load_wait_s = histogram(
+        self._sync_load_wait_s = self._histogram(
             "sessionkv_sync_load_wait_seconds",
             "Time a step's forward waited for its "
             "synchronous peer reads.",
             [1e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.1, 1.0])
         self._sync_load_timeouts = create_metric_per_engine(
-            counter("sessionkv_sync_load_timeouts",
+            self._counter("sessionkv_sync_load_timeouts",
                     "Synchronous peer reads not done within sync_load_timeout_s; the "
-                    "request's blocks were recomputed."), per_engine_labelvalues)
+                    "request's blocks were recomputed."), self._per_engine)
 
-        self._early_decode = by_label(
+        self._early_decode = self._by_label(
             "sessionkv_early_decode_requests",
             "Requests sent to D while P prefilled, by how they got their KV: ready (P's "
             "parameters came), prefill_failed, timed_out, refused (no early-decode socket "
             "here); all but ready compute the prompt on D.", "outcome",
             EARLY_DECODE_OUTCOMES)
-        self._early_decode_wait_s = histogram(
+        self._early_decode_wait_s = self._histogram(
             "sessionkv_early_decode_wait_seconds",
             "Time a request sent to D while P "
             "prefilled waited in D's scheduler for "
@@ -225,32 +238,34 @@ class SessionKVPromMetrics(NixlPromMetrics):
             [1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0])
 
         self._early_decode_pushes = create_metric_per_engine(
-            counter("sessionkv_early_decode_pushes",
+            self._counter("sessionkv_early_decode_pushes",
                     "Parameters this engine, as P, pushed straight to the D holding "
                     "the request (early decode); the rest the proxy pushes."),
-            per_engine_labelvalues)
-        self._first_token = by_label(
+            self._per_engine)
+
+    def _handoff_and_guard_metrics(self) -> None:
+        """First-token handoff and the pull guard."""
+        self._first_token = self._by_label(
             "sessionkv_first_token_handoffs",
             "D requests that came with the token P sampled, by what D did with it: "
             "continued (D appended it and started at the next token, saving a step) or "
             "why not (logprobs, seeded_sampling, stop_token, ...).", "outcome",
             FIRST_TOKEN_OUTCOMES)
-        self._guard_fallbacks = by_label(
+        self._guard_fallbacks = self._by_label(
             "sessionkv_pull_guard_fallbacks",
             "Reads of a peer's held blocks that fell back to recompute under the pull "
             "guard, by why: claim_refused (the holder no longer held the blocks, or "
             "another reader had claimed them), claim_timeout, confirm_refused (the claim "
             "lapsed before the read was confirmed), confirm_timeout.", "reason",
             GUARD_FALLBACKS)
-        self._guard_claims = by_label(
+        self._guard_claims = self._by_label(
             "sessionkv_guard_claims",
             "Readers' claims on blocks this engine holds, by answer.", "outcome",
             GUARD_CLAIM_OUTCOMES)
         self._guard_deferred = create_metric_per_engine(
-            counter("sessionkv_guard_deferred_frees",
+            self._counter("sessionkv_guard_deferred_frees",
                     "Held blocks whose free waited for a reader's claim to end."),
-            per_engine_labelvalues)
-        self._counters, self._histograms = self._by_stats_key()
+            self._per_engine)
 
     def _by_stats_key(self) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]]]:
         """(counters, histograms) per engine, by the stats key that feeds them."""
