@@ -70,41 +70,11 @@ def build_plan(
             "--weight-bytes-per-param; pool sizes are null"
         )
 
-    handoff = []
-    for link in capacity.LINKS:
-        line_s = transfer_time_s(prompt_bytes, link.line_bytes_per_s)
-        eff_s = transfer_time_s(prompt_bytes, link.effective_bytes_per_s)
-        handoff.append({
-            "link": link.name,
-            "line_bytes_per_s": link.line_bytes_per_s,
-            "effective_bytes_per_s": link.effective_bytes_per_s,
-            "line_rate_ms": line_s * 1e3,
-            "effective_ms": eff_s * 1e3,
-            "share_of_linear_prefill_line_rate_pct": 100 * line_s / linear_s,
-            "share_of_linear_prefill_pct": 100 * eff_s / linear_s,
-            "share_of_prefill_with_attention_pct": 100 * eff_s / full_s,
-            "closed_form_share_ratio": capacity.handoff_share_ratio(
-                shape, kv_dtype, hw, link.effective_bytes_per_s
-            ),
-        })
+    handoff = _handoff(shape, kv_dtype, hw, prompt_bytes, linear_s, full_s)
 
-    by_length = []
-    link = capacity.LINK_400G
-    for tokens in sorted({*_SHARE_PROMPTS_TOKENS, prompt_tokens}):
-        handoff_s = transfer_time_s(tokens * per_token, link.line_bytes_per_s)
-        lin_s = capacity.prefill_time_s(model.prefill_flops(shape, tokens, attention=False), hw)
-        att_s = capacity.prefill_time_s(model.prefill_flops(shape, tokens), hw)
-        by_length.append({
-            "prompt_tokens": tokens,
-            "handoff_line_rate_ms": handoff_s * 1e3,
-            "linear_prefill_ms": lin_s * 1e3,
-            "prefill_with_attention_ms": att_s * 1e3,
-            "share_of_linear_prefill_pct": 100 * handoff_s / lin_s,
-            "share_of_prefill_with_attention_pct": 100 * handoff_s / att_s,
-        })
+    by_length = _handoff_by_length(shape, hw, per_token, prompt_tokens)
 
     regimes = {r: capacity.session_prefill_work(shape, workload, hw, r) for r in CachingRegime}
-    none_w, prefix_w, session_w = (regimes[r] for r in CachingRegime)
 
     # The host tier matters most at the last step, when the session history is longest.
     history_tokens, _ = capacity.step_new_tokens(workload, workload.steps, CachingRegime.PREFIX)
@@ -112,6 +82,43 @@ def build_plan(
         shape, kv_dtype, hw, history_tokens, workload.shared_prefix_tokens
     )
 
+    pools, host_tier = _pools(shape, kv_dtype, hw, workload, kv_capacity, host_gaps,
+                              warnings)
+
+    return {
+        "model": _model_info(shape),
+        "kv_dtype": kv_dtype.value,
+        "hardware": _hardware_info(shape, hw, kv_capacity),
+        "workload": msgspec.to_builtins(workload),
+        "kv": {
+            "kv_bytes_per_token": per_token,
+            "prompt_tokens": prompt_tokens,
+            "prompt_kv_bytes": prompt_bytes,
+            "by_dtype": {
+                f"{d.value}_kv_bytes_per_token": model.kv_bytes_per_token(shape, d) for d in KVDtype
+            },
+        },
+        "prefill": {
+            "prompt_tokens": prompt_tokens,
+            "linear_flops": linear_flops,
+            "attention_flops": attn_flops,
+            "linear_ms": linear_s * 1e3,
+            "with_attention_ms": full_s * 1e3,
+        },
+        "handoff": handoff,
+        "handoff_400g_by_prompt_length": by_length,
+        "caching_regimes": _caching_regimes(regimes),
+        "host_restore": _host_restore_info(restore, hw, workload),
+        "pools": pools,
+        "host_tier": host_tier,
+        "warnings": warnings,
+    }
+
+
+def _pools(shape: ModelShape, kv_dtype: KVDtype, hw: Hardware, workload: Workload,
+           kv_capacity: float, host_gaps: HostGaps, warnings: list[str]
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """P and D pool sizes, and the host tier per D (a warning when a size is null)."""
     dtypes = [kv_dtype] if kv_dtype is KVDtype.FP8 else [kv_dtype, KVDtype.FP8]
     residency = [
         capacity.decode_residency_pool(shape, d, hw, workload, prefix_dedup=dedup, retained=kept)
@@ -131,77 +138,110 @@ def build_plan(
         shape, kv_dtype, hw, workload, decode_replicas=decode_replicas,
         gap_p50_s=host_gaps.p50_s, gap_p99_s=host_gaps.p99_s, lease_s=host_gaps.lease_s,
         warm_share=share)) for share in host_gaps.warm_shares]
+    pools = {
+        "prefill_by_throughput": [
+            msgspec.to_builtins(capacity.prefill_pool(shape, workload, hw, r)) for r in CachingRegime
+        ] if kv_capacity > 0 else [],
+        "decode_by_residency": [msgspec.to_builtins(p) for p in residency],
+        "decode_by_bandwidth": [msgspec.to_builtins(p) for p in bandwidth],
+    }
+    return pools, {"decode_replicas": decode_replicas, "by_warm_share": host_tier}
 
+
+def _handoff(shape: ModelShape, kv_dtype: KVDtype, hw: Hardware, prompt_bytes: float,
+             linear_s: float, full_s: float) -> list[dict[str, Any]]:
+    """The prompt's P->D handoff over each catalogued link, as a share of prefill."""
+    handoff = []
+    for link in capacity.LINKS:
+        line_s = transfer_time_s(prompt_bytes, link.line_bytes_per_s)
+        eff_s = transfer_time_s(prompt_bytes, link.effective_bytes_per_s)
+        handoff.append({
+            "link": link.name,
+            "line_bytes_per_s": link.line_bytes_per_s,
+            "effective_bytes_per_s": link.effective_bytes_per_s,
+            "line_rate_ms": line_s * 1e3,
+            "effective_ms": eff_s * 1e3,
+            "share_of_linear_prefill_line_rate_pct": 100 * line_s / linear_s,
+            "share_of_linear_prefill_pct": 100 * eff_s / linear_s,
+            "share_of_prefill_with_attention_pct": 100 * eff_s / full_s,
+            "closed_form_share_ratio": capacity.handoff_share_ratio(
+                shape, kv_dtype, hw, link.effective_bytes_per_s
+            ),
+        })
+    return handoff
+
+
+def _handoff_by_length(shape: ModelShape, hw: Hardware, per_token: float,
+                       prompt_tokens: int) -> list[dict[str, Any]]:
+    """The 400G handoff's share of prefill at several prompt lengths."""
+    by_length = []
+    link = capacity.LINK_400G
+    for tokens in sorted({*_SHARE_PROMPTS_TOKENS, prompt_tokens}):
+        handoff_s = transfer_time_s(tokens * per_token, link.line_bytes_per_s)
+        lin_s = capacity.prefill_time_s(model.prefill_flops(shape, tokens, attention=False), hw)
+        att_s = capacity.prefill_time_s(model.prefill_flops(shape, tokens), hw)
+        by_length.append({
+            "prompt_tokens": tokens,
+            "handoff_line_rate_ms": handoff_s * 1e3,
+            "linear_prefill_ms": lin_s * 1e3,
+            "prefill_with_attention_ms": att_s * 1e3,
+            "share_of_linear_prefill_pct": 100 * handoff_s / lin_s,
+            "share_of_prefill_with_attention_pct": 100 * handoff_s / att_s,
+        })
+    return by_length
+
+
+def _model_info(shape: ModelShape) -> dict[str, Any]:
     return {
-        "model": {
-            "name": shape.name,
-            "attention": shape.attention.value,
-            "layers": shape.layers,
-            "kv_heads": shape.kv_heads,
-            "kv_head_dim_elements": shape.kv_head_dim,
-            "kv_elements_per_token": shape.kv_elements_per_token,
-            "total_params": shape.total_params,
-            "active_params": shape.active_params,
-        },
-        "kv_dtype": kv_dtype.value,
-        "hardware": {
-            "gpu_peak_flops_per_s": hw.gpu_peak_flops_per_s,
-            "flops_utilisation_ratio": hw.flops_utilisation,
-            "replica_gpus": hw.gpus_per_replica,
-            "replica_flops_per_s": capacity.replica_flops_per_s(hw),
-            "hbm_bytes_per_gpu": hw.hbm_bytes_per_gpu,
-            "hbm_bytes_per_s_per_gpu": hw.hbm_bytes_per_s_per_gpu,
-            "weight_bytes": capacity.weight_bytes(shape, hw),
-            "kv_capacity_bytes_per_replica": kv_capacity,
-            "kv_copies_per_replica": capacity.kv_copies_per_replica(shape, hw),
-        },
-        "workload": msgspec.to_builtins(workload),
-        "kv": {
-            "kv_bytes_per_token": per_token,
-            "prompt_tokens": prompt_tokens,
-            "prompt_kv_bytes": prompt_bytes,
-            "by_dtype": {
-                f"{d.value}_kv_bytes_per_token": model.kv_bytes_per_token(shape, d) for d in KVDtype
-            },
-        },
-        "prefill": {
-            "prompt_tokens": prompt_tokens,
-            "linear_flops": linear_flops,
-            "attention_flops": attn_flops,
-            "linear_ms": linear_s * 1e3,
-            "with_attention_ms": full_s * 1e3,
-        },
-        "handoff": handoff,
-        "handoff_400g_by_prompt_length": by_length,
-        "caching_regimes": {
-            "per_session": [msgspec.to_builtins(w) for w in regimes.values()],
-            "none_over_session_flops_ratio": none_w.prefill_flops / session_w.prefill_flops,
-            "prefix_over_session_flops_ratio": prefix_w.prefill_flops / session_w.prefill_flops,
-            "none_over_prefix_flops_ratio": none_w.prefill_flops / prefix_w.prefill_flops,
-            "none_over_session_tokens_ratio": none_w.prefill_tokens / session_w.prefill_tokens,
-            "prefix_over_session_tokens_ratio": prefix_w.prefill_tokens / session_w.prefill_tokens,
-        },
-        "host_restore": {
-            "link": hw.host_link.name,
-            "host_link_effective_bytes_per_s_per_gpu": hw.host_link.effective_bytes_per_s,
-            "history_tokens": restore.tokens,
-            "context_tokens": workload.shared_prefix_tokens,
-            "restore_bytes": restore.restore_bytes,
-            "restore_ms": restore.restore_s * 1e3,
-            "recompute_ms": restore.recompute_s * 1e3,
-            "recompute_over_restore_ratio": restore.recompute_s / restore.restore_s
-            if restore.restore_s
-            else None,
-        },
-        "pools": {
-            "prefill_by_throughput": [
-                msgspec.to_builtins(capacity.prefill_pool(shape, workload, hw, r)) for r in CachingRegime
-            ] if kv_capacity > 0 else [],
-            "decode_by_residency": [msgspec.to_builtins(p) for p in residency],
-            "decode_by_bandwidth": [msgspec.to_builtins(p) for p in bandwidth],
-        },
-        "host_tier": {"decode_replicas": decode_replicas, "by_warm_share": host_tier},
-        "warnings": warnings,
+        "name": shape.name,
+        "attention": shape.attention.value,
+        "layers": shape.layers,
+        "kv_heads": shape.kv_heads,
+        "kv_head_dim_elements": shape.kv_head_dim,
+        "kv_elements_per_token": shape.kv_elements_per_token,
+        "total_params": shape.total_params,
+        "active_params": shape.active_params,
+    }
+
+
+def _hardware_info(shape: ModelShape, hw: Hardware, kv_capacity: float) -> dict[str, Any]:
+    return {
+        "gpu_peak_flops_per_s": hw.gpu_peak_flops_per_s,
+        "flops_utilisation_ratio": hw.flops_utilisation,
+        "replica_gpus": hw.gpus_per_replica,
+        "replica_flops_per_s": capacity.replica_flops_per_s(hw),
+        "hbm_bytes_per_gpu": hw.hbm_bytes_per_gpu,
+        "hbm_bytes_per_s_per_gpu": hw.hbm_bytes_per_s_per_gpu,
+        "weight_bytes": capacity.weight_bytes(shape, hw),
+        "kv_capacity_bytes_per_replica": kv_capacity,
+        "kv_copies_per_replica": capacity.kv_copies_per_replica(shape, hw),
+    }
+
+
+def _caching_regimes(regimes: dict[CachingRegime, Any]) -> dict[str, Any]:
+    none_w, prefix_w, session_w = (regimes[r] for r in CachingRegime)
+    return {
+        "per_session": [msgspec.to_builtins(w) for w in regimes.values()],
+        "none_over_session_flops_ratio": none_w.prefill_flops / session_w.prefill_flops,
+        "prefix_over_session_flops_ratio": prefix_w.prefill_flops / session_w.prefill_flops,
+        "none_over_prefix_flops_ratio": none_w.prefill_flops / prefix_w.prefill_flops,
+        "none_over_session_tokens_ratio": none_w.prefill_tokens / session_w.prefill_tokens,
+        "prefix_over_session_tokens_ratio": prefix_w.prefill_tokens / session_w.prefill_tokens,
+    }
+
+
+def _host_restore_info(restore: Any, hw: Hardware, workload: Workload) -> dict[str, Any]:
+    return {
+        "link": hw.host_link.name,
+        "host_link_effective_bytes_per_s_per_gpu": hw.host_link.effective_bytes_per_s,
+        "history_tokens": restore.tokens,
+        "context_tokens": workload.shared_prefix_tokens,
+        "restore_bytes": restore.restore_bytes,
+        "restore_ms": restore.restore_s * 1e3,
+        "recompute_ms": restore.recompute_s * 1e3,
+        "recompute_over_restore_ratio": restore.recompute_s / restore.restore_s
+        if restore.restore_s
+        else None,
     }
 
 
@@ -226,46 +266,65 @@ def _n(value: int | float | None, spec: str = ",.0f") -> str:
 
 
 def render_table(plan: dict[str, Any]) -> str:
-    m, hw, kv, pf = plan["model"], plan["hardware"], plan["kv"], plan["prefill"]
-    wl, cr, hr, pools = plan["workload"], plan["caching_regimes"], plan["host_restore"], plan["pools"]
+    sections = [*_model_sections(plan), *_handoff_sections(plan), _session_section(plan),
+                _host_restore_section(plan), _pools_section(plan), *_host_tier_sections(plan)]
+    if plan["warnings"]:
+        sections.append(("Warnings", [f"- {w}" for w in plan["warnings"]]))
     out: list[str] = []
-
-    def section(title: str, lines: list[str]) -> None:
+    for title, lines in sections:
         out.extend(["", f"== {title}", *lines])
+    return "\n".join(out[1:]) + "\n"
 
-    section("Model", _kv([
-        ("name", m["name"]),
-        ("attention", f"{m['attention']}, {m['layers']} layers, {m['kv_heads']} KV heads "
-                      f"x {m['kv_head_dim_elements']}"),
-        ("params", f"{m['total_params'] / 1e9:.2f} B total, {m['active_params'] / 1e9:.2f} B active"),
-        ("replica", f"{hw['replica_gpus']} x GPU, {hw['replica_flops_per_s'] / 1e12:,.0f} TFLOP/s "
-                    f"effective, weights {hw['weight_bytes'] / _GB:,.1f} GB, "
-                    f"KV room {hw['kv_capacity_bytes_per_replica'] / _GB:,.1f} GB"),
-    ]))
-    section(f"KV cache ({plan['kv_dtype']})", _kv([
-        ("per token", f"{kv['kv_bytes_per_token']:,.0f} B ({kv['kv_bytes_per_token'] / 1024:,.1f} KiB)"),
-        (f"per {kv['prompt_tokens']:,}-token prompt", f"{kv['prompt_kv_bytes'] / _GB:,.2f} GB"),
-        ("per token by dtype", ", ".join(
-            f"{k.split('_')[0]} {b:,.0f} B" for k, b in kv["by_dtype"].items())),
-    ]))
-    section(f"Prefill of {pf['prompt_tokens']:,} tokens", _kv([
-        ("linear (2 x params x tokens)", f"{pf['linear_flops']:.3e} FLOP, {pf['linear_ms']:,.1f} ms"),
-        ("with attention term", f"{pf['attention_flops']:.3e} FLOP more, {pf['with_attention_ms']:,.1f} ms"),
-    ]))
-    section("Handoff P->D of that prompt (share of prefill)", _rows(
-        ["link", "line GB/s", "eff GB/s", "line ms", "eff ms", "line %", "eff %", "eff % w/ attn"],
-        [[h["link"], f"{h['line_bytes_per_s'] / _GB:,.1f}", f"{h['effective_bytes_per_s'] / _GB:,.1f}",
-          f"{h['line_rate_ms']:,.1f}", f"{h['effective_ms']:,.1f}",
-          f"{h['share_of_linear_prefill_line_rate_pct']:.1f}", f"{h['share_of_linear_prefill_pct']:.1f}",
-          f"{h['share_of_prefill_with_attention_pct']:.1f}"] for h in plan["handoff"]],
-    ))
-    section("400G handoff share by prompt length (line rate): constant against linear prefill", _rows(
-        ["prompt tokens", "handoff ms", "linear prefill ms", "share %", "w/ attn ms", "share w/ attn %"],
-        [[f"{r['prompt_tokens']:,}", f"{r['handoff_line_rate_ms']:,.1f}", f"{r['linear_prefill_ms']:,.1f}",
-          f"{r['share_of_linear_prefill_pct']:.2f}", f"{r['prefill_with_attention_ms']:,.1f}",
-          f"{r['share_of_prefill_with_attention_pct']:.2f}"] for r in plan["handoff_400g_by_prompt_length"]],
-    ))
-    section(
+
+_Section = tuple[str, list[str]]
+
+
+def _model_sections(plan: dict[str, Any]) -> list[_Section]:
+    m, hw, kv, pf = plan["model"], plan["hardware"], plan["kv"], plan["prefill"]
+    return [
+        ("Model", _kv([
+            ("name", m["name"]),
+            ("attention", f"{m['attention']}, {m['layers']} layers, {m['kv_heads']} KV heads "
+                          f"x {m['kv_head_dim_elements']}"),
+            ("params", f"{m['total_params'] / 1e9:.2f} B total, {m['active_params'] / 1e9:.2f} B active"),
+            ("replica", f"{hw['replica_gpus']} x GPU, {hw['replica_flops_per_s'] / 1e12:,.0f} TFLOP/s "
+                        f"effective, weights {hw['weight_bytes'] / _GB:,.1f} GB, "
+                        f"KV room {hw['kv_capacity_bytes_per_replica'] / _GB:,.1f} GB"),
+        ])),
+        (f"KV cache ({plan['kv_dtype']})", _kv([
+            ("per token", f"{kv['kv_bytes_per_token']:,.0f} B ({kv['kv_bytes_per_token'] / 1024:,.1f} KiB)"),
+            (f"per {kv['prompt_tokens']:,}-token prompt", f"{kv['prompt_kv_bytes'] / _GB:,.2f} GB"),
+            ("per token by dtype", ", ".join(
+                f"{k.split('_')[0]} {b:,.0f} B" for k, b in kv["by_dtype"].items())),
+        ])),
+        (f"Prefill of {pf['prompt_tokens']:,} tokens", _kv([
+            ("linear (2 x params x tokens)", f"{pf['linear_flops']:.3e} FLOP, {pf['linear_ms']:,.1f} ms"),
+            ("with attention term", f"{pf['attention_flops']:.3e} FLOP more, {pf['with_attention_ms']:,.1f} ms"),
+        ])),
+    ]
+
+
+def _handoff_sections(plan: dict[str, Any]) -> list[_Section]:
+    return [
+        ("Handoff P->D of that prompt (share of prefill)", _rows(
+            ["link", "line GB/s", "eff GB/s", "line ms", "eff ms", "line %", "eff %", "eff % w/ attn"],
+            [[h["link"], f"{h['line_bytes_per_s'] / _GB:,.1f}", f"{h['effective_bytes_per_s'] / _GB:,.1f}",
+              f"{h['line_rate_ms']:,.1f}", f"{h['effective_ms']:,.1f}",
+              f"{h['share_of_linear_prefill_line_rate_pct']:.1f}", f"{h['share_of_linear_prefill_pct']:.1f}",
+              f"{h['share_of_prefill_with_attention_pct']:.1f}"] for h in plan["handoff"]],
+        )),
+        ("400G handoff share by prompt length (line rate): constant against linear prefill", _rows(
+            ["prompt tokens", "handoff ms", "linear prefill ms", "share %", "w/ attn ms", "share w/ attn %"],
+            [[f"{r['prompt_tokens']:,}", f"{r['handoff_line_rate_ms']:,.1f}", f"{r['linear_prefill_ms']:,.1f}",
+              f"{r['share_of_linear_prefill_pct']:.2f}", f"{r['prefill_with_attention_ms']:,.1f}",
+              f"{r['share_of_prefill_with_attention_pct']:.2f}"] for r in plan["handoff_400g_by_prompt_length"]],
+        )),
+    ]
+
+
+def _session_section(plan: dict[str, Any]) -> _Section:
+    wl, cr = plan["workload"], plan["caching_regimes"]
+    return (
         f"Prefill per session: prefix {wl['shared_prefix_tokens']:,} + task {wl['task_tokens']:,}, "
         f"{wl['steps']} steps x (gen {wl['generated_tokens']:,} + tool {wl['tool_output_tokens']:,})",
         _rows(
@@ -280,8 +339,12 @@ def render_table(plan: dict[str, Any]) -> str:
             ("none / prefix", f"{cr['none_over_prefix_flops_ratio']:.2f}x FLOP"),
         ]),
     )
+
+
+def _host_restore_section(plan: dict[str, Any]) -> _Section:
+    hr = plan["host_restore"]
     ratio = hr["recompute_over_restore_ratio"]
-    section("Host DRAM restore vs recompute (last step's history)", _kv([
+    return ("Host DRAM restore vs recompute (last step's history)", _kv([
         ("history", f"{hr['history_tokens']:,} tokens after {hr['context_tokens']:,}, "
                     f"{hr['restore_bytes'] / _GB:,.2f} GB"),
         ("restore", f"{hr['restore_ms']:,.1f} ms over {hr['link']} "
@@ -289,7 +352,11 @@ def render_table(plan: dict[str, Any]) -> str:
         ("recompute", f"{hr['recompute_ms']:,.1f} ms"
                       + ("" if ratio is None else f"  ({ratio:,.1f}x the restore)")),
     ]))
-    section(
+
+
+def _pools_section(plan: dict[str, Any]) -> _Section:
+    wl, pools = plan["workload"], plan["pools"]
+    return (
         f"Pools for {wl['concurrent_sessions']:,} concurrent sessions, tool delay {wl['tool_delay_s']:g} s, "
         f"TPOT {wl['tpot_s'] * 1e3:g} ms",
         ["P by throughput (prefill FLOP/s demanded / delivered):"]
@@ -313,25 +380,26 @@ def render_table(plan: dict[str, Any]) -> str:
               _n(p["replicas"]), _n(p["gpus"])] for p in pools["decode_by_bandwidth"]],
         ),
     )
+
+
+def _host_tier_sections(plan: dict[str, Any]) -> list[_Section]:
     ht = plan["host_tier"]
     rows = ht["by_warm_share"]
-    if rows:
-        first = rows[0]
-        section(
-            f"Host tier per D ({ht['decode_replicas']} D by bandwidth, "
-            f"{first['sessions_per_replica']:,.1f} sessions each; gaps p50 "
-            f"{first['gap_p50_s']:g} s, p99 {first['gap_p99_s']:g} s, mean "
-            f"{first['gap_mean_s']:.1f} s; lease {first['lease_s']:g} s: "
-            f"{first['outliving_lease_ratio']:.1%} of gaps outlive it)",
-            _rows(["warm share", "gap kept s", "sessions on host", "GB/session", "host GB per D"],
-                  [[f"{r['target_warm_share_ratio']:.0%}", f"{r['warm_gap_s']:,.1f}",
-                    f"{r['host_sessions_per_replica']:,.1f}",
-                    f"{r['kv_bytes_per_session'] / _GB:,.2f}",
-                    f"{r['host_bytes_per_replica'] / _GB:,.1f}"] for r in rows]),
-        )
-    if plan["warnings"]:
-        section("Warnings", [f"- {w}" for w in plan["warnings"]])
-    return "\n".join(out[1:]) + "\n"
+    if not rows:
+        return []
+    first = rows[0]
+    return [(
+        f"Host tier per D ({ht['decode_replicas']} D by bandwidth, "
+        f"{first['sessions_per_replica']:,.1f} sessions each; gaps p50 "
+        f"{first['gap_p50_s']:g} s, p99 {first['gap_p99_s']:g} s, mean "
+        f"{first['gap_mean_s']:.1f} s; lease {first['lease_s']:g} s: "
+        f"{first['outliving_lease_ratio']:.1%} of gaps outlive it)",
+        _rows(["warm share", "gap kept s", "sessions on host", "GB/session", "host GB per D"],
+              [[f"{r['target_warm_share_ratio']:.0%}", f"{r['warm_gap_s']:,.1f}",
+                f"{r['host_sessions_per_replica']:,.1f}",
+                f"{r['kv_bytes_per_session'] / _GB:,.2f}",
+                f"{r['host_bytes_per_replica'] / _GB:,.1f}"] for r in rows]),
+    )]
 
 
 # --------------------------------------------------------------------------- CLI
