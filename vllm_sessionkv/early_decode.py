@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from vllm_sessionkv.wire.protocol import decode_prefill_done
+from vllm_sessionkv.zmq_bind import bind_socket
 
 __all__ = ["EarlyDecodeInbox", "Outcome"]
 
@@ -47,15 +48,7 @@ class EarlyDecodeInbox:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PULL)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.bind(bind)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ValueError(f"sessionkv early_decode_port: cannot bind {bind}: {exc}"
-                             ) from None
+        self._context, self._socket = bind_socket(zmq.PULL, bind, "early_decode_port")
         self.endpoint = bind
         # early_decode_id -> (P's params or None, arrival time)
         self._arrived: dict[str, tuple[dict[str, Any] | None, float]] = {}

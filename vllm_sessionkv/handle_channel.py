@@ -29,6 +29,7 @@ import zmq
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.wire.handle_channel import encode_frames
 from vllm_sessionkv.wire.protocol import PayloadError, encode_handle, handle_from_params
+from vllm_sessionkv.zmq_bind import bind_socket
 
 __all__ = ["HandleChannel"]
 
@@ -59,16 +60,8 @@ class HandleChannel:
         return channel
 
     def __init__(self, bind: str) -> None:
-        self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.PUB)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        try:
-            self._socket.bind(bind)
-        except zmq.ZMQError as exc:
-            self.close()
-            raise ValueError(f"sessionkv handle_channel_port: cannot bind {bind}: {exc}"
-                             ) from None
+        self._context, self._socket = bind_socket(zmq.PUB, bind, "handle_channel_port",
+                                                  [(zmq.SNDHWM, _SEND_HWM)])
         # The bound address (a "*" port resolved), for logs and tests.
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seq = 0
