@@ -4,6 +4,11 @@
     python benchmarks/engine_overhead.py            # every variant, 2 rounds (~20 min)
     python benchmarks/engine_overhead.py --quick    # plain, ours as D and as P, 1 round
     python benchmarks/engine_overhead.py --model /models/M --gpus 0   # a GPU host
+    python benchmarks/engine_overhead.py --live [--layout 1p1d 2p2d] [--cores vllm]
+
+``--live`` measures the cluster users start instead: every engine of a launcher
+cluster up at once, requests interleaved across them (``overhead_live.py``; its
+report is ``docs/benchmarks/engine_overhead_live.md``).  Without it:
 
 It starts, one at a time and with the same launcher settings (``launch.engine_command``:
 the same threads, reserved CPU, KV cache, block size and model), a plain vLLM engine,
@@ -414,12 +419,91 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--log-dir", default=None)
     ap.add_argument("--render", metavar="JSON",
                     help="only write the report again from a run's JSON (no engines)")
+    live = ap.add_argument_group("live cluster (--live)")
+    live.add_argument("--live", action="store_true",
+                      help="every engine of a launcher cluster up at once (P, D, co-located)")
+    live.add_argument("--layout", nargs="+", choices=["1p1d", "2p2d"], default=["1p1d"],
+                      help="clusters to run, one after the other")
+    live.add_argument("--cores", default="auto",
+                      help="the launcher's --cores (auto: its default; vllm: vLLM's binding)")
+    live.add_argument("--base-port", type=int, default=22100,
+                      help="the cluster's ports count up from here")
+    live.add_argument("--no-holding", action="store_true",
+                      help="skip the holding-D CPU measurement")
     args = ap.parse_args(argv)
     if args.rounds is None:
-        args.rounds = 1 if args.quick else 2
+        args.rounds = (4 if args.live else 1) if args.quick else (8 if args.live else 2)
     if args.requests is None:
         args.requests = 12 if args.quick else 24
+    if args.live:
+        # Per concurrency: enough requests for a p50, few enough for many rounds.
+        args.requests = {c: max(args.requests // 2, 4 * c) for c in args.concurrency}
+        if args.out == str(REPORT):
+            args.out = str(REPORT.with_name("engine_overhead_live.md"))
     return args
+
+
+def main_live(args, argv) -> int:
+    import platform
+
+    import overhead_live
+
+    command = "python benchmarks/engine_overhead.py " + " ".join(
+        a for a in (argv if argv is not None else sys.argv[1:]))
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        runs = saved["runs"]
+    else:
+        runs = []
+        for layout in args.layout:
+            ns = argparse.Namespace(**{**vars(args), "layout": layout})
+            runs.append(overhead_live.run_live(ns))
+            print("\n".join(overhead_live.verdicts(runs[-1], args.concurrency)), flush=True)
+        saved = {"args": {k: v for k, v in vars(args).items()}, "runs": runs,
+                 "machine": f"{psutil.cpu_count()} cores, "
+                            f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
+                            f"{platform.system()} {platform.release()}",
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "commit": _commit(), "command": command}
+    all_verdicts = [v for run in runs for v in overhead_live.verdicts(run, args.concurrency)]
+    if args.out:
+        out = Path(args.out)
+        sections = "\n".join(overhead_live.render_section(run, args, saved["command"])
+                              for run in runs)
+        out.write_text(LIVE_HEADER.format(**saved, rounds=args.rounds,
+                                          requests=args.requests,
+                                          prompt_len=args.prompt_len,
+                                          max_tokens=args.max_tokens,
+                                          warmup=args.warmup) + sections)
+        if not args.render:
+            out.with_suffix(".json").write_text(json.dumps(saved, indent=1))
+        print(f"wrote {out}")
+    return 0 if all(v.startswith("ok") for v in all_verdicts) else 1
+
+
+def _commit() -> str:
+    import subprocess
+
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+LIVE_HEADER = """# Engine overhead in the cluster users start
+
+{date}, commit {commit}. Machine: {machine}.
+Each layout is one launcher cluster (`LocalCluster`, the defaults of
+`examples/local_cluster.py`: Redis, the proxy, P and D with our connector, a plain
+co-located engine), all engines up at once. {rounds} rounds; in each, every engine
+in turn gets the same streamed completions straight (no proxy): {requests}
+requests per concurrency (concurrency: requests), {prompt_len} prompt token ids,
+{max_tokens} output tokens, `ignore_eos`, temperature 0, after {warmup} warm-up
+requests each. The engines' order is reversed every other round (ABBA). Each
+round's figures are ratios to the co-located engine of that round; the verdict is
+the median of the rounds' ratios (bound 1.15x). CPU shares come from every thread's
+`/proc/<pid>/task/<tid>/stat` (100% = one core).
+
+"""
 
 
 def rerender(path: str, out: str) -> int:
@@ -436,6 +520,8 @@ def rerender(path: str, out: str) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.live:
+        return main_live(args, argv)
     if args.render:
         return rerender(args.render, args.out)
     names = QUICK if args.quick else tuple(v.name for v in VARIANTS)

@@ -5,7 +5,7 @@ co-located vLLM server for baselines.
 
     python examples/local_cluster.py --prefill 1 --decode 1 --proxy-port 8000 \\
         [--redis] [--colocated-port 8300] [--model PATH] [--dtype bfloat16] \\
-        [--gpus 0,1] [--kv-cache-gb 1.0] [--decode-kv-cache-gb 0.02]
+        [--gpus 0,1] [--kv-cache-gb 1.0] [--decode-kv-cache-gb 0.02] [--cores auto]
 
 Without --model it generates a tiny random Llama (CPU demo) in a temporary folder,
 served under a stable name, ``sessionkv-tiny-model`` (``--served-model-name``): the
@@ -14,6 +14,11 @@ name requests and ``/v1/models`` use.  When everything is healthy it prints one 
     READY proxy=http://127.0.0.1:8000 colocated=<url or ->
 
 and stays in the foreground; SIGINT or SIGTERM stops every process it started.
+
+On CPU each engine's model thread gets a core of its own (engines in start order:
+prefill..., decode..., colocated); with more engines than cores they go round robin
+(engine i on core i mod N).  The first line printed says which engine computes on
+which core (``--cores`` changes it; ``vllm_sessionkv/dev/cores.py`` gives the reasons).
 
 With --placement each process can run elsewhere: another address (another host, or a
 network namespace on this one), a command prefix that runs it there (``ip netns exec
@@ -108,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="JSON: process name (prefill0.., decode0.., colocated, redis, proxy) "
                         "-> {address, command_prefix, env}; unnamed ones run here on "
                         "127.0.0.1")
+    p.add_argument("--cores", default="auto",
+                   help="CPU only: the cores of the engines' model threads. 'auto': one core "
+                        "per engine in start order (prefill..., decode..., colocated), round "
+                        "robin when there are more engines than cores; 'vllm': vLLM's own "
+                        "binding (every engine on the same core here); or one "
+                        "VLLM_CPU_OMP_THREADS_BIND value per engine, comma-separated "
+                        "('0,1,0'). GPU hosts and --connector nixl keep vLLM's binding. "
+                        "The rule applied is printed at start-up")
     p.add_argument("--fail-fast", action="store_true",
                    help="when any child exits, stop everything and exit 1 (no restarts)")
     p.add_argument("--max-restarts", type=int, default=5,
@@ -157,14 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             proxy_args=([] if args.decode_only_max_uncached_tokens is None else
                         ["--decode-only-max-uncached-tokens",
                          str(args.decode_only_max_uncached_tokens)]),
-            placement=placement)
-    except ValueError as exc:  # a placement naming no process of this cluster
+            placement=placement, cores=args.cores)
+    except ValueError as exc:  # a placement naming no process, a bad --cores
         p.error(str(exc))
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
 
+    # Where the engines compute, before they start (their start-up takes minutes).
+    print(spec.core_plan().rule, flush=True)
     cluster = LocalCluster(spec)
     started = time.monotonic()
     try:
@@ -187,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                          if e.early_decode_endpoint},
         "handle_channel": {e.url: e.handle_channel_endpoint for e in cluster.decode
                            if e.handle_channel_endpoint},
+        # Engine name -> its model thread's VLLM_CPU_OMP_THREADS_BIND (null: vLLM's).
+        "cores": cluster.core_plan.binds,
     }), flush=True)
     print(f"READY proxy={cluster.proxy_url or '-'} colocated={colocated}", flush=True)
     try:

@@ -1,9 +1,10 @@
 """deploy/helm/vllm-sessionkv: rendered by helm, validated against Kubernetes' schemas,
 and consistent with what the engines and the proxy actually accept.
 
-Two renderings: the default values, and ``ci/external-redis-values.yaml`` (external
+Three renderings: the default values, ``ci/external-redis-values.yaml`` (external
 Redis from a Secret, a ServiceMonitor, UCX over TCP, tensor parallelism, early decode
-off, proxy config keys).  Helm comes from ``ci/install_chart_tools.py``; the schemas
+off, proxy config keys) and ``ci/cpu-values.yaml`` (the CPU recipe: Guaranteed engine
+pods on whole cores, no GPU).  Helm comes from ``ci/install_chart_tools.py``; the schemas
 from kubernetes-validate (PyPI), strict mode, at the chart's oldest Kubernetes (1.27)
 and the newest the tool ships; the ServiceMonitor (a CRD, unknown to that tool)
 against the prometheus-operator schema in @kubernetes-models/prometheus-operator (npm).  Each engine's command line goes through vLLM's own
@@ -27,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "vllm-sessionkv"
 NAMESPACE = "llm"
 RELEASE = "skv"
-VALUES = {"default": None, "external-redis": CHART / "ci" / "external-redis-values.yaml"}
+VALUES = {"default": None, "external-redis": CHART / "ci" / "external-redis-values.yaml",
+          "cpu": CHART / "ci" / "cpu-values.yaml"}
 # The chart's kubeVersion floor, and the newest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.27.0", "1.37.0")
 # Stand-ins for what the kubelet puts in the downward-API variables.
@@ -354,3 +356,21 @@ def test_several_proxies_without_redis_is_refused_at_render_time(helm):
     assert "index" not in raw
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not any(a.startswith("--redis-url") for a in args)
+
+
+def test_cpu_recipe_engines_are_guaranteed_on_whole_cores_without_gpus(helm):
+    """The kubelet's static CPU manager gives a pod cores of its own only when it is
+    Guaranteed with whole CPUs; vLLM then binds the model threads inside them."""
+    done = _render(helm, VALUES["cpu"])
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    for pool in ("prefill", "decode"):
+        sts = _named(docs, "StatefulSet", f"{RELEASE}-vllm-sessionkv-{pool}")
+        (container,) = sts["spec"]["template"]["spec"]["containers"]
+        resources = container["resources"]
+        assert "nvidia.com/gpu" not in resources["limits"]
+        assert resources["requests"]["cpu"] == resources["limits"]["cpu"]
+        assert str(resources["limits"]["cpu"]).isdigit()
+        assert resources["requests"]["memory"] == resources["limits"]["memory"]
+        env = {v["name"]: v.get("value") for v in container["env"]}
+        assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"

@@ -253,3 +253,82 @@ def test_local_cluster_can_start_every_engine_eager(monkeypatch, tmp_path):
     cluster = LocalCluster(specs[-1])
     for engine in (cluster._engine("prefill", 0, "prefill0"), cluster._colocated_engine()):
         assert "--enforce-eager" in engine_command(engine)[0]
+
+
+def test_each_engine_gets_a_core_of_its_own_while_there_are_enough():
+    from vllm_sessionkv.dev.cores import plan_cores
+
+    plan = plan_cores(["prefill0", "decode0"], [0, 1, 2])
+    assert plan.binds == {"prefill0": "0", "decode0": "1"}
+    assert plan.env("decode0") == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert "one core per engine" in plan.rule
+
+
+def test_more_engines_than_cores_go_round_robin_and_the_rule_says_so():
+    from vllm_sessionkv.dev.cores import plan_cores
+
+    names = ["prefill0", "prefill1", "decode0", "decode1", "colocated"]
+    plan = plan_cores(names, [1, 0])
+    assert plan.binds == {"prefill0": "0", "prefill1": "1", "decode0": "0",
+                          "decode1": "1", "colocated": "0"}
+    assert "5 engines on 2 cores, round robin" in plan.rule
+    assert "colocated->0" in plan.rule
+
+
+@pytest.mark.parametrize("kwargs, why", [({"mode": "vllm"}, "asked for"),
+                                         ({"gpus": True}, "GPU host"),
+                                         ({"stock_nixl": True}, "stock NixlConnector")])
+def test_gpu_hosts_stock_nixl_and_vllm_mode_keep_vllms_binding(kwargs, why):
+    from vllm_sessionkv.dev.cores import plan_cores
+
+    plan = plan_cores(["prefill0", "decode0"], [0, 1], **kwargs)
+    assert plan.binds == {"prefill0": None, "decode0": None}
+    assert plan.env("prefill0") == {}
+    assert why in plan.rule
+
+
+def test_explicit_cores_need_one_value_per_engine():
+    from vllm_sessionkv.dev.cores import plan_cores
+
+    assert plan_cores(["prefill0", "decode0"], [0, 1], "1, 0-1").binds == \
+        {"prefill0": "1", "decode0": "0-1"}
+    with pytest.raises(ValueError, match="2 engines .* need 2"):
+        plan_cores(["prefill0", "decode0"], [0, 1], "0")
+    with pytest.raises(ValueError, match="cores"):
+        ClusterSpec(model="m", cores="0,1,0")
+
+
+def test_the_cluster_binds_each_engine_to_its_planned_core(monkeypatch):
+    """The plan reaches every engine's environment, the co-located one's too, and the
+    engine command keeps it (it is applied after the host's environment)."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    spec = ClusterSpec(model="m", prefill=1, decode=1, colocated=True)
+    cluster = LocalCluster(spec)
+    assert cluster.core_plan.binds == {"prefill0": "0", "decode0": "1", "colocated": "0"}
+    engine = cluster._engine("decode", 1, "decode0")
+    engine.extra_env.update(cluster.core_plan.env("decode0"))
+    assert engine_command(engine)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    gpu = LocalCluster(ClusterSpec(model="m", gpus=["0", "1"]))
+    assert set(gpu.core_plan.binds.values()) == {None}
+
+
+def test_local_cluster_prints_the_core_rule_before_it_starts(monkeypatch, tmp_path, capsys):
+    cli = _local_cluster_main()
+
+    class NoStart:
+        def __init__(self, spec):
+            pass
+
+        def start(self):
+            raise RuntimeError("not started in a unit test")
+
+    monkeypatch.setattr(cli, "LocalCluster", NoStart)
+    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
+    common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
+              "--colocated-port", "22990"]
+    assert cli.main(common) == 1
+    assert "cores: 3 engines on 2 cores, round robin" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main([*common, "--cores", "0"])

@@ -1,8 +1,10 @@
 """Start and stop local vLLM engines (and the proxy) as a process group.
 
 One piece of code serves ``examples/local_cluster.py``, the test fixtures and the
-benchmarks.  It applies the CPU recipe (``cpu-pd-recipe.md``): one reserved CPU
-(else NIXL re-pins the model thread onto the OpenMP thread's core), no NIXL progress
+benchmarks.  It applies the CPU recipe (``cpu-pd-recipe.md``): each engine's model
+thread on a core of its own, round robin past the core count (``cores.py``; the
+cluster's ``core_plan``), one reserved CPU for vLLM's own binding where that is
+kept (else NIXL re-pins the model thread onto the OpenMP thread's core), no NIXL progress
 thread (the connector does that), UCX on loopback (for engines on loopback), a block
 size that is a multiple of 32, and vLLM's loadable (non-AOT) compile cache.  Every
 process runs in its own session and is stopped by PID.
@@ -42,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from vllm_sessionkv.dev.cores import CorePlan, plan_cores
 
 __all__ = [
     "ChildEvent",
@@ -471,19 +475,36 @@ class ClusterSpec:
     # Where each process runs, by name ("prefill0", "decode0", "colocated", "redis",
     # "proxy"); a process not named runs here, on loopback (LOCAL_HOST).
     placement: dict[str, Host] = field(default_factory=dict)
+    # CPU cores of the engines' model threads (``cores.plan_cores``): "auto" (one
+    # core each, round robin past the core count), "vllm" (vLLM's own binding), or a
+    # VLLM_CPU_OMP_THREADS_BIND value per engine in start order ("0,1,0").
+    cores: str = "auto"
 
-    def process_names(self) -> list[str]:
+    def engine_names(self) -> list[str]:
+        """The engines, in start order."""
         names = [f"prefill{i}" for i in range(self.prefill)]
         names += [f"decode{i}" for i in range(self.decode)]
-        optional = (("colocated", self.colocated), ("redis", self.redis),
-                    ("proxy", self.proxy))
-        return names + [name for name, started in optional if started]
+        return names + (["colocated"] if self.colocated else [])
+
+    def process_names(self) -> list[str]:
+        optional = (("redis", self.redis), ("proxy", self.proxy))
+        return self.engine_names() + [name for name, started in optional if started]
+
+    def core_plan(self, cores: list[int] | None = None) -> CorePlan:
+        """Where each engine's model thread computes; ``cores``: those this process
+        may run on (default: its affinity)."""
+        if cores is None:
+            cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
+                else list(range(os.cpu_count() or 1))
+        return plan_cores(self.engine_names(), cores, self.cores,
+                          gpus=self.gpus is not None, stock_nixl=self.connector == "nixl")
 
     def __post_init__(self):
         unknown = sorted(set(self.placement) - set(self.process_names()))
         if unknown:
             raise ValueError(f"placement: no process named {', '.join(unknown)} in this "
                              f"cluster; expected some of {self.process_names()}")
+        self.core_plan()  # a bad ``cores`` raises ValueError naming it
 
     def host(self, name: str) -> Host:
         return self.placement.get(name, LOCAL_HOST)
@@ -552,6 +573,7 @@ class LocalCluster:
         self.colocated: EngineSpec | None = None
         self.redis_url: str | None = None
         self.proxy_url: str | None = None
+        self.core_plan: CorePlan = spec.core_plan()
         self._next = spec.base_port
         self._children: list[_Child] = []
 
@@ -629,6 +651,9 @@ class LocalCluster:
             if spec.colocated:
                 self.colocated = self._colocated_engine()
                 named.append(("colocated", self.colocated))
+            logger.info("%s", self.core_plan.rule)
+            for name, e in named:
+                e.extra_env.update(self.core_plan.env(name))
             engines = [(self.manage(name, self._engine_starter(e, name), e.url), e.url)
                        for name, e in named]
             wait_healthy(engines, timeout_s=timeout_s)
