@@ -428,6 +428,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="the launcher's --cores (auto: its default; vllm: vLLM's binding)")
     live.add_argument("--base-port", type=int, default=22100,
                       help="the cluster's ports count up from here")
+    live.add_argument("--sessionkv-config", default="{}",
+                      help="JSON for the P and D engines' sessionkv config (the launcher's "
+                           "--sessionkv-config), e.g. to compare a pacing setting")
+    live.add_argument("--front-ab", action="store_true",
+                      help="an A/B in one cluster: in every other pair of rounds each "
+                           "engine's API server and engine core are kept off its model "
+                           "thread's core")
     live.add_argument("--no-holding", action="store_true",
                       help="skip the holding-D CPU measurement")
     args = ap.parse_args(argv)

@@ -150,6 +150,28 @@ def measure_quiet(engines: Engines, seconds: float) -> dict[str, dict]:
     return cpu_by_engine(engines, before, engines.sample(), time.monotonic() - t0)
 
 
+def pin_front_ends(engines: Engines, binds: dict[str, str | None], pinned: bool) -> None:
+    """Every thread of each engine's API server and engine core on the cores other
+    than its model thread's (``pinned``), or back on every core.  The worker process
+    (the model thread and its helpers) is left as vLLM bound it."""
+    every = sorted(os.sched_getaffinity(0))
+    for name, procs in engines.procs.items():
+        bind = binds.get(name)
+        model = {int(bind)} if bind and bind.isdigit() else set()
+        cores = [c for c in every if c not in model] if pinned else every
+        for p in procs:
+            try:
+                if "Worker" in p.name():
+                    continue
+                for tid in map(int, os.listdir(f"/proc/{p.pid}/task")):
+                    try:
+                        os.sched_setaffinity(tid, cores or every)
+                    except OSError:
+                        pass
+            except (psutil.NoSuchProcess, FileNotFoundError):
+                continue
+
+
 # ---------------------------------------------------------------- phases
 
 def run_block(engines: Engines, name: str, bodies: list[dict], concurrency: int) -> dict:
@@ -162,8 +184,13 @@ def run_block(engines: Engines, name: str, bodies: list[dict], concurrency: int)
     cpu = cpu_by_engine(engines, before, engines.sample(), wall_s)
     hist1 = histogram_sums(url)
     lat = [s.latency_s for s in samples]
+    # Time per output token as the client sees it: first streamed token to last,
+    # over the tokens between (ignore_eos: every request streams max_tokens).
+    n_tokens = bodies[0]["max_tokens"]
+    tpot = [sum(s.itl_s) / (n_tokens - 1) for s in samples if s.itl_s]
     return {"engine": name, "concurrency": concurrency,
-            "tpot_s": histogram_mean(hist0, hist1, TPOT),
+            "tpot_s": statistics.median(tpot) if tpot else None,
+            "engine_tpot_s": histogram_mean(hist0, hist1, TPOT),
             "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
             "requests": len(samples), "wall_s": wall_s,
             "cpu": {n: round(c["cores"], 4) for n, c in cpu.items()},
@@ -224,6 +251,7 @@ def run_live(args) -> dict:
                        decode=n_decode, colocated=True, redis=True, proxy=True,
                        base_port=args.base_port, proxy_port=None,
                        kv_cache_space_gb=args.kv_cache_gb, cores=args.cores,
+                       sessionkv=json.loads(args.sessionkv_config),
                        log_dir=Path(args.log_dir) if args.log_dir else tmp / "logs",
                        gpus=[args.gpus] if args.gpus else None)
     names = spec.engine_names()
@@ -247,6 +275,11 @@ def run_live(args) -> dict:
         for rnd in range(args.rounds):
             order = abba_order(names, rnd)
             blocks = []
+            front = None
+            if args.front_ab:
+                # Rounds 1, 4, 5, 8 as started, 2, 3, 6, 7 with the front ends pinned.
+                front = "pinned" if rnd % 4 in (1, 2) else "free"
+                pin_front_ends(engines, cluster.core_plan.binds, front == "pinned")
             load = os.getloadavg()
             for conc in args.concurrency:
                 bodies = completion_bodies(request_model, args.requests[conc],
@@ -254,9 +287,9 @@ def run_live(args) -> dict:
                                            seed=1000 * rnd + conc)
                 for n in order:
                     blocks.append(run_block(engines, n, bodies, conc))
-            rounds.append({"round": rnd + 1, "order": order, "loadavg": load,
+            rounds.append({"round": rnd + 1, "order": order, "front": front, "loadavg": load,
                            "loadavg_end": os.getloadavg(), "blocks": blocks})
-            print(f"[round {rnd + 1}/{args.rounds}] load {load[0]:.2f} " + "  ".join(
+            print(f"[round {rnd + 1}/{args.rounds}] front {front} load {load[0]:.2f} " + "  ".join(
                 f"{b['engine']}@c{b['concurrency']} tpot {b['tpot_s'] * 1e3:.2f} ms "
                 f"p50 {b['latency_p50_s'] * 1e3:.0f} ms" for b in blocks), flush=True)
         d_urls = [e.url for e in cluster.decode]
@@ -303,6 +336,14 @@ def _med(xs):
 
 
 def verdicts(run: dict, concurrencies: list[int]) -> list[str]:
+    modes = sorted({r.get("front") for r in run["rounds"]} - {None})
+    if modes:  # an A/B: one verdict per arm
+        lines = []
+        for mode in modes:
+            sub = {**run, "rounds": [r for r in run["rounds"] if r.get("front") == mode],
+                   "holding": None, "layout": "ab"}
+            lines += [f"[front ends {mode}] {v}" for v in verdicts(sub, concurrencies)]
+        return lines
     lines = []
     for n, by_metric in ratios(run, concurrencies).items():
         for key, values in by_metric.items():
@@ -330,13 +371,14 @@ def _ms(x):
 
 
 def render_rounds(run: dict, concurrencies: list[int]) -> str:
-    head = ["round", "order", "load 1/5/15 min", "c", *run["engines"]]
+    head = ["round", "order", "front ends", "load 1/5/15 min", "c", *run["engines"]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rnd in run["rounds"]:
         load = "/".join(f"{x:.2f}" for x in rnd["loadavg"])
         for c in concurrencies:
             by = {b["engine"]: b for b in rnd["blocks"] if b["concurrency"] == c}
-            cells = [str(rnd["round"]), " ".join(rnd["order"]), load, str(c)]
+            cells = [str(rnd["round"]), " ".join(rnd["order"]), rnd.get("front") or "as started",
+                     load, str(c)]
             for n in run["engines"]:
                 b = by[n]
                 cells.append(f"{_ms(b['tpot_s'])} / {_ms(b['latency_p50_s'])}")
@@ -400,7 +442,9 @@ Launcher's core rule, as printed at start-up:
 {run['core_rule']}
 ```
 
-Every round, per engine: TPOT (mean of vLLM's histogram) / latency p50, in ms.
+Every round, per engine: TPOT / latency p50, in ms (TPOT: the median over requests of
+the client's first-to-last streamed token time over the tokens between; vLLM's own
+histogram is in the JSON as `engine_tpot_s`).
 
 {render_rounds(run, concs)}
 
