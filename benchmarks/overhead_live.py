@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import psutil
 import requests
 
@@ -37,7 +38,6 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from engine_overhead import (  # noqa: E402
-    _closed_loop,
     completion_bodies,
     histogram_mean,
     histogram_sums,
@@ -53,6 +53,55 @@ BOUND = 1.15
 IDLE_BOUND = 0.20      # 1P+1D idle, in cores
 HOLDING_BOUND = 0.25   # a D holding one session, in cores
 TPOT = "vllm:request_time_per_output_token_seconds"
+
+
+# ---------------------------------------------------------------- client
+
+@dataclass
+class Stream:
+    latency_s: float
+    ttft_s: float | None
+    # Seconds per output token from the first streamed chunk to the last, counted by
+    # the engine's own running usage (chunks carry several tokens when the API
+    # server falls behind, so chunk gaps are not token gaps).
+    tpot_s: float | None
+
+
+async def _stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> Stream:
+    body = {**body, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    started = time.perf_counter()
+    first = last = None  # (time, completion tokens so far)
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            usage = chunk.get("usage") or {}
+            if chunk.get("choices") and usage.get("completion_tokens"):
+                point = (time.perf_counter(), usage["completion_tokens"])
+                first = first or point
+                last = point
+    ended = time.perf_counter()
+    tpot = None
+    if first and last and last[1] > first[1]:
+        tpot = (last[0] - first[0]) / (last[1] - first[1])
+    return Stream(ended - started, first[0] - started if first else None, tpot)
+
+
+async def closed_loop(url: str, bodies: list[dict], concurrency: int) -> list[Stream]:
+    queue: asyncio.Queue = asyncio.Queue()
+    for body in bodies:
+        queue.put_nowait(body)
+    out: list[Stream] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        async def worker():
+            while not queue.empty():
+                out.append(await _stream_one(session, url, queue.get_nowait()))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return out
 
 
 # ---------------------------------------------------------------- threads
@@ -179,17 +228,16 @@ def run_block(engines: Engines, name: str, bodies: list[dict], concurrency: int)
     url = engines.urls[name]
     hist0 = histogram_sums(url)
     before, t0 = engines.sample(), time.monotonic()
-    samples = asyncio.run(_closed_loop(url, bodies, concurrency))
+    samples = asyncio.run(closed_loop(url, bodies, concurrency))
     wall_s = time.monotonic() - t0
     cpu = cpu_by_engine(engines, before, engines.sample(), wall_s)
     hist1 = histogram_sums(url)
     lat = [s.latency_s for s in samples]
-    # Time per output token as the client sees it: first streamed token to last,
-    # over the tokens between (ignore_eos: every request streams max_tokens).
-    n_tokens = bodies[0]["max_tokens"]
-    tpot = [sum(s.itl_s) / (n_tokens - 1) for s in samples if s.itl_s]
+    tpot = [s.tpot_s for s in samples if s.tpot_s is not None]
+    ttft = [s.ttft_s for s in samples if s.ttft_s is not None]
     return {"engine": name, "concurrency": concurrency,
             "tpot_s": statistics.median(tpot) if tpot else None,
+            "ttft_p50_s": pct(ttft, 50),
             "engine_tpot_s": histogram_mean(hist0, hist1, TPOT),
             "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
             "requests": len(samples), "wall_s": wall_s,
@@ -266,7 +314,7 @@ def run_live(args) -> dict:
         warm = completion_bodies(request_model, args.warmup, args.prompt_len,
                                  args.max_tokens, seed=99)
         for n in names:
-            asyncio.run(_closed_loop(engines.urls[n], warm, 2))
+            asyncio.run(closed_loop(engines.urls[n], warm, 2))
         time.sleep(args.settle_s)
         idle = measure_quiet(engines, args.idle_s)
         print("idle: " + ", ".join(f"{n} {c['cores'] * 100:.1f}%" for n, c in idle.items()),
@@ -442,9 +490,11 @@ Launcher's core rule, as printed at start-up:
 {run['core_rule']}
 ```
 
-Every round, per engine: TPOT / latency p50, in ms (TPOT: the median over requests of
-the client's first-to-last streamed token time over the tokens between; vLLM's own
-histogram is in the JSON as `engine_tpot_s`).
+Every round, per engine: TPOT / latency p50, in ms. TPOT: the median over requests of
+the time from the first streamed chunk to the last over the tokens between, counted
+by the engine's running usage (`continuous_usage_stats`): when an API server falls
+behind, one chunk carries several tokens, so chunk gaps are not token gaps. vLLM's
+own histogram is in the JSON as `engine_tpot_s`.
 
 {render_rounds(run, concs)}
 
