@@ -435,6 +435,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="an A/B in one cluster: in every other pair of rounds each "
                            "engine's API server and engine core are kept off its model "
                            "thread's core")
+    live.add_argument("--cores-ab", action="store_true",
+                      help="an A/B in one cluster: in every other pair of rounds every "
+                           "engine's model thread on the first core (vLLM's binding under "
+                           "the launcher's old defaults) instead of its own")
     live.add_argument("--no-holding", action="store_true",
                       help="skip the holding-D CPU measurement")
     args = ap.parse_args(argv)
@@ -465,6 +469,9 @@ def main_live(args, argv) -> int:
         for layout in args.layout:
             ns = argparse.Namespace(**{**vars(args), "layout": layout})
             runs.append(overhead_live.run_live(ns))
+            if args.out:  # kept even if a later step fails
+                Path(args.out).with_suffix(f".{layout}.partial.json").write_text(
+                    json.dumps(runs[-1], indent=1))
             print("\n".join(overhead_live.verdicts(runs[-1], args.concurrency)), flush=True)
         saved = {"args": {k: v for k, v in vars(args).items()}, "runs": runs,
                  "machine": f"{psutil.cpu_count()} cores, "

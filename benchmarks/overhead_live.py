@@ -221,6 +221,24 @@ def pin_front_ends(engines: Engines, binds: dict[str, str | None], pinned: bool)
                 continue
 
 
+def pin_model_threads(engines: Engines, binds: dict[str, str | None], planned: bool) -> None:
+    """Each engine's model thread (its worker's main thread, the one OpenMP thread)
+    on its planned core (``planned``), or every one on the first core, where
+    vLLM's own binding put them with the launcher's one reserved CPU (the old
+    default): an A/B of the placement on the same engines."""
+    first = str(min(os.sched_getaffinity(0)))
+    for name, procs in engines.procs.items():
+        bind = binds.get(name) if planned else first
+        if not bind or not bind.isdigit():
+            continue
+        for p in procs:
+            try:
+                if "Worker" in p.name():
+                    os.sched_setaffinity(p.pid, {int(bind)})
+            except (psutil.NoSuchProcess, OSError):
+                continue
+
+
 # ---------------------------------------------------------------- phases
 
 def run_block(engines: Engines, name: str, bodies: list[dict], concurrency: int) -> dict:
@@ -324,10 +342,15 @@ def run_live(args) -> dict:
             order = abba_order(names, rnd)
             blocks = []
             front = None
+            if args.cores_ab:
+                # Rounds 1, 4, 5, 8 as the launcher places them, 2, 3, 6, 7 every
+                # model thread on the first core (vLLM's binding, the old default).
+                front = "one core each" if rnd % 4 in (0, 3) else "all on core 0"
+                pin_model_threads(engines, cluster.core_plan.binds, rnd % 4 in (0, 3))
             if args.front_ab:
                 # Rounds 1, 4, 5, 8 as started, 2, 3, 6, 7 with the front ends pinned.
-                front = "pinned" if rnd % 4 in (1, 2) else "free"
-                pin_front_ends(engines, cluster.core_plan.binds, front == "pinned")
+                front = "front ends apart" if rnd % 4 in (1, 2) else "front ends free"
+                pin_front_ends(engines, cluster.core_plan.binds, rnd % 4 in (1, 2))
             load = os.getloadavg()
             for conc in args.concurrency:
                 bodies = completion_bodies(request_model, args.requests[conc],
@@ -337,9 +360,13 @@ def run_live(args) -> dict:
                     blocks.append(run_block(engines, n, bodies, conc))
             rounds.append({"round": rnd + 1, "order": order, "front": front, "loadavg": load,
                            "loadavg_end": os.getloadavg(), "blocks": blocks})
-            print(f"[round {rnd + 1}/{args.rounds}] front {front} load {load[0]:.2f} " + "  ".join(
+            print(f"[round {rnd + 1}/{args.rounds}] {front or ''} load {load[0]:.2f} " + "  ".join(
                 f"{b['engine']}@c{b['concurrency']} tpot {b['tpot_s'] * 1e3:.2f} ms "
                 f"p50 {b['latency_p50_s'] * 1e3:.0f} ms" for b in blocks), flush=True)
+        if args.cores_ab:
+            pin_model_threads(engines, cluster.core_plan.binds, True)
+        if args.front_ab:
+            pin_front_ends(engines, cluster.core_plan.binds, False)
         d_urls = [e.url for e in cluster.decode]
         holding = None
         if cluster.proxy_url and not args.no_holding:
@@ -388,17 +415,18 @@ def verdicts(run: dict, concurrencies: list[int]) -> list[str]:
     if modes:  # an A/B: one verdict per arm
         lines = []
         for mode in modes:
-            sub = {**run, "rounds": [r for r in run["rounds"] if r.get("front") == mode],
-                   "holding": None, "layout": "ab"}
-            lines += [f"[front ends {mode}] {v}" for v in verdicts(sub, concurrencies)]
+            sub = {**run, "holding": None, "layout": "ab",
+                   "rounds": [{**r, "front": None} for r in run["rounds"]
+                              if r.get("front") == mode]}
+            lines += [f"[{mode}] {v}" for v in verdicts(sub, concurrencies)]
         return lines
     lines = []
     for n, by_metric in ratios(run, concurrencies).items():
         for key, values in by_metric.items():
             m = _med(values)
             ok = m is not None and m <= BOUND
-            lines.append(f"{'ok  ' if ok else 'OVER'} {n} {key}: median {m:.2f}x of "
-                         f"{BASELINE} (rounds: {', '.join(f'{v:.2f}' for v in values)}; "
+            lines.append(f"{'ok  ' if ok else 'OVER'} {n} {key}: median {_x(m)} of "
+                         f"{BASELINE} (rounds: {', '.join(_x(v) for v in values)}; "
                          f"bound {BOUND}x)")
     pd = [n for n in run["engines"] if n != BASELINE]
     if run["layout"] == "1p1d":
@@ -414,12 +442,16 @@ def verdicts(run: dict, concurrencies: list[int]) -> list[str]:
     return lines
 
 
+def _x(x):
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _ms(x):
     return "-" if x is None else f"{x * 1e3:.2f}"
 
 
 def render_rounds(run: dict, concurrencies: list[int]) -> str:
-    head = ["round", "order", "front ends", "load 1/5/15 min", "c", *run["engines"]]
+    head = ["round", "order", "arm", "load 1/5/15 min", "c", *run["engines"]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rnd in run["rounds"]:
         load = "/".join(f"{x:.2f}" for x in rnd["loadavg"])
