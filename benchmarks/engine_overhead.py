@@ -439,6 +439,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="an A/B in one cluster: in every other pair of rounds every "
                            "engine's model thread on the first core (vLLM's binding under "
                            "the launcher's old defaults) instead of its own")
+    live.add_argument("--gap-s", type=float, default=1.5,
+                      help="wait before each engine's block (vLLM's queues spin for 1 s "
+                           "after an engine's last step)")
     live.add_argument("--no-holding", action="store_true",
                       help="skip the holding-D CPU measurement")
     args = ap.parse_args(argv)

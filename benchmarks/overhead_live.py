@@ -345,18 +345,23 @@ def run_live(args) -> dict:
             if args.cores_ab:
                 # Rounds 1, 4, 5, 8 as the launcher places them, 2, 3, 6, 7 every
                 # model thread on the first core (vLLM's binding, the old default).
-                front = "one core each" if rnd % 4 in (0, 3) else "all on core 0"
-                pin_model_threads(engines, cluster.core_plan.binds, rnd % 4 in (0, 3))
+                # Odd rounds as the launcher places them, even rounds every model
+                # thread on the first core: each arm meets both orders (ABBA).
+                front = "one core each" if rnd % 2 == 0 else "all on core 0"
+                pin_model_threads(engines, cluster.core_plan.binds, rnd % 2 == 0)
             if args.front_ab:
-                # Rounds 1, 4, 5, 8 as started, 2, 3, 6, 7 with the front ends pinned.
-                front = "front ends apart" if rnd % 4 in (1, 2) else "front ends free"
-                pin_front_ends(engines, cluster.core_plan.binds, rnd % 4 in (1, 2))
+                # Odd rounds as started, even rounds with the front ends apart.
+                front = "front ends apart" if rnd % 2 else "front ends free"
+                pin_front_ends(engines, cluster.core_plan.binds, rnd % 2 == 1)
             load = os.getloadavg()
             for conc in args.concurrency:
                 bodies = completion_bodies(request_model, args.requests[conc],
                                            args.prompt_len, args.max_tokens,
                                            seed=1000 * rnd + conc)
                 for n in order:
+                    # vLLM's queues spin for 1 s after an engine's last step: let the
+                    # engine before this one go idle, so its neighbours are idle.
+                    time.sleep(args.gap_s)
                     blocks.append(run_block(engines, n, bodies, conc))
             rounds.append({"round": rnd + 1, "order": order, "front": front, "loadavg": load,
                            "loadavg_end": os.getloadavg(), "blocks": blocks})
@@ -399,7 +404,7 @@ def ratios(run: dict, concurrencies: list[int]) -> dict:
             by = {b["engine"]: b for b in rnd["blocks"] if b["concurrency"] == c}
             base = by[BASELINE]
             for n in out:
-                for m in ("tpot_s", "latency_p50_s"):
+                for m in ("engine_tpot_s", "latency_p50_s"):
                     r = by[n][m] / base[m] if by[n][m] and base[m] else None
                     out[n].setdefault(f"c{c}.{m}", []).append(r)
     return out
@@ -461,7 +466,8 @@ def render_rounds(run: dict, concurrencies: list[int]) -> str:
                      load, str(c)]
             for n in run["engines"]:
                 b = by[n]
-                cells.append(f"{_ms(b['tpot_s'])} / {_ms(b['latency_p50_s'])}")
+                cells.append(f"{_ms(b.get('engine_tpot_s'))} / {_ms(b['latency_p50_s'])} "
+                             f"({_ms(b['tpot_s'])})")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -504,6 +510,7 @@ def render_threads(run: dict) -> str:
 
 def render_section(run: dict, args, command: str) -> str:
     concs = args.concurrency
+    gap_s = getattr(args, "gap_s", 0.0)
     idle = ", ".join(f"{n} {c['cores'] * 100:.1f}%" for n, c in run["idle"].items())
     h = run["holding"]
     holding = "not measured" if not h else (
@@ -522,11 +529,15 @@ Launcher's core rule, as printed at start-up:
 {run['core_rule']}
 ```
 
-Every round, per engine: TPOT / latency p50, in ms. TPOT: the median over requests of
-the time from the first streamed chunk to the last over the tokens between, counted
-by the engine's running usage (`continuous_usage_stats`): when an API server falls
-behind, one chunk carries several tokens, so chunk gaps are not token gaps. vLLM's
-own histogram is in the JSON as `engine_tpot_s`.
+Every round, per engine, in ms: TPOT / latency p50 (client TPOT). TPOT is vLLM's own
+time per output token (the mean of `vllm:request_time_per_output_token_seconds` over
+the block); latency p50 is the client's. Client TPOT: the median over requests of the
+time from the first streamed chunk to the last over the tokens between, counted by
+the engine's running usage (`continuous_usage_stats`); on a loaded machine an API
+server falls behind and sends a request's tokens in a few chunks, so it is shown but
+not judged. Before each block the benchmark waits {gap_s:g} s: vLLM's queues spin for
+1 s after an engine's last step, and the engine measured next should have idle
+neighbours.
 
 {render_rounds(run, concs)}
 
