@@ -1,0 +1,177 @@
+"""The scheduler half's hooks on vLLM's own objects, in one process, no engines:
+a real ``SessionKVConnector`` (scheduler role) on a generated tiny model's config,
+vLLM ``Request``s with vLLM's block hasher, vLLM's ``KVCacheBlocks``.  It follows a
+session: a turn served on D leaves a held handle; P pulls it for the next turn when
+pulling is cheaper; an edited history is refused by verification; a P->D load, an
+unreadable handle, a host-tier restore and a first-token handoff go as designed.
+(The end-to-end tests check the same with real engines and NIXL.)"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import types
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed", allow_module_level=True)
+
+from vllm_sessionkv.wire.protocol import payload_from_params  # noqa: E402
+
+BLOCK = 16
+PROMPT = list(range(1, 70))   # 69 tokens: 4 full blocks and 5 tokens
+CHEAP_PULLS = {"cost": {"per_transfer_s": 0.0, "link_bytes_per_s": 1e12,
+                        "recompute_s_per_token": 0.01},
+               "host_tier_bytes": 4 << 20, "host_copy_bytes_per_s": 1e12}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from vllm_sessionkv.dev.tiny_model import generate_tiny_model
+
+    return generate_tiny_model(tmp_path_factory.mktemp("hooks") / "model")
+
+
+class Engine:
+    """The connector's scheduler half and just enough of vLLM's scheduler to call it."""
+
+    def __init__(self, model_dir, sessionkv: dict) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheTensor,
+        )
+
+        from vllm_sessionkv.connector import SessionKVConnector
+
+        vllm_config = EngineArgs(
+            model=str(model_dir), enable_prefix_caching=True, prefix_caching_hash_algo="sha256",
+            block_size=BLOCK, max_model_len=1024,
+            kv_transfer_config={"kv_connector": "SessionKVConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {"sessionkv": sessionkv}},
+        ).create_engine_config()
+        layer = "model.layers.0.self_attn.attn"
+        kv_cache_config = KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[KVCacheTensor(size=64 * 4096, layers=[layer],
+                                            layer_stride=64 * 4096, block_stride=4096)],
+            kv_cache_groups=[KVCacheGroupSpec([layer], FullAttentionSpec(
+                block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32))])
+        self.connector = SessionKVConnector(vllm_config, KVConnectorRole.SCHEDULER,
+                                            kv_cache_config)
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+
+    def request(self, request_id, prompt, params=None, session=None):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        extra = {"kv_transfer_params": copy.deepcopy(params)} if params is not None else None
+        return Request(request_id, prompt, SamplingParams(max_tokens=4, temperature=0.0,
+                                                          extra_args=extra),
+                       None, block_hasher=self.hasher, session_id=session)
+
+    def turn(self, request, computed_tokens, block_ids, output_tokens=()):
+        """vLLM's calls for one request: (matched, the step's instructions, its answer)."""
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        from vllm.v1.request import RequestStatus
+
+        conn = self.connector
+        matched = conn.get_num_new_matched_tokens(request, computed_tokens)
+        blocks = KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],))
+        conn.update_state_after_alloc(request, blocks, matched[0] or 0)
+        step = types.SimpleNamespace(
+            num_scheduled_tokens={request.request_id: 1}, scheduled_new_reqs=[],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_output_tokens=[]),
+            finished_req_ids=set(), free_encoder_mm_hashes=[])
+        instructions = conn.build_connector_meta(step).sessionkv
+        for token in output_tokens:
+            request.append_output_token_ids(token)
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        request.num_computed_tokens = request.num_tokens - 1
+        _, answer = conn.request_finished(request, list(block_ids))
+        return matched, instructions, answer
+
+
+def accounting(answer):
+    return payload_from_params(answer).accounting
+
+
+def pull_handle(answer):
+    return dict(answer, do_remote_decode=True, do_remote_prefill=False,
+                remote_engine_id="D", remote_host="127.0.0.1", remote_port=1,
+                remote_request_id="d1", tp_size=1)
+
+
+def test_a_session_turn_is_held_and_pulled_only_where_it_matches(tiny_model_dir):
+    engine = Engine(tiny_model_dir, CHEAP_PULLS)
+    matched, _, answer = engine.turn(engine.request("plain", PROMPT), 0, range(5))
+    assert matched == (0, False) and answer is None        # no session: nothing held
+    # A turn served on D: its blocks held, the handle carries the hash chain.
+    _, _, held = engine.turn(engine.request("d1", PROMPT, {"sessionkv": {"session_id": "s"}},
+                                            session="s"), 0, range(8), output_tokens=[5, 6, 7])
+    payload = payload_from_params(held)
+    assert held["do_remote_decode"] and payload.session_id == "s" and payload.hold_token
+    assert payload.num_tokens == 71 and payload.hash_chain
+    handle = pull_handle(held)
+    history = [*PROMPT, 5, 6, 7, *range(200, 230)]
+    # The next turn on P: 64 tokens hit locally, the 7 verified beyond are pulled,
+    # asynchronously (no read from this D yet), under the guard's token.
+    matched, step, answer = engine.turn(engine.request("p1", history, handle), 64,
+                                        range(10, 17))
+    assert matched == (7, True) and step.read_guards == {"p1": payload.hold_token}
+    assert accounting(answer).decision == "d_to_p:pull:ok"
+    assert accounting(answer).pulled_from_peer_tokens == 7
+    # The same handle on an edited history: verification keeps the first block only.
+    edited = list(history)
+    edited[20] = 999
+    matched, _, answer = engine.turn(engine.request("p2", edited, handle), 0, range(20, 27))
+    assert matched == (16, True)
+    assert accounting(answer).decision == "d_to_p:pull:prefix_mismatch"
+    assert accounting(answer).refused_by_verification_tokens == 55
+    # A handle of an unknown protocol version is refused whole.
+    unreadable = dict(handle, sessionkv={"version": 99})
+    matched, _, answer = engine.turn(engine.request("p3", PROMPT, unreadable), 0, range(40, 45))
+    assert matched == (0, False)
+    assert accounting(answer).decision == "d_to_p:refused:unsupported_version"
+
+
+def test_p_to_d_host_restore_and_first_token(tiny_model_dir):
+    engine = Engine(tiny_model_dir, CHEAP_PULLS)
+    p_to_d = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_block_ids": [[1, 2, 3, 4]], "remote_engine_id": "P",
+              "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "p9",
+              "remote_num_tokens": 69, "tp_size": 1}
+    matched, _, answer = engine.turn(engine.request("d1", PROMPT, p_to_d), 0, range(30, 35))
+    assert matched == (69, True)
+    acct = accounting(answer)
+    assert acct.decision == "p_to_d:pull:unverified_p_to_d"
+    # vLLM computes the last prompt token again, for the first logits.
+    assert (acct.pulled_from_peer_tokens, acct.recomputed_tokens) == (68, 1)
+    # With P's sampled token, D loads the whole prompt and continues from it.
+    handed = dict(p_to_d, remote_request_id="p10", sessionkv={"first_token_id": 5})
+    matched, _, answer = engine.turn(engine.request("d2", PROMPT, handed), 0, range(30, 35))
+    acct = accounting(answer)
+    assert matched == (69, True) and acct.first_token_from_prefill
+    assert (acct.pulled_from_peer_tokens, acct.recomputed_tokens) == (69, 0)
+    # A session turn on D goes to the host tier too; a plain request on the same
+    # prompt restores its full blocks from there instead of recomputing them.
+    engine.turn(engine.request("d3", PROMPT, {"sessionkv": {"session_id": "s"}}, session="s"),
+                0, range(8), output_tokens=[5, 6, 7])
+    matched, step, answer = engine.turn(engine.request("h1", PROMPT), 0, range(50, 55))
+    assert matched == (64, False)
+    # This step's copies: the turn's offload, then the restore into h1's blocks.
+    assert [(c.kind.value, c.dst) for c in step.host_copies][-1] == ("load", [50, 51, 52, 53])
+    assert answer is None   # no session: counted in the engine's stats only
+    stats = engine.connector.get_kv_connector_stats().data
+    assert stats["prompt_tokens_pulled_from_host"] == [64]
+    assert stats["host_restored_blocks"] == [4]
