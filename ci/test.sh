@@ -30,4 +30,20 @@ uses_chart_tools() {
 if uses_chart_tools "$@"; then bash ci/install.sh --chart-tools; else bash ci/install.sh; fi
 . "${SESSIONKV_VENV:-.venv}/bin/activate"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-exec python -m pytest -ra -p no:cacheprovider "$@"
+if [ $# -gt 0 ]; then
+  exec python -m pytest -ra -p no:cacheprovider "$@"
+fi
+# The whole suite, in lanes: the fast suites (no engines; minutes) first, so a broken
+# build fails in minutes; then the tests that start vLLM clusters; then the benchmarks'
+# --quick smoke runs.  Each lane prints its slowest tests; the first failing lane stops
+# the run.
+lane() {
+  local name=$1; shift
+  echo "=== lane: $name ($(date -u +%H:%M:%S) UTC)"
+  local start=$SECONDS
+  python -m pytest -ra -p no:cacheprovider --durations=10 "$@"
+  echo "=== lane: $name passed in $((SECONDS - start)) s"
+}
+lane fast -m "not cluster and not bench" tests
+lane cluster -m "cluster and not bench" tests
+lane bench -m bench tests

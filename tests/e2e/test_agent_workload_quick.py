@@ -17,6 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SIDE_PY = REPO / "benchmarks" / ".venv-router" / "bin" / "python"
 
+pytestmark = [pytest.mark.cluster, pytest.mark.bench]
+
 
 @pytest.mark.timeout(1500)
 def test_agent_workload_quick(tmp_path):
