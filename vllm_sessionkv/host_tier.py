@@ -343,29 +343,33 @@ class HostBlockPool:
 
     def store(self, src_block_ids: Sequence[int], slots: Sequence[int]) -> None:
         """Copy KV blocks ``src_block_ids[i]`` into host slots ``slots[i]``."""
-        self._check(src_block_ids, slots, self.num_blocks, self.capacity_blocks)
-        if not slots:
-            return
-        start_s = time.perf_counter()
-        if self._on_cpu:
-            self._copy_on_cpu(src_block_ids, slots, to_host=True)
-        else:
-            self._store_device(src_block_ids, slots)
-        self.store_s_total += time.perf_counter() - start_s
-        self.stored_total_blocks += len(slots)
+        elapsed_s = self._copy(src_block_ids, slots, to_host=True)
+        if elapsed_s is not None:
+            self.store_s_total += elapsed_s
+            self.stored_total_blocks += len(slots)
 
     def load(self, slots: Sequence[int], dst_block_ids: Sequence[int]) -> None:
         """Copy host slots ``slots[i]`` into KV blocks ``dst_block_ids[i]``."""
-        self._check(dst_block_ids, slots, self.num_blocks, self.capacity_blocks)
+        elapsed_s = self._copy(dst_block_ids, slots, to_host=False)
+        if elapsed_s is not None:
+            self.load_s_total += elapsed_s
+            self.loaded_total_blocks += len(slots)
+
+    def _copy(self, block_ids: Sequence[int], slots: Sequence[int], to_host: bool
+              ) -> float | None:
+        """Copy between KV blocks and host slots, pairwise; the seconds it took (None
+        when there was nothing to copy)."""
+        self._check(block_ids, slots, self.num_blocks, self.capacity_blocks)
         if not slots:
-            return
+            return None
         start_s = time.perf_counter()
         if self._on_cpu:
-            self._copy_on_cpu(dst_block_ids, slots, to_host=False)
+            self._copy_on_cpu(block_ids, slots, to_host=to_host)
+        elif to_host:
+            self._store_device(block_ids, slots)
         else:
-            self._load_device(slots, dst_block_ids)
-        self.load_s_total += time.perf_counter() - start_s
-        self.loaded_total_blocks += len(slots)
+            self._load_device(slots, block_ids)
+        return time.perf_counter() - start_s
 
     def _copy_on_cpu(self, block_ids: Sequence[int], slots: Sequence[int], to_host: bool) -> None:
         """One gather and one scatter per layer between KV blocks and host slots."""
