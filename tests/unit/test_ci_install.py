@@ -209,8 +209,12 @@ def test_test_sh_installs_chart_tools_only_for_the_tests_that_use_them(machine, 
     calls = machine.calls()
     assert any("install_chart_tools" in c for c in calls) == chart_tools
     assert ("npm" in machine.apt_installs()) == chart_tools
-    assert calls[-1] == "python -m pytest -ra -p no:cacheprovider " + " ".join(args) \
-        or calls[-1] == "python -m pytest -ra -p no:cacheprovider"
+    pytest_calls = [c for c in calls if c.startswith("python -m pytest")]
+    if args:
+        assert pytest_calls == ["python -m pytest -ra -p no:cacheprovider " + " ".join(args)]
+    else:   # the whole suite, in lanes
+        assert [c.split(" -m ", 2)[-1] for c in pytest_calls] == [
+            "not cluster and not bench tests", "cluster and not bench tests", "bench tests"]
 
 
 @pytest.mark.parametrize("step", ["--upgrade pip", "-e .[cpu,proxy,test,real-model]", "uninstall",
