@@ -503,7 +503,8 @@ def _commit() -> str:
 
     out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True)
-    return out.stdout.strip() or "?"
+    # A copy of the tree outside git (``git archive``) names its commit here.
+    return out.stdout.strip() or os.environ.get("SESSIONKV_COMMIT", "?")
 
 
 LIVE_HEADER = """# Engine overhead in the cluster users start
