@@ -360,6 +360,12 @@ def render_report(rows, concurrencies, args, settings: dict, verdicts, wall_s,
     env = ", ".join(f"`{k}={v}`" for k, v in settings["env"].items()) or "none set"
     return f"""# Engine overhead: our connector against a plain vLLM engine
 
+> Each engine alone, minutes apart, on a machine shared with other work: one engine
+> moves by up to half between rounds, so this mode's ordering of the engines (here
+> plain slowest) is the machine's drift, not the engines'. It is retired for that
+> question; the cluster users start is measured with the engines interleaved in
+> `--live` mode ([engine_overhead_live.md](engine_overhead_live.md)).
+
 Command: `python benchmarks/engine_overhead.py{' --quick' if args.quick else ''}`
 ({args.rounds} round(s), engines one at a time, round 2 in reverse order; {wall_s / 60:.0f} min).
 Machine: {settings['machine']}. Model: `{settings['model']}`.
