@@ -516,6 +516,7 @@ def _commit() -> str:
 LIVE_HEADER = """# Engine overhead in the cluster users start
 
 {date}, commit {commit}. Machine: {machine}.
+Command: `{command}`.
 Each layout is one launcher cluster (`LocalCluster`, the defaults of
 `examples/local_cluster.py`: Redis, the proxy, P and D with our connector, a plain
 co-located engine), all engines up at once. {rounds} rounds; in each, every engine
