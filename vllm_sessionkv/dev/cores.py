@@ -11,8 +11,10 @@ of its own (``plan_cores``), as the benchmarks' ``--cores auto`` does:
   the launcher may run on, one each, in order;
 * with more engines than cores, they go round robin: engine i on core i mod N, so
   the engines sharing a core are spread evenly, and each shared core holds engines
-  of different roles; an idle engine costs its neighbours little (it sleeps between
-  steps), two busy ones on one core each run at about half speed;
+  of different roles; an idle engine costs its neighbours little (ours sleep between
+  steps; a plain vLLM engine spins for 1 s after its last step, and an engine computing
+  on its core meanwhile ran up to 8x slower: docs/benchmarks/engine_overhead_live.md),
+  two busy ones on one core each run at about half speed;
 * on GPU hosts (``gpus``) and for vLLM's stock NixlConnector nothing is bound (vLLM's
   own binding): stock NIXL's worker moves the model thread onto the last core of
   each NUMA node whatever it was given (``_vllm.keep_thread_affinity`` says why ours
@@ -25,7 +27,7 @@ are not bound: they run on whichever core is free.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["CORE_MODES", "CorePlan", "plan_cores"]
 
@@ -33,9 +35,6 @@ __all__ = ["CORE_MODES", "CorePlan", "plan_cores"]
 # binding; or a comma-separated list of VLLM_CPU_OMP_THREADS_BIND values, one per
 # engine in start order ("0,1,0", "0-1,2-3").
 CORE_MODES = ("auto", "vllm")
-# Whether "auto" also keeps each engine's API server and engine core off its model
-# thread's core (``CorePlan.front_end``).
-FRONT_ENDS_APART = False
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,6 @@ class CorePlan:
 
     binds: dict[str, str | None]
     rule: str
-    # Engine name -> the cores its API server and engine core run on (every core but
-    # its model thread's); absent: not placed (vLLM's binding, or one core only).
-    front_end: dict[str, list[int]] = field(default_factory=dict)
 
     def env(self, engine: str) -> dict[str, str]:
         bind = self.binds.get(engine)
@@ -55,8 +51,7 @@ class CorePlan:
 
 
 def plan_cores(engines: Sequence[str], cores: Sequence[int], mode: str = "auto",
-               gpus: bool = False, stock_nixl: bool = False,
-               front_ends_apart: bool = FRONT_ENDS_APART) -> CorePlan:
+               gpus: bool = False, stock_nixl: bool = False) -> CorePlan:
     """The cores of ``engines`` (names in start order) on a machine whose launcher may
     run on ``cores``.  ``mode``: ``CORE_MODES`` or an explicit list (one value per
     engine); a bad one raises ValueError naming it."""
@@ -76,9 +71,6 @@ def plan_cores(engines: Sequence[str], cores: Sequence[int], mode: str = "auto",
                         f"cores: vLLM's own binding for every engine ({why})")
     ordered = sorted(cores)
     binds = [str(ordered[i % len(ordered)]) for i in range(len(names))]
-    front = {}
-    if front_ends_apart and len(ordered) > 1:
-        front = {n: [c for c in ordered if str(c) != b] for n, b in zip(names, binds)}
     if len(names) <= len(ordered):
         rule = (f"cores: one core per engine ({len(names)} engines, {len(ordered)} "
                 f"cores): " + _listing(names, binds))
@@ -87,9 +79,7 @@ def plan_cores(engines: Sequence[str], cores: Sequence[int], mode: str = "auto",
                 f"start order (engine i on core i mod {len(ordered)}; engines sharing "
                 f"a core slow each other only while both compute): "
                 + _listing(names, binds))
-    if front:
-        rule += "; each engine's API server and engine core on the other cores"
-    return CorePlan(dict(zip(names, binds)), rule, front)
+    return CorePlan(dict(zip(names, binds)), rule)
 
 
 def _listing(names: list[str], binds: list[str]) -> str:

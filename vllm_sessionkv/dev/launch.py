@@ -60,7 +60,6 @@ __all__ = [
     "cpu_seconds",
     "engine_command",
     "free_port",
-    "keep_front_end_on",
     "kv_transfer_config",
     "parse_placement",
     "process_tree",
@@ -331,25 +330,6 @@ def cpu_seconds(procs: Sequence) -> float:
         except psutil.NoSuchProcess:
             pass
     return total
-
-
-def keep_front_end_on(pid: int, cores: Sequence[int]) -> None:
-    """Every thread of an engine's processes but its workers' (the API server at
-    ``pid`` and its engine core) on ``cores``.  The workers keep vLLM's binding: the
-    model thread computes on its own core, and a front end that sleeps between steps
-    is not woken onto that core to wait its turn there."""
-    for proc in process_tree([pid]):
-        try:
-            if "Worker" in proc.name():
-                continue
-            tids = os.listdir(f"/proc/{proc.pid}/task")
-        except Exception:  # noqa: BLE001 - psutil.NoSuchProcess, gone meanwhile
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(int(tid), cores)
-            except OSError:  # the thread ended meanwhile
-                pass
 
 
 def _answers_health(url: str, timeout_s: float = 1.0) -> bool:
@@ -677,8 +657,6 @@ class LocalCluster:
             engines = [(self.manage(name, self._engine_starter(e, name), e.url), e.url)
                        for name, e in named]
             wait_healthy(engines, timeout_s=timeout_s)
-            for child in self._children:
-                self._place_front_end(child)
             if spec.proxy:
                 port = spec.proxy_port or self._port()
                 proxy_host = spec.host("proxy")
@@ -703,14 +681,6 @@ class LocalCluster:
             block_size=spec.block_size, max_model_len=spec.max_model_len, dtype=spec.dtype,
             kv_cache_space_gb=spec.kv_cache_space_gb, extra_args=list(spec.engine_extra_args),
             gpus=spec.gpus[-1] if spec.gpus else None, host=spec.host("colocated"))
-
-    def _place_front_end(self, child: _Child) -> None:
-        """Keep an engine's API server and engine core off its model thread's core
-        (``CorePlan.front_end``), once it answers /health: its workers exist then,
-        and the threads those processes start later inherit the placement."""
-        cores = self.core_plan.front_end.get(child.name)
-        if cores:
-            keep_front_end_on(child.proc.pid, cores)
 
     def _engine_starter(self, engine: EngineSpec, name: str) -> Callable[[], ManagedProcess]:
         return lambda: start_engine(engine, name, self.spec.log_dir)
@@ -768,7 +738,6 @@ class LocalCluster:
                         EventKind.HEALTHY, child.name, child.proc.pid, attempt=child.restarts,
                         detail=f"after_s={now_s - child.restarted_at_s:.1f}"))
                     child.restarted_at_s = None
-                    self._place_front_end(child)
                 continue
             # Dead: take its orphans down with it and decide what comes next.
             child.exit_code = child.proc.popen.returncode
