@@ -15,9 +15,8 @@ non-streamed turns, and one turn whose earlier answer the client trims to its la
 line.  Each answer must equal the co-located server's in text and token ids, with the
 top-5 logprobs within ``REAL_LOGPROB_TOLERANCE``.
 
-Cost on the 2-core machine: the model build (about 25 s), the cluster's start (four
-engines; vLLM compiles the model once per machine, minutes when its compile cache is
-cold) and the turns (short prompts: a few seconds each); see docs/testing.md.
+Cost on the 2-core machine: 207 s in one run (the model build 29 s, the four eager
+engines' start 141 s, the turns 35 s); see docs/testing.md.
 """
 
 from __future__ import annotations
@@ -109,10 +108,12 @@ def run_session(serve, colocated: str, session: str, turns=TURNS, system: str = 
 @pytest.fixture(scope="module")
 def real_cluster(real_model, perturbed_real_model, tmp_path_factory):
     """1P+1D+Redis+proxy from local_cluster.py in float32, forced disaggregation; a
-    co-located server and the perturbed-model P beside it."""
+    co-located server and the perturbed-model P beside it.  Every engine runs eager
+    (``--enforce-eager``): torch.compile's warm-up took about 50 s an engine on the
+    2-core machine, four engines here, against a few seconds of turns."""
     log_dir = tmp_path_factory.mktemp("real-cluster-logs")
     cluster = launch_cluster(real_model, log_dir, [
-        "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE,
+        "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE, "--enforce-eager",
         "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
         "--decode-only-max-uncached-tokens", "-1",
         "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
@@ -122,7 +123,8 @@ def real_cluster(real_model, perturbed_real_model, tmp_path_factory):
     try:
         base = free_port_block(3)
         common = {"served_model_name": SERVED_NAME, "dtype": DTYPE,
-                  "max_model_len": MAX_MODEL_LEN, "kv_cache_space_gb": TEST_KV_CACHE_GB}
+                  "max_model_len": MAX_MODEL_LEN, "kv_cache_space_gb": TEST_KV_CACHE_GB,
+                  "extra_args": ["--enforce-eager"]}
         colocated = EngineSpec(role="colocated", model=real_model, port=base, **common)
         perturbed = EngineSpec(role="prefill", model=perturbed_real_model, port=base + 1,
                                side_channel_port=base + 2,
@@ -191,10 +193,17 @@ def _via_perturbed_prefill(cluster):
 def test_negative_control_perturbed_prefill_fails_the_comparison(real_cluster):
     """The same comparison on a turn whose KV came from the perturbed P: it must fail,
     so the session test above can."""
-    records = run_session(_via_perturbed_prefill(real_cluster), real_cluster.colocated,
-                          "real-chat-negative", turns=TURNS[:1],
-                          system=SYSTEM + " Negative control.")
-    got = records[0]["got"]
-    acct = got.raw["kv_transfer_params"]["sessionkv"]["accounting"]
-    assert acct["pulled_from_peer_tokens"] > 0, acct
+    # A read from P can fail on a loaded 2-core machine (a handshake timeout); D then
+    # recomputes (the failure policy), which proves nothing here.  Only an attempt
+    # whose KV really crossed counts; each attempt is a prompt D has not cached.
+    for attempt in range(3):
+        records = run_session(_via_perturbed_prefill(real_cluster), real_cluster.colocated,
+                              f"real-chat-negative-{attempt}", turns=TURNS[:1],
+                              system=f"{SYSTEM} Negative control {attempt}.")
+        got = records[0]["got"]
+        acct = got.raw["kv_transfer_params"]["sessionkv"]["accounting"]
+        if acct.get("pulled_from_peer_tokens", 0) > 0:
+            break
+    else:
+        pytest.fail("no KV read from the perturbed P in 3 attempts")
     assert not records[0]["same"], "D's answer ignored the perturbed KV it was handed"
