@@ -285,6 +285,22 @@ def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def metric_sum(url: str, name: str) -> float:
+    """One Prometheus sample's value summed over its label sets (0 when absent)."""
+    return metric_sums(url, (name,)).get(name, 0.0)
+
+
+async def sse_chunks(resp):
+    """The JSON chunks of an OpenAI streamed answer (an aiohttp response), in order."""
+    import json
+
+    async for raw in resp.content:
+        line = raw.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        yield json.loads(line[5:])
+
+
 def histogram_buckets(url: str, name: str) -> dict[float, float]:
     """A Prometheus histogram's cumulative bucket counts, ``le`` -> count, summed
     over its other labels."""

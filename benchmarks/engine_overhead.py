@@ -47,6 +47,9 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_common import sse_chunks  # noqa: E402
 
 from vllm_sessionkv.dev.launch import (  # noqa: E402
     EngineSpec,
@@ -111,11 +114,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Sample:
     stamps: list[float] = []
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        async for chunk in sse_chunks(resp):
             if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
                 stamps.append(time.perf_counter())
     return Sample(time.perf_counter() - started,

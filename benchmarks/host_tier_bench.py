@@ -28,7 +28,10 @@ from pathlib import Path
 
 import requests
 
-from vllm_sessionkv.dev.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import metric_sum  # noqa: E402
+
+from vllm_sessionkv.dev.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy  # noqa: E402
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -46,14 +49,6 @@ def _complete(url: str, model: str, prompt: list[int], session: str | None = Non
     elapsed = time.perf_counter() - started
     resp.raise_for_status()
     return elapsed
-
-
-def _metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _reset_device_cache(url: str, lease_s: float) -> None:
@@ -95,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         _complete(url, model, _ids(0, 64))  # warm-up: first-request compilation
         results: dict[int, dict[str, list[float]]] = {
             c: {"recompute": [], "restore": []} for c in args.contexts}
-        restore_s_before = _metric(url, "sessionkv_host_restore_seconds_sum")
-        restore_n_before = _metric(url, "sessionkv_host_restore_seconds_count")
+        restore_s_before = metric_sum(url, "sessionkv_host_restore_seconds_sum")
+        restore_n_before = metric_sum(url, "sessionkv_host_restore_seconds_count")
         for rnd in range(args.rounds):
             order = [(c, arm) for c in args.contexts for arm in ("recompute", "restore")]
             rng.shuffle(order)
@@ -110,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                 _complete(url, model, prompt[:-32], session)
                 _reset_device_cache(url, lease_s)
                 results[ctx][arm].append(_complete(url, model, prompt))
-        restore_s = _metric(url, "sessionkv_host_restore_seconds_sum") - restore_s_before
-        restore_n = _metric(url, "sessionkv_host_restore_seconds_count") - restore_n_before
-        restored_tokens = _metric(url, 'sessionkv_prompt_tokens_total{engine="0",'
+        restore_s = metric_sum(url, "sessionkv_host_restore_seconds_sum") - restore_s_before
+        restore_n = metric_sum(url, "sessionkv_host_restore_seconds_count") - restore_n_before
+        restored_tokens = metric_sum(url, 'sessionkv_prompt_tokens_total{engine="0",'
                                        f'model_name="{model}",source="pulled_from_host"}}')
     finally:
         stop_all([proc])

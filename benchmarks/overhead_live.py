@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from bench_common import metric_sum, sse_chunks  # noqa: E402
 from engine_overhead import (  # noqa: E402
     completion_bodies,
     histogram_mean,
@@ -74,11 +75,7 @@ async def _stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> S
     first = last = None  # (time, completion tokens so far)
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
+        async for chunk in sse_chunks(resp):
             usage = chunk.get("usage") or {}
             if chunk.get("choices") and usage.get("completion_tokens"):
                 point = (time.perf_counter(), usage["completion_tokens"])
@@ -279,24 +276,16 @@ def hold_a_session(proxy: str, model: str) -> str:
     resp.raise_for_status()
     d_url = resp.headers["x-sessionkv-decode-engine"]
     deadline = time.monotonic() + 60
-    while _metric(d_url, "sessionkv_session_holds") < 1:
+    while metric_sum(d_url, "sessionkv_session_holds") < 1:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{d_url} reports no session hold")
         time.sleep(0.5)
     return d_url
 
 
-def _metric(url: str, name: str) -> float:
-    total = 0.0
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def wait_no_holds(urls: list[str], timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while sum(_metric(u, "sessionkv_session_holds") for u in urls) > 0:
+    while sum(metric_sum(u, "sessionkv_session_holds") for u in urls) > 0:
         if time.monotonic() > deadline:
             raise RuntimeError("session holds did not end")
         time.sleep(1.0)
@@ -379,7 +368,7 @@ def run_live(args) -> dict:
             holder = next(n for n, u in engines.urls.items() if u == d_url)
             time.sleep(args.settle_s)
             holding = {"engine": holder, "cpu": measure_quiet(engines, args.idle_s),
-                       "holds": _metric(d_url, "sessionkv_session_holds")}
+                       "holds": metric_sum(d_url, "sessionkv_session_holds")}
             print(f"holding: {holder} {holding['cpu'][holder]['cores'] * 100:.1f}%",
                   flush=True)
             requests.post(cluster.proxy_url + "/admin/reset", timeout=60)

@@ -40,6 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import REPO, log, machine_line  # noqa: E402
 
+from vllm_sessionkv.wire.hashing import common_prefix_len  # noqa: E402
+
 SYSTEM = ("You are a coding agent working in a Python repository. Rules: answer with "
           "short steps; show code in fenced blocks; call tools by writing "
           "`tool: NAME(ARGS)` on a line of its own; never invent file contents; keep "
@@ -80,22 +82,13 @@ class TurnLoss:
     context: str = ""         # the generated ids and the re-tokenized ones there
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def measure_turn(prev_prompt: list[int], answer: list[int], prompt: list[int],
                  block_size: int) -> tuple[int, int, int | None]:
     """(ideal, kept, first differing answer token or None) for one turn boundary."""
     held = prev_prompt + answer
     computed = len(held) - 1            # the last sampled token's KV is never computed
     ideal = computed // block_size * block_size
-    common = _common_prefix(held, prompt)
+    common = common_prefix_len(held, prompt)
     kept = min(common, computed) // block_size * block_size
     first_diff = common - len(prev_prompt) if common < len(held) else None
     return ideal, kept, first_diff

@@ -58,20 +58,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 # an address of the engine's host.
                 raise ValueError(f"{key} must name the engine's host, not a wildcard: "
                                  f"{endpoint!r}")
-        if self.early_decode is not None:
+        for key in ("early_decode", "handle_channel"):
+            endpoint = getattr(self, key)
+            if endpoint is None:
+                continue
             if self.role is not Role.DECODE:
-                raise ValueError(f"early_decode is for decode engines; {self.url} is "
+                raise ValueError(f"{key} is for decode engines; {self.url} is "
                                  f"{self.role.value}")
-            if not self.early_decode.startswith("tcp://"):
-                raise ValueError("early_decode must be a tcp://HOST:PORT endpoint, got "
-                                 f"{self.early_decode!r}")
-        if self.handle_channel is not None:
-            if self.role is not Role.DECODE:
-                raise ValueError(f"handle_channel is for decode engines; {self.url} is "
-                                 f"{self.role.value}")
-            if not self.handle_channel.startswith("tcp://"):
-                raise ValueError("handle_channel must be a tcp://HOST:PORT endpoint, got "
-                                 f"{self.handle_channel!r}")
+            if not endpoint.startswith("tcp://"):
+                raise ValueError(f"{key} must be a tcp://HOST:PORT endpoint, got "
+                                 f"{endpoint!r}")
 
 
 class IndexConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

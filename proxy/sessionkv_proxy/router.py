@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_sessionkv.wire.hashing import common_prefix_len
 from vllm_sessionkv.wire.protocol import SessionHandle, session_store_key
 
 from sessionkv_proxy import handoff, policy
@@ -227,7 +228,7 @@ class Router:
             tiers[TIER_DEVICE] = max(tiers.get(TIER_DEVICE, 0), depth)
         peer_blocks = 0
         if handle is not None and record is not None and record.prompt_keys:
-            peer_blocks = _common_prefix(keys, record.prompt_keys)
+            peer_blocks = common_prefix_len(keys, record.prompt_keys)
         # Without token ids, estimate the size from the text (about 3 characters a
         # token) so a long prompt is not mistaken for a small increment.
         num_tokens = len(token_ids) if token_ids else estimate_tokens(body, is_chat)
@@ -353,12 +354,3 @@ def _max_output_tokens(body: dict[str, Any], is_chat: bool) -> int | None:
     if value is None:
         value = body.get("max_tokens")
     return value if isinstance(value, int) else None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -117,13 +117,15 @@ def _local_cluster_main():
     return module
 
 
-def test_local_cluster_passes_decode_kv_cache_gb_to_the_spec(monkeypatch, tmp_path):
+def _cli_without_start(monkeypatch, tmp_path):
+    """local_cluster.py with LocalCluster replaced by a recorder: (module, the
+    ClusterSpecs main() built, newest last).  main() then returns 1 at start."""
     cli = _local_cluster_main()
-    seen = []
+    specs = []
 
     class NoStart:
         def __init__(self, spec):
-            seen.append(spec)
+            specs.append(spec)
 
         def start(self):
             raise RuntimeError("not started in a unit test")
@@ -132,6 +134,11 @@ def test_local_cluster_passes_decode_kv_cache_gb_to_the_spec(monkeypatch, tmp_pa
     # main() would leave a work folder behind and replace pytest's signal handlers.
     monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
     monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    return cli, specs
+
+
+def test_local_cluster_passes_decode_kv_cache_gb_to_the_spec(monkeypatch, tmp_path):
+    cli, seen = _cli_without_start(monkeypatch, tmp_path)
     common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
               "--kv-cache-gb", "0.25"]
     assert cli.main([*common, "--decode-kv-cache-gb", "0.02"]) == 1
@@ -168,23 +175,13 @@ def test_every_engine_of_a_cluster_serves_the_clusters_model_name():
 def test_the_generated_model_is_served_under_a_stable_name(monkeypatch, tmp_path):
     """Its folder is temporary; requests and /v1/models name it sessionkv-tiny-model.
     A model the operator names keeps vLLM's default unless --served-model-name."""
-    cli = _local_cluster_main()
-    specs, generated = [], []
-
-    class NoStart:
-        def __init__(self, spec):
-            specs.append(spec)
-
-        def start(self):
-            raise RuntimeError("not started in a unit test")
+    cli, specs = _cli_without_start(monkeypatch, tmp_path)
+    generated = []
 
     def generate(path, **_):
         generated.append(path)
         return path
 
-    monkeypatch.setattr(cli, "LocalCluster", NoStart)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
-    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
     monkeypatch.setattr("vllm_sessionkv.dev.tiny_model.generate_tiny_model", generate)
     logs = ["--log-dir", str(tmp_path / "logs")]
     assert cli.main(logs) == 1
@@ -210,19 +207,8 @@ def test_every_engine_of_a_cluster_runs_the_clusters_dtype(monkeypatch, tmp_path
         assert _flag(engine_command(cluster._engine(role, index, name))[0], "--dtype") == \
             "float32", name
     assert _flag(engine_command(cluster._colocated_engine())[0], "--dtype") == "float32"
-    cli = _local_cluster_main()
-    specs = []
+    cli, specs = _cli_without_start(monkeypatch, tmp_path)
 
-    class NoStart:
-        def __init__(self, spec):
-            specs.append(spec)
-
-        def start(self):
-            raise RuntimeError("not started in a unit test")
-
-    monkeypatch.setattr(cli, "LocalCluster", NoStart)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
-    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
     common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
     assert cli.main(common) == 1
     assert specs[-1].dtype == "bfloat16"
@@ -233,19 +219,8 @@ def test_every_engine_of_a_cluster_runs_the_clusters_dtype(monkeypatch, tmp_path
 
 
 def test_local_cluster_can_start_every_engine_eager(monkeypatch, tmp_path):
-    cli = _local_cluster_main()
-    specs = []
+    cli, specs = _cli_without_start(monkeypatch, tmp_path)
 
-    class NoStart:
-        def __init__(self, spec):
-            specs.append(spec)
-
-        def start(self):
-            raise RuntimeError("not started in a unit test")
-
-    monkeypatch.setattr(cli, "LocalCluster", NoStart)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
-    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
     common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
     assert cli.main(common) == 1
     assert specs[-1].engine_extra_args == []
@@ -313,18 +288,7 @@ def test_the_cluster_binds_each_engine_to_its_planned_core(monkeypatch):
 
 
 def test_local_cluster_prints_the_core_rule_before_it_starts(monkeypatch, tmp_path, capsys):
-    cli = _local_cluster_main()
-
-    class NoStart:
-        def __init__(self, spec):
-            pass
-
-        def start(self):
-            raise RuntimeError("not started in a unit test")
-
-    monkeypatch.setattr(cli, "LocalCluster", NoStart)
-    monkeypatch.setattr(cli.signal, "signal", lambda *_: None)
-    monkeypatch.setattr(cli.tempfile, "mkdtemp", lambda **_: str(tmp_path))
+    cli, _ = _cli_without_start(monkeypatch, tmp_path)
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1}, raising=False)
     common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs"),
               "--colocated-port", "22990"]

@@ -136,6 +136,16 @@ def verified_prefix_blocks(local_hashes: Sequence[bytes], remote_chain: Sequence
     return verified
 
 
+def common_prefix_len(a: Sequence, b: Sequence) -> int:
+    """How many leading items two sequences share (token ids, router keys)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def request_keys(token_ids: Sequence[int], block_size: int, salt: str | None = None,
                  lora_name: str | None = None,
                  parent: RequestKey | None = None) -> list[RequestKey]:
