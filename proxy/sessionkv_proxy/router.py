@@ -75,14 +75,18 @@ class RoutePlan:
     uncached_tokens: int | None = None
 
     @property
+    def output_tokens(self) -> int:
+        """The output tokens the load terms count for it: its cap, or an estimate."""
+        return self.max_output_tokens or DEFAULT_OUTPUT_ESTIMATE
+
+    @property
     def decode_work_tokens(self) -> int:
         """What this request queues on D while it runs: the prompt tokens D prefills
         itself (none when P prefills) plus the output tokens it may generate."""
-        outputs = self.max_output_tokens or DEFAULT_OUTPUT_ESTIMATE
         if self.mode is not Mode.DECODE_ONLY:
-            return outputs
+            return self.output_tokens
         uncached = self.prompt_tokens if self.uncached_tokens is None else self.uncached_tokens
-        return uncached + outputs
+        return uncached + self.output_tokens
 
 
 @dataclass(frozen=True)

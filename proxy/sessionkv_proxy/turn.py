@@ -44,7 +44,7 @@ from sessionkv_proxy.request import (
     session_id_of,
     validate,
 )
-from sessionkv_proxy.router import DEFAULT_OUTPUT_ESTIMATE, RoutePlan, Router
+from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import Request, Response
 from sessionkv_proxy.sessions import SessionRecord
 
@@ -209,8 +209,7 @@ class TurnRunner:
         """The answering engine's send and relay (D, or P for a prefill-only turn)."""
         if role is Role.DECODE:
             engine = plan.decode
-            load = Load(decode_tokens=plan.prompt_tokens + (plan.max_output_tokens
-                                                            or DEFAULT_OUTPUT_ESTIMATE),
+            load = Load(decode_tokens=plan.prompt_tokens + plan.output_tokens,
                         decode_work_tokens=plan.decode_work_tokens)
         else:
             engine, load = plan.prefill, Load(prefill_tokens=plan.prompt_tokens)
