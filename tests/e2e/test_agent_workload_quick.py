@@ -19,6 +19,9 @@ SIDE_PY = REPO / "benchmarks" / ".venv-router" / "bin" / "python"
 
 pytestmark = [pytest.mark.cluster, pytest.mark.bench]
 
+# Arms that run a peer's code (stock NIXL, vllm-router) rather than ours or plain vLLM.
+PEER_ARMS = ("3-", "4-", "5-")
+
 
 @pytest.mark.timeout(1500)
 def test_agent_workload_quick(tmp_path):
@@ -51,8 +54,17 @@ def check_quick_report(out_dir: Path) -> None:
         ceil = data["ceilings"][wname]
         for arm, s in runs[wname].items():
             what = f"{wname}/{arm}"
-            assert s["ok"] == s["steps"] == ceil["steps"], (what, s["first_error"])
-            assert s["prompt_tokens"] == ceil["prompt_tokens"], what
+            assert s["steps"] == ceil["steps"], what
+            if arm.startswith(PEER_ARMS) and s["not_finished"]:
+                # A peer's stall is its measurement, not our failure: CI once saw stock
+                # NIXL's D wait two minutes on a read P had released at its lease (the
+                # report counts such steps). Every other step must still have answered.
+                assert s["ok"] + s["not_finished"] == s["steps"], (what, s["first_error"])
+                assert s["ok"] > 0, what
+                assert s["prompt_tokens"] <= ceil["prompt_tokens"], what
+            else:
+                assert s["ok"] == s["steps"], (what, s["first_error"])
+                assert s["prompt_tokens"] == ceil["prompt_tokens"], what
             # Each of the two engines computes at most every prompt token it sees.
             assert 0 < s["computed_tokens"] <= 2 * s["prompt_tokens"], what
             assert s["reuse_factor"] == pytest.approx(s["prompt_tokens"] / s["computed_tokens"])
