@@ -218,16 +218,22 @@ def test_proxy_config_and_flags_load_as_the_proxy_loads_them(rendered, tmp_path)
     if name == "external-redis":
         assert config.index.redis_url == REDIS_URL_FROM_SECRET
         assert all(e.early_decode is None for e in config.engines)
+        assert all(e.handle_channel is None for e in config.engines)
     else:
         assert config.index.redis_url == f"redis://{RELEASE}-vllm-sessionkv-redis:6379/0"
         _named(docs, "Service", f"{RELEASE}-vllm-sessionkv-redis")
         assert all(e.early_decode for e in config.engines if e.role is Role.DECODE)
+        # Every D's handle channel, as the launcher gives it (``handles=`` in --decode).
+        assert all(e.handle_channel for e in config.engines if e.role is Role.DECODE)
+        assert all(e.handle_channel is None for e in config.engines
+                   if e.role is not Role.DECODE)
 
 
 def test_every_engine_the_proxy_names_is_a_pod_that_answers_to_that_name(rendered):
-    """Engine URL, KV-event and early-decode endpoints in the proxy's config are the
-    stable DNS names of the StatefulSets' pods behind their headless Services, on the
-    ports those pods open; each engine advertises the same URL in its handles."""
+    """Engine URL, KV-event, early-decode and handle-channel endpoints in the proxy's
+    config are the stable DNS names of the StatefulSets' pods behind their headless
+    Services, on the ports those pods open; each engine advertises the same URL in its
+    handles."""
     from urllib.parse import urlsplit
 
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -296,6 +302,14 @@ def test_every_engine_the_proxy_names_is_a_pod_that_answers_to_that_name(rendere
                 assert engine["early_decode"] == f"tcp://{host}:{sessionkv.early_decode_port}"
             else:
                 assert "early_decode" not in engine
+            if sessionkv.handle_channel_port:
+                assert pool == "decode"
+                assert ports["handle-channel"] == sessionkv.handle_channel_port
+                assert sessionkv.handle_channel_bind_host == "*"
+                assert engine["handle_channel"] == \
+                    f"tcp://{host}:{sessionkv.handle_channel_port}"
+            else:
+                assert "handle_channel" not in engine
             seen.add(engine["url"])
     assert seen == set(by_url)
 

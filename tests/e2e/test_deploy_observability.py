@@ -125,6 +125,7 @@ def test_every_metric_the_dashboard_queries_is_exported(pd_cluster):
     # The traffic above gave these series samples (not only a declaration).
     for name in ("sessionkv_proxy_requests_total", "sessionkv_proxy_routing_decisions_total",
                  "sessionkv_proxy_session_handles_total", "sessionkv_prompt_tokens_total",
+                 "sessionkv_proxy_channel_handles_total",
                  "sessionkv_proxy_routing_decision_seconds_bucket",
                  "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert name in queried and name in sampled, name
@@ -133,7 +134,8 @@ def test_every_metric_the_dashboard_queries_is_exported(pd_cluster):
             {"sessionkv_prompt_tokens_total"},                       # reuse by source
             {"sessionkv_pull_decisions_total"},                      # pull or recompute
             {"sessionkv_proxy_session_handles_total", "sessionkv_handles_published_total",
-             "sessionkv_session_holds_released_total"},              # handle outcomes
+             "sessionkv_session_holds_released_total",
+             "sessionkv_proxy_channel_handles_total"},               # handle outcomes
             {"sessionkv_proxy_routing_decisions_total",
              "sessionkv_proxy_routing_decision_seconds_bucket"},     # routes, added latency
             {"sessionkv_proxy_index_blocks", "sessionkv_proxy_event_lag_seconds"},
