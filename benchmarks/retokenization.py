@@ -16,13 +16,19 @@ whole in the history, so the client itself trims nothing) this compares
 
 ``ideal`` is the full blocks D holds that prompt k would share if the answer came
 back as the very ids D generated; ``kept`` those it shares as rendered; ``lost`` the
-difference, in tokens.  The loss is stated against the ideal and against the answer
+difference, in tokens.
+
+Each session runs twice: as a chat client's turns reach the engine (``before``), and
+as the proxy sends them with ``resend_answer_ids`` on (``after``): the proxy's own
+``resent_answers.splice`` (with its tokenizer and chat renderer) decides each turn's
+prompt ids, so the answer re-sent unchanged comes back as the ids generated for it,
+and the model answers that prompt (the sessions can part from there).  The loss is stated against the ideal and against the answer
 tokens.  Generation runs in transformers (greedy, float32; the question is the
 tokenizer and the template, which are vLLM's own: ``apply_chat_template`` renders as
 vLLM 0.32 does for a Hugging Face tokenizer), no engine needed.
 
     sessionkv-real-model /tmp/smollm2
-    python benchmarks/retokenization.py --model /tmp/smollm2 [--sessions 6 --turns 6]
+    python benchmarks/retokenization.py --model /tmp/smollm2 [--sessions 3 --turns 3]
 
 Prints a table and writes docs/benchmarks/retokenization.{md,json}.
 """
@@ -41,6 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import REPO, log, machine_line  # noqa: E402
 
 from vllm_sessionkv.wire.hashing import common_prefix_len  # noqa: E402
+
+from sessionkv_proxy.chat_template import ChatRenderer  # noqa: E402
+from sessionkv_proxy.resent_answers import LastAnswer, splice  # noqa: E402
+from sessionkv_proxy.tokenizer import LocalTokenizer  # noqa: E402
 
 SYSTEM = ("You are a coding agent working in a Python repository. Rules: answer with "
           "short steps; show code in fenced blocks; call tools by writing "
@@ -80,6 +90,8 @@ class TurnLoss:
     diverged: bool            # the re-rendered prompt left D's ids inside the answer
     first_diff_in_answer: int | None   # answer token where it left them
     context: str = ""         # the generated ids and the re-tokenized ones there
+    resent: bool = False      # after: the previous answer went back as its generated ids
+    spliced: bool = False     # ... and they differ from the template's
 
 
 def measure_turn(prev_prompt: list[int], answer: list[int], prompt: list[int],
@@ -94,21 +106,48 @@ def measure_turn(prev_prompt: list[int], answer: list[int], prompt: list[int],
     return ideal, kept, first_diff
 
 
-def run(model_dir: str, sessions: int, turns: int, max_new_tokens: int,
-        block_size: int) -> list[TurnLoss]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Generator:
+    """Greedy answers in transformers, each prompt generated once (the two regimes
+    share every prompt up to the first spliced one)."""
 
-    torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()
-    eos = tokenizer.eos_token_id
+    def __init__(self, model_dir: str, max_new_tokens: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+        self.eos = self.tokenizer.eos_token_id
+        self.max_new_tokens = max_new_tokens
+        self._done: dict[tuple[int, ...], list[int]] = {}
+
+    def answer(self, prompt: list[int]) -> list[int]:
+        key = tuple(prompt)
+        if key not in self._done:
+            with self.torch.no_grad():
+                out = self.model.generate(
+                    self.torch.tensor([prompt]), max_new_tokens=self.max_new_tokens,
+                    do_sample=False, eos_token_id=self.eos,
+                    pad_token_id=self.tokenizer.pad_token_id or self.eos)
+            self._done[key] = out[0][len(prompt):].tolist()
+        return self._done[key]
+
+
+def run(gen: Generator, model_dir: str, sessions: int, turns: int, block_size: int,
+        resend: bool) -> list[TurnLoss]:
+    """One regime's sessions: ``resend`` sends each prompt as the proxy does with
+    ``resend_answer_ids`` on."""
+    tokenizer, eos = gen.tokenizer, gen.eos
+    local = LocalTokenizer.load(str(Path(model_dir) / "tokenizer.json"))
+    renderer = ChatRenderer(local)
     results: list[TurnLoss] = []
     for s in range(sessions):
         messages = [{"role": "system", "content": SYSTEM},
                     {"role": "user", "content": TASKS[s % len(TASKS)]}]
         prev_prompt: list[int] | None = None
+        last: LastAnswer | None = None
         answer: list[int] = []
         for t in range(1, turns + 1):
             prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
@@ -116,36 +155,48 @@ def run(model_dir: str, sessions: int, turns: int, max_new_tokens: int,
             if hasattr(prompt, "input_ids"):
                 prompt = prompt["input_ids"]
             prompt = list(prompt)
+            text, _ = renderer.render({"messages": messages})
+            resent = spliced = False
+            if resend and last is not None:
+                ids = splice(text, prompt, last, local.encode)
+                if ids is not None:
+                    resent, spliced, prompt = True, ids != prompt, ids
             if prev_prompt is not None:
-                ideal, kept, first_diff = measure_turn(prev_prompt, answer, prompt,
-                                                       block_size)
-                context = ""
-                if first_diff is not None:
-                    at = len(prev_prompt) + first_diff
-                    context = (f"generated {tokenizer.convert_ids_to_tokens(answer[first_diff:first_diff + 3])}"
-                               f" re-tokenized {tokenizer.convert_ids_to_tokens(prompt[at:at + 3])}")
-                results.append(TurnLoss(
-                    session=s, turn=t, answer_tokens=len(answer),
-                    ended_on_eos=bool(answer) and answer[-1] == eos,
-                    ideal_tokens=ideal, kept_tokens=kept, lost_tokens=ideal - kept,
-                    diverged=first_diff is not None and 0 <= first_diff < len(answer),
-                    first_diff_in_answer=first_diff, context=context))
-                log(f"session {s} turn {t}: answer {len(answer)} tokens, kept {kept}/"
-                    f"{ideal}" + (f", diverged at answer token {first_diff}: {context}"
-                                  if first_diff is not None else ""))
+                results.append(_measure(tokenizer, eos, s, t, prev_prompt, answer, prompt,
+                                        block_size, resent, spliced))
             if t == turns:
                 break
-            with torch.no_grad():
-                out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                                     do_sample=False, eos_token_id=eos,
-                                     pad_token_id=tokenizer.pad_token_id or eos)
-            answer = out[0][len(prompt):].tolist()
+            answer = gen.answer(prompt)
             # What a chat client gets back (vLLM skips special tokens) and re-sends.
-            text = tokenizer.decode(answer, skip_special_tokens=True)
-            messages += [{"role": "assistant", "content": text},
+            reply = tokenizer.decode(answer, skip_special_tokens=True)
+            own = answer[:-1] if answer and answer[-1] == eos else answer
+            last = (LastAnswer(text, tuple(prompt), reply, tuple(own))
+                    if local.decode(own) == reply else None)
+            messages += [{"role": "assistant", "content": reply},
                          {"role": "user", "content": FOLLOW_UPS[(s + t) % len(FOLLOW_UPS)]}]
             prev_prompt = prompt
     return results
+
+
+def _measure(tokenizer, eos: int, s: int, t: int, prev_prompt: list[int],
+             answer: list[int], prompt: list[int], block_size: int,
+             resent: bool, spliced: bool) -> TurnLoss:
+    ideal, kept, first_diff = measure_turn(prev_prompt, answer, prompt, block_size)
+    context = ""
+    if first_diff is not None:
+        at = len(prev_prompt) + first_diff
+        context = (f"generated {tokenizer.convert_ids_to_tokens(answer[first_diff:first_diff + 3])}"
+                   f" re-tokenized {tokenizer.convert_ids_to_tokens(prompt[at:at + 3])}")
+    log(f"session {s} turn {t}: answer {len(answer)} tokens, kept {kept}/{ideal}"
+        + (" (spliced)" if spliced else "")
+        + (f", diverged at answer token {first_diff}: {context}"
+           if first_diff is not None else ""))
+    return TurnLoss(session=s, turn=t, answer_tokens=len(answer),
+                    ended_on_eos=bool(answer) and answer[-1] == eos, ideal_tokens=ideal,
+                    kept_tokens=kept, lost_tokens=ideal - kept,
+                    diverged=first_diff is not None and 0 <= first_diff < len(answer),
+                    first_diff_in_answer=first_diff, context=context, resent=resent,
+                    spliced=spliced)
 
 
 def summarize(results: list[TurnLoss]) -> dict:
@@ -164,31 +215,45 @@ def _git_commit() -> str:
                           capture_output=True, text=True).stdout.strip() or "?"
 
 
+def _table(results: list[TurnLoss]) -> str:
+    rows = ["| session | turn | answer tokens | EOS | ideal | kept | lost | first differing answer token | spliced |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rows.append(f"| {r.session} | {r.turn} | {r.answer_tokens} | "
+                    f"{'yes' if r.ended_on_eos else 'no'} | {r.ideal_tokens} | "
+                    f"{r.kept_tokens} | {r.lost_tokens} | "
+                    f"{'-' if not r.diverged else r.first_diff_in_answer} | "
+                    f"{'yes' if r.spliced else '-'} |")
+    return "\n".join(rows)
+
+
+def _loss_line(summary: dict) -> str:
+    return (f"**{summary['lost_tokens']}** of {summary['ideal_tokens']} "
+            f"({summary['lost_share_of_ideal']:.1%} of the ideal, "
+            f"{summary['lost_share_of_answer_tokens']:.1%} of the "
+            f"{summary['answer_tokens']} answer tokens)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="HF folder (sessionkv-real-model DIR)")
-    p.add_argument("--sessions", type=int, default=6)
-    p.add_argument("--turns", type=int, default=6)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--sessions", type=int, default=3)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks" / "retokenization"),
                    help="report path without suffix (.md and .json are written)")
     args = p.parse_args(argv)
     started = time.time()
     machine = machine_line()
-    results = run(args.model, args.sessions, args.turns, args.max_new_tokens,
-                  args.block_size)
-    summary = summarize(results)
-    rows = ["| session | turn | answer tokens | EOS | ideal | kept | lost | first differing answer token |",
-            "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        rows.append(f"| {r.session} | {r.turn} | {r.answer_tokens} | "
-                    f"{'yes' if r.ended_on_eos else 'no'} | {r.ideal_tokens} | "
-                    f"{r.kept_tokens} | {r.lost_tokens} | "
-                    f"{'-' if not r.diverged else r.first_diff_in_answer} |")
-    table = "\n".join(rows)
-    print(table)
-    print(json.dumps(summary, indent=1))
+    gen = Generator(args.model, args.max_new_tokens)
+    regimes = {name: run(gen, args.model, args.sessions, args.turns, args.block_size,
+                         resend=name == "after") for name in ("before", "after")}
+    summaries = {name: summarize(results) for name, results in regimes.items()}
+    for name, results in regimes.items():
+        print(f"{name}:")
+        print(_table(results))
+        print(json.dumps(summaries[name], indent=1))
     command = (f"python benchmarks/retokenization.py --model MODEL --sessions {args.sessions} "
                f"--turns {args.turns} --max-new-tokens {args.max_new_tokens} "
                f"--block-size {args.block_size}")
@@ -199,36 +264,47 @@ def main(argv: list[str] | None = None) -> int:
             if (Path(args.model) / "sessionkv_real_model.json").is_file() else args.model,
             "duration_s": round(time.time() - started, 1)}
     out.with_suffix(".json").write_text(json.dumps(
-        {"meta": meta, "summary": summary, "turns": [asdict(r) for r in results]}, indent=1)
-        + "\n")
-    diverged = [r for r in results if r.diverged]
+        {"meta": meta, "summary": summaries,
+         "turns": {name: [asdict(r) for r in results] for name, results in regimes.items()}},
+        indent=1) + "\n")
+    before, after = summaries["before"], summaries["after"]
+    diverged = [r for r in regimes["before"] if r.diverged]
     examples = "\n".join(f"* session {r.session} turn {r.turn}: {r.context}"
                          for r in diverged[:6]) or "* none"
-    out.with_suffix(".md").write_text(f"""# Re-tokenization loss
+    out.with_suffix(".md").write_text(f"""# Re-tokenization loss, before and after `resend_answer_ids`
 
 {meta['date_utc']}, commit {meta['commit']}, {meta['duration_s']:.0f} s.
 Machine: {machine}.
 Model: SmolLM2-135M-Instruct (`sessionkv-real-model`), float32, greedy, in transformers.
 Command: `{command}`
 
-{summary['turns']} turn boundaries, answers kept whole in the history. D's KV after a
-turn is the previous prompt and its answer (all but the last sampled token), counted
-in full blocks of {args.block_size} tokens as the engines hash them.
+{before['turns']} turn boundaries a regime, answers kept whole in the history. D's KV
+after a turn is the previous prompt and its answer (all but the last sampled token),
+counted in full blocks of {args.block_size} tokens as the engines hash them. *Before*:
+the answer re-sent as text, tokenized by the template. *After*: each prompt as the proxy
+sends it with `resend_answer_ids` on (its `resent_answers.splice`, tokenizer and chat
+renderer), the model answering that prompt.
 
-| | tokens |
-|---|---|
-| ideal (the answer re-sent as D's own ids) | {summary['ideal_tokens']} |
-| kept (the answer re-sent as text, re-tokenized) | {summary['kept_tokens']} |
-| **lost at re-tokenization** | **{summary['lost_tokens']}** ({summary['lost_share_of_ideal']:.1%} of the ideal, {summary['lost_share_of_answer_tokens']:.1%} of the {summary['answer_tokens']} answer tokens) |
+| | before | after |
+|---|---|---|
+| ideal (the answer re-sent as D's own ids) | {before['ideal_tokens']} | {after['ideal_tokens']} |
+| kept | {before['kept_tokens']} | {after['kept_tokens']} |
+| lost at re-tokenization | {_loss_line(before)} | {_loss_line(after)} |
+| turns whose prompt left D's ids inside the answer | {before['turns_diverged']} of {before['turns']} | {after['turns_diverged']} of {after['turns']} |
+| turns whose previous answer went back as its generated ids | - | {sum(r.resent for r in regimes['after'])} of {after['turns']} |
+| ... where those differ from the template's | - | {sum(r.spliced for r in regimes['after'])} |
 
-Turns whose re-rendered prompt left D's ids inside the answer: {summary['turns_diverged']}
-of {summary['turns']}. Where:
+Where the re-rendered prompt left D's ids (before):
 
 {examples}
 
-Per turn:
+Per turn, before:
 
-{table}
+{_table(regimes['before'])}
+
+Per turn, after:
+
+{_table(regimes['after'])}
 """)
     log(f"wrote {out.with_suffix('.md')} and .json")
     return 0

@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                    action="store_false", default=None,
                    help="ask P engines not to hand D the token they sampled (D then "
                         "recomputes the last prompt token, as stock P/D does)")
+    p.add_argument("--resend-answer-ids", action="store_true", default=None,
+                   help="re-send a chat session's previous answer as the token ids D "
+                        "generated (needs --tokenizer DIR; see docs/running.md)")
     p.add_argument("--log-level", metavar="LEVEL",
                    help=f"one of {', '.join(LOG_LEVELS)} (default INFO)")
     return p
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {"engines": engines, "host": args.host, "port": args.port,
                      "block_size": args.block_size, "tokenizer": args.tokenizer,
                      "log_level": args.log_level,
-                     "first_token_handoff": args.first_token_handoff}
+                     "first_token_handoff": args.first_token_handoff,
+                     "resend_answer_ids": args.resend_answer_ids}
         if args.redis_url:
             overrides["index"] = {"backend": "redis", "redis_url": args.redis_url}
         routing: dict = {}

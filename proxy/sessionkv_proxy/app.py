@@ -35,6 +35,7 @@ from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.ops import Ops
 from sessionkv_proxy.redis_link import RedisLink
 from sessionkv_proxy.relay import EngineSender
+from sessionkv_proxy.resent_answers import ResentAnswers
 from sessionkv_proxy.route_types import Role
 from sessionkv_proxy.router import Router
 from sessionkv_proxy.server import HttpServer, Request, Response
@@ -142,8 +143,11 @@ class ProxyApp:
                               connect_retries=config.connect_retries,
                               request_timeout_s=config.request_timeout_s,
                               return_kv_transfer_params=config.return_kv_transfer_params)
+        resent = (ResentAnswers(router.prompt_keys, config.resend_answer_ids_max_sessions,
+                                self.metrics) if config.resend_answer_ids else None)
         turns = TurnRunner(config=config, router=router, sender=sender, early=early,
-                           metrics=self.metrics, model_ids=lambda: models.ids)
+                           metrics=self.metrics, model_ids=lambda: models.ids,
+                           resent=resent)
         ops = Ops(config=config, pool=self.pool, index=self.index, metrics=self.metrics,
                   router=router, sender=sender, http=http, models=models,
                   consumer=consumer, handles=handles, redis=self.redis)

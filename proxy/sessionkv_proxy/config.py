@@ -183,6 +183,14 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Let D continue from the token P sampled (the engines' first_token_handoff);
     # False asks each P not to export it, so D recomputes the last prompt token.
     first_token_handoff: bool = True
+    # Send a chat turn whose previous answer the client re-sends unchanged as token
+    # ids, with that answer as the ids D generated (resent_answers.py): D's KV for it
+    # stays reusable where the text would tokenize otherwise.  The model then sees
+    # its own ids, not the template's tokenization of the text.  Needs tokenizer set
+    # to the model directory; remembers the last answer of up to
+    # resend_answer_ids_max_sessions sessions.
+    resend_answer_ids: bool = False
+    resend_answer_ids_max_sessions: int = 10_000
 
     def __post_init__(self):
         for name in self.__struct_fields__:   # durations, sizes, counts
@@ -205,6 +213,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             from sessionkv_proxy.tokenizer import LocalTokenizer
 
             LocalTokenizer.load(self.tokenizer)  # fail at start-up, naming the key
+        if self.resend_answer_ids and self.tokenizer in ("engine", "none", "text"):
+            raise ValueError("resend_answer_ids needs tokenizer set to the model directory "
+                             f"(it renders chat prompts in the proxy), got {self.tokenizer!r}")
+        if self.resend_answer_ids_max_sessions < 1:
+            raise ValueError("resend_answer_ids_max_sessions must be >= 1")
         if self.engine_stall_s < 0:
             raise ValueError("engine_stall_s must be >= 0")
         for name in self.session_headers:

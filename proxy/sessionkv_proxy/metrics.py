@@ -79,6 +79,14 @@ class ProxyMetrics:
             "expired: D's lease is shorter than the handle expiry margin; failed: D did "
             "not answer with one; P then prefills without it).",
             ["outcome"], registry=r)
+        self.resent_answers = Counter(
+            "sessionkv_proxy_resent_answers",
+            "Chat requests by how their prompt went with resend_answer_ids on (spliced: "
+            "the previous answer re-sent as the ids D generated, which the template "
+            "tokenizes otherwise; same: re-sent, the same ids either way; template: no "
+            "remembered answer in place, the template's ids; chat_text: sent to the chat "
+            "endpoint as text, the request being one it alone serves).",
+            ["outcome"], registry=r)
         self.retries = Counter("sessionkv_proxy_upstream_retries",
                                "Requests re-sent to another worker after a connection "
                                "failure.", ["role"], registry=r)

@@ -157,6 +157,10 @@ class LocalTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens included."""
+        return self._tok.decode(ids, skip_special_tokens=False)
+
     def ids_for_completion(self, body: dict[str, Any]) -> list[int] | None:
         """The ids vLLM gives ``body["prompt"]`` (a string), or None where the request
         asks for something not mirrored here (the engine is asked instead)."""

@@ -44,6 +44,7 @@ from sessionkv_proxy.request import (
     session_id_of,
     validate,
 )
+from sessionkv_proxy.resent_answers import ResentAnswers
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import Request, Response
 from sessionkv_proxy.sessions import SessionRecord
@@ -79,8 +80,10 @@ class TurnRunner:
 
     def __init__(self, *, config: ProxyConfig, router: Router, sender: EngineSender,
                  early: EarlyDecodeSender | None, metrics: ProxyMetrics,
-                 model_ids: Callable[[], frozenset[str]]) -> None:
+                 model_ids: Callable[[], frozenset[str]],
+                 resent: ResentAnswers | None = None) -> None:
         self._config = config
+        self._resent = resent
         self._router = router
         self._sender = sender
         self._early = early
@@ -135,7 +138,11 @@ class TurnRunner:
         started = time.perf_counter() if debug else 0.0
         try:
             client = self._parse(request, path, is_chat, new_request_id(request.headers))
-            plan = await self._router.plan(client.body, is_chat, client.session_id)
+            # resend_answer_ids: a chat turn may go on as token ids (completions).
+            rewrite = None
+            if self._resent is not None:
+                client, rewrite = self._resent.rewrite(client)
+            plan = await self._router.plan(client.body, client.is_chat, client.session_id)
         except ApiError as err:
             return error_response(err)
         plan_done = time.perf_counter() if debug else 0.0
@@ -150,13 +157,16 @@ class TurnRunner:
         # there) still serves the next turn, and P's copy is in the index.
         if client.session_id and plan.mode is not Mode.PREFILL_ONLY:
             self._remember_session(plan, client, answer)
+        response = answer.response
+        if rewrite is not None:
+            response = self._resent.finish(rewrite, answer)
         if debug:
             done = time.perf_counter()
             logger.debug("done request_id=%s in %.1f ms: plan %.1f ms, prefill %.1f ms, "
                          "prefill and decode %.1f ms", client.request_id,
                          (done - started) * 1e3, (plan_done - started) * 1e3,
                          prefill_s * 1e3, (done - plan_done) * 1e3)
-        return answer.response
+        return response
 
     def _count_route(self, client: ClientRequest, plan: RoutePlan, debug: bool) -> None:
         if plan.degraded:

@@ -21,12 +21,23 @@ engines' start 141 s, the turns 35 s); see docs/testing.md.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 
 import pytest
+import requests
 
-from cluster import TEST_KV_CACHE_GB, free_port_block, launch_cluster, stop_cluster
-from helpers import Generation, chat_body, compare, fresh_prefill_params, post
+from cluster import (
+    TEST_KV_CACHE_GB,
+    free_port_block,
+    launch_cluster,
+    launcher_child,
+    stop_cluster,
+)
+from helpers import Generation, chat_body, compare, fresh_prefill_params, post, wait_until
+from sessionkv_proxy.resent_answers import ANSWER_IDS_HEADER
+from sessionkv_proxy.tokenizer import LocalTokenizer
 
 from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 from vllm_sessionkv.dev.real_model import (
@@ -207,3 +218,120 @@ def test_negative_control_perturbed_prefill_fails_the_comparison(real_cluster):
     else:
         pytest.fail("no KV read from the perturbed P in 3 attempts")
     assert not records[0]["same"], "D's answer ignored the perturbed KV it was handed"
+
+
+# --------------------------------------------------------------------------------------
+# resend_answer_ids: an answer whose generated ids the template re-tokenizes otherwise.
+# The benchmark's session 0 (docs/benchmarks/retokenization.md): greedy, SmolLM2 writes
+# a 124-token answer with ``L`` + ``ES`` at answer token 88, which the tokenizer merges
+# into ``LES`` when the client sends the answer back as text.
+RETOK_SYSTEM = ("You are a coding agent working in a Python repository. Rules: answer with "
+                "short steps; show code in fenced blocks; call tools by writing "
+                "`tool: NAME(ARGS)` on a line of its own; never invent file contents; keep "
+                "answers under ten lines. Tools: read_file(path), run_tests(pattern), "
+                "grep(pattern), write_file(path, text).")
+RETOK_TASK = "Write a function that reverses a string, with a docstring."
+RETOK_FOLLOW_UP = ("Tool result (read_file utils.py): def helper(x):\n    return x * 2\n"
+                   "Now use helper in your answer.")
+BLOCK_TOKENS = 32   # the launcher's block size
+
+
+def retok_body(messages: list[dict], session: str, max_tokens: int) -> dict:
+    # No logprobs: a request asking for them goes to the chat endpoint as text.
+    return {"model": SERVED_NAME, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": False, "return_token_ids": True,
+            "prompt_cache_key": session}
+
+
+def retok_session(cluster, proxy: str, session: str) -> tuple[Generation, Generation, dict]:
+    """Two turns, the first answer kept whole, on emptied caches; (turn 1, turn 2,
+    turn 2's body)."""
+    reset = requests.post(cluster.proxy + "/admin/reset", timeout=60)
+    assert reset.status_code == 200 and reset.json()["success"], reset.text
+    messages = [{"role": "system", "content": RETOK_SYSTEM},
+                {"role": "user", "content": RETOK_TASK}]
+    first = post(proxy, "/v1/chat/completions", retok_body(messages, session, 200))
+    messages += [{"role": "assistant", "content": first.text},
+                 {"role": "user", "content": RETOK_FOLLOW_UP}]
+    body = retok_body(messages, session, 24)
+    return first, post(proxy, "/v1/chat/completions", body), body
+
+
+@contextlib.contextmanager
+def proxy_with_resend_answer_ids(cluster):
+    """A second proxy on the same engines, as the launcher starts its own, with the
+    option on and no Redis (its sessions stay its own)."""
+    argv = launcher_child(cluster, argv_has="sessionkv_proxy").cmdline()
+    if "--redis-url" in argv:
+        at = argv.index("--redis-url")
+        del argv[at:at + 2]
+    port = free_port_block(1)
+    argv[argv.index("--port") + 1] = str(port)
+    log = cluster.log_dir / "proxy-resend-answer-ids.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([*argv, "--resend-answer-ids"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return requests.get(url + "/health", timeout=5).status_code == 200
+        except requests.ConnectionError:
+            return False
+
+    try:
+        wait_until(healthy, 120, "the second proxy's /health")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def prefill_accounting(got: Generation) -> dict:
+    return json.loads(got.headers["x-sessionkv-prefill"])
+
+
+@pytest.mark.cluster
+def test_a_resent_answer_that_retokenizes_keeps_its_blocks_with_resend_answer_ids(
+        real_cluster, real_model):
+    tok = LocalTokenizer(real_model)
+    # Without the option (the cluster's proxy): the answer goes back as text.
+    off1, off2, off2_body = retok_session(real_cluster, real_cluster.proxy, "retok-off")
+    generated = off1.token_ids
+    prompt1 = off1.raw["prompt_token_ids"]
+    assert off1.raw["choices"][0]["finish_reason"] == "stop", off1.text
+    answer_ids = generated[:-1]              # less EOS
+    assert tok.decode(answer_ids) == off1.text
+    template = tok.encode(off1.text, False)
+    diffs = [i for i, (a, b) in enumerate(zip(answer_ids, template)) if a != b]
+    assert diffs, "precondition: the answer re-tokenizes as generated (model changed?)"
+    ideal = (len(prompt1) + len(generated) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    kept_off = (len(prompt1) + diffs[0]) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert kept_off < ideal, "precondition: the difference lies in a full block"
+    acct_off = prefill_accounting(off2)
+    print(f"answer {len(generated)} tokens, first difference at answer token {diffs[0]}: "
+          f"ideal {ideal}, without the option {acct_off}")
+    reused_off = acct_off["local_hit_tokens"] + acct_off["pulled_from_peer_tokens"]
+    assert reused_off <= kept_off and acct_off["refused_by_verification_tokens"] > 0
+    assert same_ids(off2, post(real_cluster.colocated, "/v1/chat/completions", off2_body))
+
+    with proxy_with_resend_answer_ids(real_cluster) as url:
+        on1, on2, _ = retok_session(real_cluster, url, "retok-on")
+    assert on1.token_ids == generated and on1.text == off1.text
+    assert on2.headers[ANSWER_IDS_HEADER] == "spliced"
+    prompt2 = on2.raw["prompt_token_ids"]
+    assert prompt2[:len(prompt1) + len(answer_ids)] == prompt1 + answer_ids
+    acct_on = prefill_accounting(on2)
+    print(f"with the option {acct_on}")
+    assert acct_on["refused_by_verification_tokens"] == 0
+    assert acct_on["local_hit_tokens"] + acct_on["pulled_from_peer_tokens"] == ideal
+    # Equal to the co-located server given the same prompt ids.
+    base = post(real_cluster.colocated, "/v1/completions", {
+        "model": SERVED_NAME, "prompt": prompt2, "max_tokens": 24, "temperature": 0,
+        "ignore_eos": False, "return_token_ids": True})
+    assert same_ids(on2, base)
+
+
+def same_ids(got: Generation, base: Generation) -> bool:
+    return got.token_ids == base.token_ids and got.text == base.text
