@@ -306,14 +306,15 @@ def test_a_resent_answer_that_retokenizes_keeps_its_blocks_with_resend_answer_id
     template = tok.encode(off1.text, False)
     diffs = [i for i, (a, b) in enumerate(zip(answer_ids, template)) if a != b]
     assert diffs, "precondition: the answer re-tokenizes as generated (model changed?)"
-    ideal = (len(prompt1) + len(generated) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    held = len(prompt1) + len(generated) - 1   # D's KV: all but the last sampled token
+    ideal = held // BLOCK_TOKENS * BLOCK_TOKENS
     kept_off = (len(prompt1) + diffs[0]) // BLOCK_TOKENS * BLOCK_TOKENS
     assert kept_off < ideal, "precondition: the difference lies in a full block"
     acct_off = prefill_accounting(off2)
     print(f"answer {len(generated)} tokens, first difference at answer token {diffs[0]}: "
           f"ideal {ideal}, without the option {acct_off}")
     reused_off = acct_off["local_hit_tokens"] + acct_off["pulled_from_peer_tokens"]
-    assert reused_off <= kept_off and acct_off["refused_by_verification_tokens"] > 0
+    assert reused_off <= kept_off and acct_off.get("refused_by_verification_tokens", 0) > 0
     assert same_ids(off2, post(real_cluster.colocated, "/v1/chat/completions", off2_body))
 
     with proxy_with_resend_answer_ids(real_cluster) as url:
@@ -324,8 +325,9 @@ def test_a_resent_answer_that_retokenizes_keeps_its_blocks_with_resend_answer_id
     assert prompt2[:len(prompt1) + len(answer_ids)] == prompt1 + answer_ids
     acct_on = prefill_accounting(on2)
     print(f"with the option {acct_on}")
-    assert acct_on["refused_by_verification_tokens"] == 0
-    assert acct_on["local_hit_tokens"] + acct_on["pulled_from_peer_tokens"] == ideal
+    assert acct_on.get("refused_by_verification_tokens", 0) == 0
+    # All of D's KV (its partial last block too, verified by token ids).
+    assert acct_on["local_hit_tokens"] + acct_on["pulled_from_peer_tokens"] == held
     # Equal to the co-located server given the same prompt ids.
     base = post(real_cluster.colocated, "/v1/completions", {
         "model": SERVED_NAME, "prompt": prompt2, "max_tokens": 24, "temperature": 0,
