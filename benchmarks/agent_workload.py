@@ -4,6 +4,12 @@ traffic, ours side by side with what users would run instead.  One command:
 
     flock /tmp/skv-cluster.lock .venv/bin/python benchmarks/agent_workload.py
     flock /tmp/skv-cluster.lock .venv/bin/python benchmarks/agent_workload.py --quick
+    .venv/bin/python benchmarks/agent_workload.py --client chat [--quick]   # chat text
+
+``--client chat`` (``agentload/chat_mode.py``) runs the same arms on the real model
+(``sessionkv-real-model``, ``--model-dir``) with sessions as OpenAI chat messages in
+text, against a text ceiling; its regimes are ``chat`` and ``chat_long`` and its
+report is ``agent_workload_chat.md`` (``_quick`` with ``--quick``).
 
 Workloads (``agentload/workload.py``): regime 1, where P's KV cache holds every
 session; regime 2, where the sessions' context is several times P's KV and long
@@ -81,7 +87,7 @@ REPO = BENCH_DIR.parent
 sys.path[:0] = [str(BENCH_DIR), str(REPO), str(REPO / "proxy")]
 
 from agentload import arms as armlib  # noqa: E402
-from agentload import client, measure, report  # noqa: E402
+from agentload import chat_mode, chat_report, client, measure, report  # noqa: E402
 from agentload.workload import (  # noqa: E402
     AgentConfig,
     Workload,
@@ -188,11 +194,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: small workloads")
+    p.add_argument("--client", choices=("ids", "chat"), default="ids",
+                   help="ids: sessions in token ids (/v1/completions); chat: OpenAI chat "
+                        "messages in text on the real model (agentload/chat_mode.py)")
+    p.add_argument("--model-dir", help="--client chat: the real model's folder (default: "
+                   "build or reuse sessionkv-real-model's cache)")
+    p.add_argument("--chat", help="chat regime overrides, key=value,... (ChatConfig)")
+    p.add_argument("--chat-long", dest="chat_long", help="chat_long regime overrides")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="engines without torch.compile (faster start, slower steps)")
+    p.add_argument("--ports", default="31000-31899",
+                   help="LO-HI: the routers' and engines' ports (UCX_TCP_PORT_RANGE, when "
+                        "unset, is 31900-31999)")
     p.add_argument("--arms", default=",".join(a.key for a in armlib.ARMS),
                    help="comma-separated arm keys (default: all)")
-    p.add_argument("--workloads", default="r1,r2,skew,mooncake",
+    p.add_argument("--workloads", default=None,
                    help="comma-separated: r1, r2, skew, mooncake, multi_turn, host "
-                        "(the host tier: arms 8-*)")
+                        "(the host tier: arms 8-*); chat, chat_long with --client chat "
+                        "(default: r1,r2,skew,mooncake; chat,chat_long)")
     p.add_argument("--r1", help="regime 1 overrides, key=value,... (AgentConfig fields)")
     p.add_argument("--r2", help="regime 2 overrides")
     p.add_argument("--skew", help="skewed workload overrides")
@@ -242,6 +261,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write the report and plots of an earlier run's JSON, run nothing")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
+    if args.client == "chat":
+        base = {**base, **chat_mode.sizes(args.quick)}
+        args.workloads = args.workloads or ",".join(chat_mode.REGIMES)
+    args.workloads = args.workloads or "r1,r2,skew,mooncake"
+    args.port_lo, args.port_hi = (int(x) for x in args.ports.split("-"))
     args.p_blocks = args.p_blocks or base["p_blocks"]
     args.d_blocks = args.d_blocks or base["d_blocks"]
     args.max_model_len = args.max_model_len or base["max_model_len"]
@@ -270,6 +294,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_workloads(args, tokenizer_dir: str) -> dict[str, tuple[Workload, list[str]]]:
     """name -> (workload, arm keys that run it)."""
+    if args.client == "chat":
+        return chat_mode.build_workloads(args, _override)
     selected = args.arm_keys
     # Arms 5-vr-cache-coloc and 8-* are for their own workloads only.
     regime_arms = [k for k in selected if k != "5-vr-cache-coloc" and k not in HOST_ARMS]
@@ -313,17 +339,25 @@ def _interrupt(signum, _frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def write_report(results: dict, out_dir: Path, stem: str, have_side: bool) -> list[str]:
-    """The JSON, the markdown report (also printed) and the plots; returns failures."""
+def write_report(results: dict, out_dir: Path, stem: str, have_side: bool,
+                 scrub: dict[str, str] | None = None) -> list[str]:
+    """The JSON, the markdown report (also printed) and the plots; returns failures.
+    ``scrub``: local paths -> what the files say instead."""
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(results, indent=1, default=str))
-    text = report.render(results)
+    text = json.dumps(results, indent=1, default=str)
+    for path, name in sorted((scrub or {}).items(), key=lambda kv: -len(kv[0])):
+        text = text.replace(path, name)
+    json_path.write_text(text)
+    results = json.loads(text)
+    chat = results["meta"].get("client") == "chat"
+    text = (chat_report if chat else report).render(results)
     print(text)
     (out_dir / f"{stem}.md").write_text(text + "\n")
     if not have_side:
         return []
-    err = call_in_side_venv("agentload.report", "plot", str(json_path), str(out_dir), stem)
+    err = call_in_side_venv("agentload.chat_report" if chat else "agentload.report", "plot",
+                            str(json_path), str(out_dir), stem)
     if err:
         log(f"plots failed: {err}")
         return ["plots failed"]
@@ -351,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     log(f"logs in {log_dir}")
     model = args.model
-    if model is None:
+    if args.client == "chat":
+        model = chat_mode.real_model_dir(args.model_dir)
+    elif model is None:
         from vllm_sessionkv.dev.tiny_model import BENCH_MODEL_SIZE, generate_tiny_model
 
         size = {} if args.tiny_model else BENCH_MODEL_SIZE
@@ -368,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             "external": sorted(args.external_clusters),
             "workloads": {n: w.description for n, (w, _) in workloads.items()},
             "workload_arms": {n: a for n, (_, a) in workloads.items()},
-            "configs": {k: dataclasses.asdict(v) for k, v in args.cfg.items()}}
+            "configs": {k: dataclasses.asdict(v) for k, v in args.cfg.items()
+                        if args.client == "ids" or k in workloads},
+            "client": args.client, "enforce_eager": args.enforce_eager}
+    if args.client == "chat":
+        meta.update(chat_mode.meta(args, model))
     try:
         from importlib.metadata import version
 
@@ -405,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                                 kv_cache_gb=args.kv_cache_gb,
                                 gpus=args.gpus.split(",") if args.gpus else None,
                                 extra_args=["--enable-prompt-tokens-details",
-                                            "--dtype", args.dtype],
+                                            "--dtype", args.dtype]
+                                + (["--enforce-eager"] if args.enforce_eager else []),
                                 external=args.external_clusters,
                                 engine_env=armlib.engine_cores_env(args.cores, args.gpus))
     results["meta"]["engine_cores"] = [e.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -414,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         results["meta"]["host_arms"] = {"d_blocks": opts.host_d_blocks,
                                         "lease_s": opts.host_lease_s,
                                         "host_tier_bytes": opts.host_tier_bytes}
-    ports = PortPool(31000, 31899)
+    ports = PortPool(args.port_lo, args.port_hi)
+    phases = chat_mode if args.client == "chat" else sys.modules[__name__]
     reference: dict[str, dict] = {}
     ref_outputs: dict[str, dict] = {}
     try:
@@ -435,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                     failures.append(f"arm {key} dropped: {why}"[:600])
                     log(failures[-1])
                 if cname == "coloc":
-                    reference_phase(run, model, workloads, reference, ref_outputs, results,
-                                    opts, args)
+                    phases.reference_phase(run, model, workloads, reference, ref_outputs,
+                                           results, opts, args)
                 for round_no in range(args.rounds):
                     for wname, (workload, wl_arms) in workloads.items():
                         if round_no and wname.startswith("probe-"):
@@ -446,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                         rng.shuffle(keys)
                         for arm in keys:
                             try:
-                                run_arm(run, arm, wname, workload, model, reference,
-                                        ref_outputs, results, args, round_no)
+                                phases.run_arm(run, arm, wname, workload, model, reference,
+                                               ref_outputs, results, args, round_no)
                             except Exception as exc:  # noqa: BLE001 - recorded, next arm
                                 failures.append(f"{wname}/{arm.key} round {round_no + 1}: "
                                                 f"{exc!r}"[:600])
@@ -458,8 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         failures.append("interrupted")
     results["meta"]["wall_s"] = time.perf_counter() - started
     out_dir = Path(args.out_dir)
-    stem = args.report_stem or ("agent_workload_quick" if args.quick else "agent_workload")
-    failures += write_report(results, out_dir, stem, have_side)
+    stem = args.report_stem or ("agent_workload" + ("_chat" if args.client == "chat" else "")
+                                + ("_quick" if args.quick else ""))
+    scrub = {model: "MODEL", str(log_dir): "LOGS", str(workdir): "WORKDIR", str(REPO): "."}
+    failures += write_report(results, out_dir, stem, have_side,
+                             scrub if args.client == "chat" else None)
     log(f"report in {out_dir / (stem + '.md')}, data in {out_dir / (stem + '.json')}, wall "
         f"{results['meta']['wall_s']:.0f} s")
     for f in failures:

@@ -40,6 +40,8 @@ class StepResult:
     cached_tokens: int | None = None   # usage.prompt_tokens_details, where the engine tells
     headers: dict[str, str] = field(default_factory=dict)
     error: str | None = None
+    text: str = ""                     # chat mode: the answer's text
+    prompt_token_ids: list[int] | None = None   # chat mode: the prompt the engine rendered
 
 
 def _sorted_top(entry) -> list[float]:

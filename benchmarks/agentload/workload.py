@@ -401,5 +401,6 @@ def without_waits(workload: Workload) -> Workload:
 
     sessions = [dataclasses.replace(s, start_s=0.0, steps=tuple(
         dataclasses.replace(st, delay_s=0.0) for st in s.steps)) for s in workload.sessions]
-    return Workload(name=workload.name, sessions=sessions, block_size=workload.block_size,
-                    think_open=workload.think_open, description=workload.description)
+    return type(workload)(name=workload.name, sessions=sessions,
+                          block_size=workload.block_size, think_open=workload.think_open,
+                          description=workload.description)
