@@ -502,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out_dir)
     stem = args.report_stem or ("agent_workload" + ("_chat" if args.client == "chat" else "")
                                 + ("_quick" if args.quick else ""))
-    scrub = {model: "MODEL", str(log_dir): "LOGS", str(workdir): "WORKDIR", str(REPO): "."}
+    scrub = {model: "MODEL", str(log_dir): "LOGS", str(workdir): "WORKDIR", str(REPO): ".",
+             sys.prefix: "VENV", str(Path.home()): "HOME"}
     failures += write_report(results, out_dir, stem, have_side,
                              scrub if args.client == "chat" else None)
     log(f"report in {out_dir / (stem + '.md')}, data in {out_dir / (stem + '.json')}, wall "
