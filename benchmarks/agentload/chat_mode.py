@@ -49,7 +49,7 @@ FULL = {
     "chat_long": ChatConfig(sessions=6, turns=6, answer_tokens=128, tool_result_lines=32,
                             trim_share=0.1, drop_share=0.1, stream_share=0.75,
                             subagent_share=0.0, tool_delay_s=1.0, stagger_s=1.0, seed=2),
-    "run_cap_s": 200.0, "arms": {"chat": FULL_ARMS, "chat_long": LONG_ARMS},
+    "run_cap_s": 180.0, "arms": {"chat": FULL_ARMS, "chat_long": LONG_ARMS},
 }
 QUICK = {
     "p_blocks": 64, "d_blocks": 256, "max_model_len": 2048,
