@@ -37,9 +37,9 @@ LONG_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-cache", "7-ours")
 QUICK_ARMS = ("1-rr", "2-ours-coloc", "7-ours")
 
 FULL = {
-    # P holds 6,144 tokens (vLLM needs one max_model_len request to fit), D 32,768,
-    # each co-located engine their mean.
-    "p_blocks": 192, "d_blocks": 1024, "max_model_len": 6144,
+    # P holds 6,400 tokens (vLLM refuses to start unless one max_model_len request fits,
+    # with a block to spare), D 32,768, each co-located engine their mean.
+    "p_blocks": 200, "d_blocks": 1024, "max_model_len": 6144,
     "chat": ChatConfig(sessions=4, turns=5, answer_tokens=96, tool_result_lines=12,
                        trim_share=0.15, drop_share=0.15, stream_share=0.75,
                        subagent_share=0.5, subagent_turns=2, tool_delay_s=0.5, seed=1),
@@ -52,7 +52,7 @@ FULL = {
     "run_cap_s": 180.0, "arms": {"chat": FULL_ARMS, "chat_long": LONG_ARMS},
 }
 QUICK = {
-    "p_blocks": 64, "d_blocks": 256, "max_model_len": 2048,
+    "p_blocks": 72, "d_blocks": 256, "max_model_len": 2048,
     # Tool results of ~24 lines (about 330 tokens): most exceed the proxy's decode-only
     # bound (256 uncached tokens), so those turns go P -> D.
     "chat": ChatConfig(sessions=2, turns=3, answer_tokens=32, tool_result_lines=24,
