@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -130,6 +132,43 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
 
     threading.Thread(target=drain, daemon=True).start()
     return cluster
+
+
+@contextmanager
+def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
+                           launcher_args: list[str], ready_timeout_s: float = READY_TIMEOUT_S,
+                           **engine_options) -> Iterator[Cluster]:
+    """A P/D cluster from ``local_cluster.py`` with ``launcher_args``, and beside it a
+    co-located server on ``model`` (the baseline, ``cluster.colocated``) and a P on
+    ``perturbed_model`` served under the same name (the negative control,
+    ``cluster.extras["perturbed_prefill"]``).  ``engine_options`` are EngineSpec fields
+    for both extra engines (dtype, max_model_len, ...).  On exit everything is stopped
+    and nothing the launcher started may be left."""
+    from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
+
+    cluster = launch_cluster(model, log_dir, launcher_args, ready_timeout_s=ready_timeout_s)
+    extra = []
+    try:
+        base = free_port_block(3)
+        options = {"kv_cache_space_gb": TEST_KV_CACHE_GB, "served_model_name": model,
+                   **engine_options}
+        colocated = EngineSpec(role="colocated", model=model, port=base, **options)
+        # D skips NIXL's model-compatibility check so that this P can hand it KV.
+        perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
+                               side_channel_port=base + 2,
+                               nixl_extra={"enforce_handshake_compat": False}, **options)
+        extra = [start_engine(colocated, "colocated", log_dir),
+                 start_engine(perturbed, "perturbed-prefill", log_dir)]
+        wait_healthy([(extra[0], colocated.url), (extra[1], perturbed.url)],
+                     timeout_s=max(ready_timeout_s, 400))
+        cluster.colocated = colocated.url
+        cluster.extras["perturbed_prefill"] = perturbed.url
+        yield cluster
+    finally:
+        stop_all(extra)
+        cluster.teardown_report.update(stop_cluster(cluster))
+        alive = cluster.teardown_report.get("alive")
+        assert not alive, f"processes left after SIGTERM to local_cluster.py: {alive}"
 
 
 def launcher_child(cluster: Cluster, port: int | None = None, argv_has: str | None = None

@@ -4,7 +4,10 @@ wheel), and one real 1P+1D cluster for the session.
 The cluster is started the way users start it, by ``examples/local_cluster.py``
 (real vLLM servers with SessionKVConnector, NIXL over UCX on loopback, Redis, the
 proxy), and stopped with SIGTERM; the teardown checks that nothing it started
-survives.  The co-located baseline and a perturbed-model P run beside it.
+survives.  The co-located baseline and a perturbed-model P run beside it.  Before each
+module that uses it, the cluster is brought back to a known state and checked
+(``known_state.py``), so modules pass in any order; ``--reverse-modules`` runs them
+backwards to show it.
 """
 
 from __future__ import annotations
@@ -13,21 +16,11 @@ import json
 
 import pytest
 
-from vllm_sessionkv.dev.launch import (
-    EngineSpec,
-    ManagedProcess,
-    start_engine,
-    stop_all,
-    wait_healthy,
-)
-
 from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
     SESSION_COST,
-    TEST_KV_CACHE_GB,
-    free_port_block,
-    launch_cluster,
-    stop_cluster,
+    cluster_with_baselines,
 )
+from known_state import restore_known_state
 
 
 @pytest.fixture(scope="session")
@@ -71,31 +64,38 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
     it exercises P -> NIXL -> D.  D skips NIXL's model-compatibility check so that the
     perturbed-model P can hand it KV: the negative control needs that.
     """
-    log_dir = tmp_path_factory.mktemp("pd-cluster-logs")
-    cluster = launch_cluster(tiny_model, log_dir, [
+    with cluster_with_baselines(tiny_model, perturbed_model,
+                                tmp_path_factory.mktemp("pd-cluster-logs"), [
         "--prefill", "1", "--decode", "1", "--redis",
         "--decode-only-max-uncached-tokens", "-1",
         "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
         "--sessionkv-config", json.dumps({"cost": SESSION_COST}),
-    ])
-    extra: list[ManagedProcess] = []
-    try:
-        base = free_port_block(4)
-        colocated = EngineSpec(role="colocated", model=tiny_model, port=base,
-                               kv_cache_space_gb=TEST_KV_CACHE_GB)
-        perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
-                               kv_cache_space_gb=TEST_KV_CACHE_GB,
-                               side_channel_port=base + 2,
-                               nixl_extra={"enforce_handshake_compat": False},
-                               extra_args=["--served-model-name", tiny_model])
-        extra = [start_engine(colocated, "colocated", log_dir),
-                 start_engine(perturbed, "perturbed-prefill", log_dir)]
-        wait_healthy([(extra[0], colocated.url), (extra[1], perturbed.url)], timeout_s=400)
-        cluster.colocated = colocated.url
-        cluster.extras["perturbed_prefill"] = perturbed.url
+    ]) as cluster:
         yield cluster
-    finally:
-        stop_all(extra)
-        cluster.teardown_report.update(stop_cluster(cluster))
-        alive = cluster.teardown_report.get("alive")
-        assert not alive, f"processes left after SIGTERM to local_cluster.py: {alive}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_cluster_in_known_state(request):
+    """Before each module whose tests use ``pd_cluster``: the cluster back to its known
+    state and checked (``known_state.py``), whatever the modules before it did."""
+    module_items = [item for item in request.session.items
+                    if item.module is request.module]
+    if any("pd_cluster" in getattr(item, "fixturenames", ()) for item in module_items):
+        restore_known_state(request.getfixturevalue("pd_cluster"))
+
+
+# ------------------------------------------------------------------- module order
+def pytest_addoption(parser):
+    parser.addoption("--reverse-modules", action="store_true",
+                     help="run the test modules in reverse order (each module's tests "
+                          "keep their order): tests that share the session's cluster "
+                          "must pass in any module order")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--reverse-modules"):
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    items[:] = [item for name in reversed(modules) for item in modules[name]]

@@ -159,7 +159,8 @@ def test_first_pull_from_a_new_prefill_is_prompt_while_decode_is_busy(pd_cluster
         thread.start()
     took, crossed = [], False
     try:
-        time.sleep(1.0)
+        wait_until(lambda: metric_sum(d_url, "vllm:num_requests_running") >= 2, 60,
+                   "D to run both background requests")
         # A handshake can still time out on a loaded 2-core machine (D then
         # recomputes); a second attempt then makes the first real read.
         for attempt in range(2):
@@ -191,7 +192,11 @@ def test_early_decode_request_told_its_prefill_failed_is_computed_on_d(pd_cluste
     thread = threading.Thread(
         target=lambda: answer.update(got=post(d_url, "/v1/completions", body)))
     thread.start()
-    time.sleep(1.0)
+    # D holds the request (waiting for P's parameters, which never come unasked).
+    wait_until(lambda: not thread.is_alive()
+               or metric_sum(d_url, "vllm:num_requests_waiting")
+               + metric_sum(d_url, "vllm:num_requests_running") >= 1, 30,
+               "D to hold the request")
     assert thread.is_alive(), "D answered a request still waiting for P's parameters"
     sender = EarlyDecodeSender([pd_cluster.early_decode[d_url]])
     try:
@@ -306,10 +311,23 @@ def _wait_for_no_session_holds(cluster, timeout_s: float = 150.0) -> None:
         time.sleep(1.0)
 
 
+def _wait_until_drained(cluster, timeout_s: float = 60.0) -> None:
+    """Until no engine of the cluster runs or queues a request, and then until the
+    cluster's processes have been quiet for one second: an engine that just finished
+    work spins up to 1 s before it blocks (vLLM's busy loop)."""
+    engines = [*cluster.prefill, *cluster.decode]
+    wait_until(lambda: sum(metric_sum(u, "vllm:num_requests_running")
+                           + metric_sum(u, "vllm:num_requests_waiting")
+                           for u in engines) == 0, timeout_s, "the engines to drain")
+    procs = _cluster_procs(cluster)
+    wait_until(lambda: _cpu_shares({"cluster": procs}, window_s=1.0)["cluster"] < 0.20,
+               timeout_s, "a second of the cluster under a fifth of a core")
+
+
 def test_idle_cluster_uses_under_20_percent_of_a_core(pd_cluster):
     """Idle for 10 s, with no session lease held."""
     _wait_for_no_session_holds(pd_cluster)
-    time.sleep(3.0)  # let in-flight work from earlier tests drain
+    _wait_until_drained(pd_cluster)
     used = _cpu_shares({"cluster": _cluster_procs(pd_cluster)})["cluster"]
     print(f"idle 1P+1D cluster: {used * 100:.1f}% of one core over 10 s")
     assert used < 0.20, f"idle cluster uses {used * 100:.1f}% of one core"
