@@ -9,10 +9,10 @@ arithmetic holds together (per-turn sums, re-tokenization's kept tokens within t
 ceiling, reuse within the ceiling).  No speed targets: the full run in
 docs/benchmarks/agent_workload_chat.md is for those.
 
-Cost on the 2-core machine: the benchmark ran 163 s under the cluster lock on
-2026-12-05 (two cluster starts of eager float32 engines, about 45 s each; the
-reference and three arms of 8 turns), plus the ``real_model`` fixture's build (about
-30 s, once per test session, shared with test_real_model_chat.py).
+Cost on the 2-core machine: passed in 198 s under the cluster lock on 2026-12-05
+(the test 171 s: two cluster starts of eager float32 engines, about 45 s each, the
+reference and three arms of 8 turns; the ``real_model`` fixture's build 27 s, once per
+test session, shared with test_real_model_chat.py).
 """
 
 from __future__ import annotations
