@@ -165,8 +165,24 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.1)
 
 
-def reset_prefix_cache(url: str) -> None:
-    requests.post(url + "/reset_prefix_cache", timeout=30).raise_for_status()
+def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Empty the engine's prefix cache, and wait until it says it did.
+
+    vLLM answers 200 with ``{"success": false}`` while any block is in use (a running
+    request, a P's hand-off D has not read yet, a hold released in the step just
+    begun), and then keeps every cached block: a test that went on would find its
+    prompt cached where it expected none.  ``reset_external`` also drops our
+    connector's session holds and host tier (a stock connector ignores it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = requests.post(url + "/reset_prefix_cache", params={"reset_external": "true"},
+                             timeout=30)
+        resp.raise_for_status()
+        if resp.json() == {"success": True}:
+            return
+        assert time.monotonic() < deadline, (
+            f"{url}/reset_prefix_cache still answers {resp.text} after {timeout_s} s")
+        time.sleep(0.1)
 
 
 def fresh_prefill_params() -> dict[str, Any]:

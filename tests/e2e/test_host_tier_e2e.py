@@ -9,13 +9,19 @@ recomputing it, and still equals the co-located baseline.  The tier's KV events
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import zmq
 
 from cluster import TEST_KV_CACHE_GB, free_port_block
-from helpers import assert_same, completion_body, metric_sum, post, wait_until
+from helpers import (
+    assert_same,
+    completion_body,
+    metric_sum,
+    post,
+    reset_prefix_cache,
+    wait_until,
+)
 from sessionkv_proxy.events import BlockRemoved, BlockStored, decode_batch
 from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 
@@ -114,8 +120,20 @@ def test_an_unused_session_hold_ends_quietly_at_its_lease(host_engine):
     assert metric_sum(url, "sessionkv_session_holds") == 0
 
 
-def _evict_device_cache(url: str, model: str) -> None:
-    time.sleep(2.5)  # the turn's hold on device blocks expires (session_lease_s=2)
+def _holds_released(url: str) -> float:
+    return metric_sum(url, "sessionkv_session_holds_released_total")
+
+
+def _wait_holds_ended(url: str, released_before: float, turns: int = 1) -> None:
+    """Until the holds of the last ``turns`` session turns have ended (their lease,
+    ``session_lease_s=2``, runs out with no next turn) and no hold pins a block."""
+    wait_until(lambda: _holds_released(url) >= released_before + turns
+               and metric_sum(url, "sessionkv_session_holds") == 0, 30,
+               f"{turns} session hold(s) to end")
+
+
+def _evict_device_cache(url: str, model: str, released_before: float) -> None:
+    _wait_holds_ended(url, released_before)   # a held block cannot be evicted
     for seed in (901, 902):
         post(url, "/v1/completions", completion_body(model, _ids(seed, 1500), max_tokens=2))
 
@@ -124,8 +142,9 @@ def test_evicted_session_is_restored_from_host(host_engine):
     engine, colocated, events = host_engine
     model = engine.model
     prompt = _ids(1, 600)
+    released_before = _holds_released(engine.url)
     first, _ = _turn(engine.url, model, prompt, "host-s1")
-    _evict_device_cache(engine.url, model)
+    _evict_device_cache(engine.url, model, released_before)
 
     prompt2 = prompt + first.token_ids + _ids(2, 40)
     restored_before = metric_sum(engine.url, "sessionkv_prompt_tokens_total",
@@ -148,28 +167,40 @@ def test_host_pool_stays_within_budget_and_publishes_cpu_events(host_engine):
     engine, _colocated, events = host_engine
     model = engine.model
     for i, size in enumerate((700, 900, 1100)):  # more than the host pool holds
+        released_before = _holds_released(engine.url)
         _turn(engine.url, model, _ids(50 + i, size), f"host-fill-{i}", max_tokens=8)
-        time.sleep(2.5)
-    time.sleep(1.0)
+        _wait_holds_ended(engine.url, released_before)
+    # The engine's counters and its CPU-tier events arrive on their own paths: wait
+    # until the events report as many removals as the counter (a removal the
+    # stream lost fails here, on the timeout).
+    wait_until(lambda: _cpu_events(events)[1] == metric_sum(
+        engine.url, "sessionkv_host_evicted_blocks_total") > 0, 30,
+        "CPU-tier removal events to match the evicted-blocks counter")
     resident = metric_sum(engine.url, "sessionkv_host_resident_bytes")
     evicted = metric_sum(engine.url, "sessionkv_host_evicted_blocks_total")
     assert 0 < resident <= HOST_BLOCKS * BLOCK_BYTES
     assert evicted > 0
 
+    cpu_stored, cpu_removed, removed_after_store = _cpu_events(events)
+    print(f"CPU-tier events: {cpu_stored} blocks stored, {cpu_removed} removed; "
+          f"resident {resident:.0f} B of {HOST_BLOCKS * BLOCK_BYTES} B, evicted {evicted:.0f}")
+    assert cpu_stored > 0
+    assert cpu_removed == evicted
+    assert removed_after_store == cpu_removed, "a removal preceded its store"
+
+
+def _cpu_events(events: EventLog) -> tuple[int, int, int]:
+    """CPU-tier blocks stored, removed, and removed after their store, in the stream."""
     stored, removed_after_store = set(), 0
     cpu_stored = cpu_removed = 0
-    for ev in events.events:
+    for ev in list(events.events):
         if isinstance(ev, BlockStored) and ev.medium == "CPU":
             cpu_stored += len(ev.block_hashes)
             stored.update(ev.block_hashes)
         elif isinstance(ev, BlockRemoved) and ev.medium == "CPU":
             cpu_removed += len(ev.block_hashes)
             removed_after_store += sum(h in stored for h in ev.block_hashes)
-    print(f"CPU-tier events: {cpu_stored} blocks stored, {cpu_removed} removed; "
-          f"resident {resident:.0f} B of {HOST_BLOCKS * BLOCK_BYTES} B, evicted {evicted:.0f}")
-    assert cpu_stored > 0
-    assert cpu_removed == evicted
-    assert removed_after_store == cpu_removed, "a removal preceded its store"
+    return cpu_stored, cpu_removed, removed_after_store
 
 
 async def _replay(index, events, engine: str) -> None:
@@ -196,11 +227,13 @@ def test_real_event_stream_gives_same_answers_in_both_index_backends(host_engine
 
     engine, _colocated, events = host_engine
     model = engine.model
-    time.sleep(2.5)                      # holds expire so the reset can clear the pool
-    assert requests_post_ok(engine.url + "/reset_prefix_cache")
+    # Waits until the engine says its cache is empty (earlier tests' holds end at
+    # their 2 s lease, or the reset drops them).
+    reset_prefix_cache(engine.url)
     after_reset = _ids(77, 300)
     post(engine.url, "/v1/completions", completion_body(model, after_reset, max_tokens=2))
-    time.sleep(1.0)
+    wait_until(lambda: _gpu_blocks_stored_since_clear(events) >= 300 // BLOCK, 30,
+               "the events of the prompt sent after the reset")
     stream = list(events.events)
     kinds = {(type(e).__name__, getattr(e, "medium", None)) for e in stream}
     assert ("BlockStored", "GPU") in kinds and ("BlockRemoved", "GPU") in kinds, kinds
@@ -235,11 +268,13 @@ def test_real_event_stream_gives_same_answers_in_both_index_backends(host_engine
     assert all(m.get("engine", {}).get("GPU", 0) == 0 for m in from_memory[:-1])
 
 
-def requests_post_ok(url: str) -> bool:
-    import requests
+def _gpu_blocks_stored_since_clear(events: EventLog) -> int:
+    """Device blocks the stream stored after its last AllBlocksCleared (0 before one)."""
+    from sessionkv_proxy.events import AllBlocksCleared
 
-    for _ in range(50):
-        if requests.post(url, timeout=30).status_code == 200:
-            return True
-        time.sleep(0.2)
-    return False
+    stream = list(events.events)
+    cleared = [i for i, ev in enumerate(stream) if isinstance(ev, AllBlocksCleared)]
+    if not cleared:
+        return 0
+    return sum(len(ev.block_hashes) for ev in stream[cleared[-1] + 1:]
+               if isinstance(ev, BlockStored) and ev.medium == "GPU")

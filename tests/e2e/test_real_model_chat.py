@@ -28,18 +28,11 @@ import subprocess
 import pytest
 import requests
 
-from cluster import (
-    TEST_KV_CACHE_GB,
-    free_port_block,
-    launch_cluster,
-    launcher_child,
-    stop_cluster,
-)
+from cluster import cluster_with_baselines, free_port_block, launcher_child
 from helpers import Generation, chat_body, compare, fresh_prefill_params, post, wait_until
 from sessionkv_proxy.resent_answers import ANSWER_IDS_HEADER
 from sessionkv_proxy.tokenizer import LocalTokenizer
 
-from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 from vllm_sessionkv.dev.real_model import (
     CPU_COST,
     MARKER_NAME,
@@ -122,34 +115,16 @@ def real_cluster(real_model, perturbed_real_model, tmp_path_factory):
     co-located server and the perturbed-model P beside it.  Every engine runs eager
     (``--enforce-eager``): torch.compile's warm-up took about 50 s an engine on the
     2-core machine, four engines here, against a few seconds of turns."""
-    log_dir = tmp_path_factory.mktemp("real-cluster-logs")
-    cluster = launch_cluster(real_model, log_dir, [
+    with cluster_with_baselines(real_model, perturbed_real_model,
+                                tmp_path_factory.mktemp("real-cluster-logs"), [
         "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE, "--enforce-eager",
         "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
         "--decode-only-max-uncached-tokens", "-1",
         "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
         "--sessionkv-config", json.dumps({"cost": CPU_COST}),
-    ], ready_timeout_s=900)
-    extra = []
-    try:
-        base = free_port_block(3)
-        common = {"served_model_name": SERVED_NAME, "dtype": DTYPE,
-                  "max_model_len": MAX_MODEL_LEN, "kv_cache_space_gb": TEST_KV_CACHE_GB,
-                  "extra_args": ["--enforce-eager"]}
-        colocated = EngineSpec(role="colocated", model=real_model, port=base, **common)
-        perturbed = EngineSpec(role="prefill", model=perturbed_real_model, port=base + 1,
-                               side_channel_port=base + 2,
-                               nixl_extra={"enforce_handshake_compat": False}, **common)
-        extra = [start_engine(colocated, "colocated", log_dir),
-                 start_engine(perturbed, "perturbed-prefill", log_dir)]
-        wait_healthy([(extra[0], colocated.url), (extra[1], perturbed.url)], timeout_s=900)
-        cluster.colocated = colocated.url
-        cluster.extras["perturbed_prefill"] = perturbed.url
+    ], ready_timeout_s=900, served_model_name=SERVED_NAME, dtype=DTYPE,
+            max_model_len=MAX_MODEL_LEN, extra_args=["--enforce-eager"]) as cluster:
         yield cluster
-    finally:
-        stop_all(extra)
-        report = stop_cluster(cluster)
-        assert not report["alive"], report
 
 
 def test_model_tool_builds_a_plain_float32_model(real_model):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import psutil
 import pytest
@@ -39,7 +38,7 @@ from cluster import (
     wait_engine_restarted,
     wait_proxy_sees,
 )
-from helpers import assert_same, chat_body, post
+from helpers import assert_same, chat_body, metric_sum, post, wait_until
 
 from vllm_sessionkv.dev.launch import (
     EngineSpec,
@@ -130,7 +129,19 @@ def second_proxy(cluster_2p2d, tmp_path_factory):
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy([(proc, url)], timeout_s=60)
-        time.sleep(2.0)  # its subscribers rebuild the shared index from replay
+        # Its subscribers rebuild the shared index from each publisher's replay: wait
+        # until every engine's stream was replayed and events applied from it, where
+        # the first replica has any.
+        engines = [*cluster_2p2d.prefill, *cluster_2p2d.decode]
+
+        def replayed(e: str) -> bool:
+            first = metric_sum(cluster_2p2d.proxy, "sessionkv_proxy_events_applied", engine=e)
+            return (metric_sum(url, "sessionkv_proxy_event_replays", engine=e) >= 1
+                    and (first == 0
+                         or metric_sum(url, "sessionkv_proxy_events_applied", engine=e) > 0))
+
+        wait_until(lambda: all(map(replayed, engines)), 60,
+                   "the second replica to replay every engine's events")
         yield url
     finally:
         stop_all([proc])

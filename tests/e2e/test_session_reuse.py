@@ -155,6 +155,10 @@ def _run_edit(p_url, d_url, colocated, model, case: str, think_id: int, reset_p:
         prompt2 = _edit_early_user_token(prompt, first.out.token_ids, user)
     if reset_p:
         # As if P's cache had been evicted: every reusable token must come from D.
+        # P answers the reset with success: false while it still holds turn 1's
+        # blocks for D's read (its notification not yet handled), and then keeps
+        # them: strip_think then found its 6 verified blocks on P and pulled none.
+        # The helper asks again until the reset succeeds.
         reset_prefix_cache(p_url)
     second = session_turn(p_url, d_url, model, prompt2, first.handle, max_tokens=24,
                           session_id=session_id, timeout=timeout)

@@ -26,6 +26,7 @@ from helpers import (
     chat_body,
     metric_sum,
     post,
+    reset_prefix_cache,
     wait_until,
 )
 from vllm_sessionkv.dev.launch import start_process, stop_all, wait_healthy
@@ -74,10 +75,9 @@ def _two_streamed_turns(cluster, proxy: str, session: str) -> dict:
     if "handle_channel" in requests.get(proxy + "/health", timeout=10).json():
         wait_until(lambda: _stored(proxy, d_url) > stored_before, 30,
                    "turn 1's handle on the proxy's channel")
-    # Only D holds turn 1's prompt now.  A reset answers success: false while P
-    # still holds blocks for a read (D's of turn 1): asked again until it succeeds.
-    wait_until(lambda: requests.post(p_url + "/reset_prefix_cache", timeout=30)
-               .json().get("success") is True, 30, "P's prefix cache reset")
+    # Only D holds turn 1's prompt now (the reset waits out P's blocks still held
+    # for D's read of turn 1).
+    reset_prefix_cache(p_url, timeout_s=30)
     pulled_before = metric_sum(p_url, "sessionkv_prompt_tokens_total",
                                source="pulled_from_peer")
     messages += [{"role": "assistant", "content": first.text},
