@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from agentload.chat import ChatWorkload
-from agentload.client import NOT_FINISHED, ROUTE_HEADERS, SESSION_HEADER, StepResult
+from agentload.client import ROUTE_HEADERS, SESSION_HEADER, StepResult, run_sessions
 from agentload.workload import OutputKey
 
 
@@ -103,8 +103,6 @@ async def run_workload(workload: ChatWorkload, target: Callable[[str], str], mod
     """Run every session; ``target(session id)`` is the base URL its requests go to.
     Without ``reference`` the answers build the history (the reference run); with it,
     the reference's answers do and a step's prompt length is the reference's."""
-    import aiohttp
-
     answers: dict[OutputKey, str] = {}
     done = {key: asyncio.Event() for key in workload.keys()}
     results: dict[OutputKey, StepResult] = {}
@@ -149,17 +147,7 @@ async def run_workload(workload: ChatWorkload, target: Callable[[str], str], mod
             for k in range(len(s.steps)):
                 done[(sid, k)].set()
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        try:
-            await asyncio.wait_for(
-                asyncio.gather(*(run_session(http, s.sid) for s in workload.sessions)),
-                timeout=cap_s)
-        except asyncio.TimeoutError:
-            for key in workload.keys():
-                if key not in results:
-                    results[key] = StepResult(key, 0, cap_s or 0.0, error=NOT_FINISHED)
+    await run_sessions(workload, run_session, results, timeout_s=timeout_s, cap_s=cap_s)
     return results
 
 

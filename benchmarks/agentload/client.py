@@ -100,8 +100,6 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
     Without ``reference`` the answers build the history (the reference run).  After
     ``cap_s`` seconds the requests still running are cancelled and the steps not
     finished are returned as errors (``NOT_FINISHED``)."""
-    import aiohttp
-
     outputs: dict[OutputKey, list[int]] = {}
     done = {key: asyncio.Event() for key in workload.keys()}
     results: dict[OutputKey, StepResult] = {}
@@ -146,6 +144,17 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
             for k in range(len(s.steps)):
                 done[(sid, k)].set()
 
+    await run_sessions(workload, run_session, results, timeout_s=timeout_s, cap_s=cap_s)
+    return results
+
+
+async def run_sessions(workload, run_session: Callable, results: dict[OutputKey, StepResult],
+                       *, timeout_s: float, cap_s: float | None) -> None:
+    """Every session's ``run_session(http, sid)`` at once over one HTTP session (both
+    clients, token ids and chat); after ``cap_s`` seconds the requests still running
+    are cancelled and each step not in ``results`` is recorded as ``NOT_FINISHED``."""
+    import aiohttp
+
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector,
                                      timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
@@ -157,7 +166,6 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
             for key in workload.keys():
                 if key not in results:
                     results[key] = StepResult(key, 0, cap_s or 0.0, error=NOT_FINISHED)
-    return results
 
 
 def run(workload: Workload, target: Callable[[str], str], model: str, **kw
