@@ -353,7 +353,6 @@ def test_randomized_workload_matches_reference_and_never_overfills():
     reference = ReferenceLRU(capacity_blocks)
     universe = [h(i) for i in range(200)]
     outstanding: list[tuple[list[bytes], list[int]]] = []  # loads not yet released
-    replayed: set[bytes] = set()  # the tier's contents, rebuilt from its events
 
     for _ in range(3000):
         op = rng.random()
