@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from agentload import chat_client, measure
+from agentload.client import NOT_FINISHED
 from agentload import arms as armlib
 from agentload.chat import ChatConfig, ChatWorkload, chat_workload, retokenization_loss, \
     text_ceiling
@@ -215,7 +216,7 @@ def run_arm(run, arm, wname: str, workload: ChatWorkload, model: str, reference:
     summary["streamed_ok"] = sum(workload.session(sid).steps[k].stream for sid, k in ok)
     e2e = sorted(r.e2e_s for r in ok.values() if r.e2e_s is not None)
     summary["e2e_p50_s"] = measure._p(e2e, 0.5)
-    summary["not_finished"] = sum(r.error == chat_client.NOT_FINISHED for r in res.values())
+    summary["not_finished"] = sum(r.error == NOT_FINISHED for r in res.values())
     routes: dict[str, int] = {}
     for r in res.values():
         route = r.headers.get("x-sessionkv-route")
