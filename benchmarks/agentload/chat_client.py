@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 
 from agentload.chat import ChatWorkload
-from agentload.client import ROUTE_HEADERS, SESSION_HEADER, StepResult, run_sessions
+from agentload.client import ROUTE_HEADERS, SESSION_HEADER, StepResult, run_sessions, \
+    wait_for_turn
 from agentload.workload import OutputKey
 
 
@@ -113,16 +114,8 @@ async def run_workload(workload: ChatWorkload, target: Callable[[str], str], mod
         s = workload.session(sid)
         try:
             for k, turn in enumerate(s.steps):
-                for dep in workload.dependencies(sid, k):
-                    await done[dep].wait()
-                    if dep not in answers:
-                        return   # an earlier turn failed: the history cannot be built
-                if k == 0:
-                    wait = s.start_s - (time.perf_counter() - t0)
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                if turn.delay_s:
-                    await asyncio.sleep(turn.delay_s)
+                if not await wait_for_turn(workload, done, answers, sid, k, t0):
+                    return
                 body = request_body(workload, model, workload.messages(sid, k, answers),
                                     turn.max_tokens, turn.stream, sid)
                 async with sem:

@@ -110,16 +110,8 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
         s = workload.session(sid)
         try:
             for k, step in enumerate(s.steps):
-                for dep in workload.dependencies(sid, k):
-                    await done[dep].wait()
-                    if dep not in outputs:
-                        return   # an earlier step failed: the history cannot be built
-                if k == 0:
-                    wait = s.start_s - (time.perf_counter() - t0)
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                if step.delay_s:
-                    await asyncio.sleep(step.delay_s)
+                if not await wait_for_turn(workload, done, outputs, sid, k, t0):
+                    return
                 prompt = workload.prompt(sid, k, outputs)
                 body = {"model": model, "prompt": prompt, "max_tokens": step.max_tokens,
                         "temperature": 0, "ignore_eos": True, "stream": True,
@@ -146,6 +138,25 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
 
     await run_sessions(workload, run_session, results, timeout_s=timeout_s, cap_s=cap_s)
     return results
+
+
+async def wait_for_turn(workload, done: dict[OutputKey, asyncio.Event], answered: dict,
+                        sid: str, k: int, t0: float) -> bool:
+    """Wait until turn ``k`` of session ``sid`` may be sent (both clients): the turns it
+    builds on answered, the session's start offset for its first turn, the turn's tool
+    delay.  False when a turn it builds on failed: its history cannot be built."""
+    for dep in workload.dependencies(sid, k):
+        await done[dep].wait()
+        if dep not in answered:
+            return False
+    s = workload.session(sid)
+    if k == 0:
+        wait = s.start_s - (time.perf_counter() - t0)
+        if wait > 0:
+            await asyncio.sleep(wait)
+    if s.steps[k].delay_s:
+        await asyncio.sleep(s.steps[k].delay_s)
+    return True
 
 
 async def run_sessions(workload, run_session: Callable, results: dict[OutputKey, StepResult],
