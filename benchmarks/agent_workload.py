@@ -95,6 +95,7 @@ from agentload.workload import (  # noqa: E402
     mooncake_file_ceiling,
     mooncake_workload,
     multi_turn_workload,
+    pin_sessions,
     without_waits,
     workload_ceiling,
 )
@@ -528,12 +529,7 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, ref_outpu
     urls = [u for _, u in run.engines]
     for wname, (workload, _) in list(workloads.items()):
         armlib.reset(run)
-        roots = {}
-        for i, s in enumerate(s for s in workload.sessions if s.parent is None):
-            roots[s.sid] = urls[i % len(urls)]
-        for s in workload.sessions:
-            if s.parent is not None:
-                roots[s.sid] = roots[s.parent]
+        roots = pin_sessions(workload, urls)
         t0 = time.perf_counter()
         res = client.run(without_waits(workload), lambda sid: roots[sid], model,
                          max_concurrency=args.max_concurrency)

@@ -21,7 +21,7 @@ from agentload.client import NOT_FINISHED
 from agentload import arms as armlib
 from agentload.chat import ChatConfig, ChatWorkload, chat_workload, retokenization_loss, \
     text_ceiling
-from agentload.workload import without_waits
+from agentload.workload import pin_sessions, without_waits
 
 # Arms of the chat mode.  4-nixl-bidi and 6-ours-nopull are left out of the chat mode:
 # each is a cluster start of its own (a minute or more of the 30-minute budget), arm 4
@@ -133,12 +133,7 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, ref_outpu
     urls = [u for _, u in run.engines]
     for wname, (workload, _) in list(workloads.items()):
         armlib.reset(run)
-        roots = {}
-        for i, s in enumerate(s for s in workload.sessions if s.parent is None):
-            roots[s.sid] = urls[i % len(urls)]
-        for s in workload.sessions:
-            if s.parent is not None:
-                roots[s.sid] = roots[s.parent]
+        roots = pin_sessions(workload, urls)
         t0 = time.perf_counter()
         res = chat_client.run(without_waits(workload), lambda sid: roots[sid], model,
                               max_concurrency=args.max_concurrency)

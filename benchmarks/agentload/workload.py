@@ -404,3 +404,16 @@ def without_waits(workload: Workload) -> Workload:
     return type(workload)(name=workload.name, sessions=sessions,
                           block_size=workload.block_size, think_open=workload.think_open,
                           description=workload.description)
+
+
+def pin_sessions(workload, urls: list[str]) -> dict[str, str]:
+    """Each session's engine for the reference run: top-level sessions round robin over
+    ``urls`` in order, a sub-agent on its parent's (it starts from the parent's
+    history, so its prefix is cached there)."""
+    pinned: dict[str, str] = {}
+    for i, s in enumerate(s for s in workload.sessions if s.parent is None):
+        pinned[s.sid] = urls[i % len(urls)]
+    for s in workload.sessions:
+        if s.parent is not None:
+            pinned[s.sid] = pinned[s.parent]
+    return pinned

@@ -21,6 +21,7 @@ from agentload.workload import (
     mooncake_file_ceiling,
     mooncake_workload,
     multi_turn_workload,
+    pin_sessions,
     steps_per_session,
     workload_ceiling,
 )
@@ -174,3 +175,17 @@ def test_the_host_tier_arms_run_the_host_workload_only():
     host = bench.build_workloads(bench.parse_args(["--quick", "--workloads", "host,r1"]), None)
     assert host["host"][1] == ["8-ours-nohost", "8-ours-host"]
     assert not any(a.startswith("8-") for a in host["r1"][1])
+
+
+def test_pin_sessions_round_robins_top_level_sessions_and_keeps_subagents_with_parents():
+    cfg = AgentConfig(sessions=3, steps=3, prefix_tokens=64, task_tokens=8,
+                      tool_output_tokens=16, output_tokens=4, think_tokens=0,
+                      subagent_share=1.0, subagent_steps=1, seed=3)
+    w = agent_workload(cfg)
+    pinned = pin_sessions(w, ["u0", "u1"])
+    tops = [s.sid for s in w.sessions if s.parent is None]
+    assert [pinned[sid] for sid in tops] == ["u0", "u1", "u0"]
+    subs = [s for s in w.sessions if s.parent is not None]
+    assert subs, "subagent_share=1.0 spawns sub-agents"
+    assert all(pinned[s.sid] == pinned[s.parent] for s in subs)
+    assert set(pinned) == {s.sid for s in w.sessions}
