@@ -59,6 +59,11 @@ class Engine:
     # itself plus the output tokens it may generate (``RoutePlan.decode_work_tokens``).
     # Unlike ``active_decode_tokens`` it leaves a request's cached prefix out.
     active_decode_work_tokens: int = 0
+    # Prompt tokens this engine computes for the requests routed to it and not yet
+    # answered (P: each prompt less the credit for what it holds or pulls,
+    # ``RoutePlan.prefill_work_tokens``; D: the uncached prompt of each request it
+    # serves alone).  Fractional: a pull counts at its price.
+    active_prefill_work_tokens: float = 0.0
     waiting_requests: float = 0.0
     running_requests: float = 0.0
     kv_usage: float = 0.0

@@ -154,7 +154,7 @@ def score_prefill(
             host_weight=host_weight, peer_blocks=peer, peer_weight=peer_weight, raw_credit_blocks=raw_credit,
             excess_blocks=excess, decay=decay, credit_blocks=credit,
             adjusted_prefill_blocks=adjusted, active_decode_blocks=w.active_decode_blocks,
-            cost=cost,
+            cost=cost, queued_prefill_blocks=w.queued_prefill_blocks,
         ))
     return tuple(out)
 
@@ -180,7 +180,8 @@ def score_decode(
         new = prompt_blocks - device - host
         out.append(DecodeTerms(
             url=w.url, active_decode_blocks=w.active_decode_blocks,
-            queued_decode_blocks=w.queued_decode_blocks, device_blocks=device,
+            queued_decode_blocks=w.queued_decode_blocks,
+            queued_prefill_blocks=w.queued_prefill_blocks, device_blocks=device,
             host_blocks=host, host_weight=host_weight,
             new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
             affinity=w.url == holder,
@@ -348,6 +349,13 @@ def route(
             decode_candidates=decode_terms,
         )
     prefill_chosen = next(t for t in prefill_terms if t.url == prefill_url)
+    queued = _prefill_queued(chosen, prefill_chosen, params, inp.block_size)
+    if queued is not None:
+        return RouteDecision(
+            mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
+            reason=f"{decode_reason}; decode only: {queued}", label=RouteReason.PREFILL_QUEUED,
+            uncached_tokens=uncached, prefill_candidates=prefill_terms,
+            decode_candidates=decode_terms)
     why, label, restore, not_asked = _disaggregated_why(inp, workers, params, chosen,
                                                         prefill_chosen, uncached)
     return RouteDecision(
@@ -384,6 +392,51 @@ def _decode_alone(inp: RouteInput, workers: Sequence[WorkerLoad], params: Routin
     if not any(w.role is Role.PREFILL for w in workers):
         return "co-located, no prefill pool", RouteReason.COLOCATED
     return None
+
+
+def _prefill_queued(decode: DecodeTerms, prefill: PrefillTerms, params: RoutingParams,
+                    block_size: int) -> str | None:
+    """Why the turn goes to D alone because of P's queue, or None (load-aware
+    conditional disaggregation; ``decode_only_prefill_queued_max_tokens``).
+
+    The rule, in blocks of prompt compute: the turn's prompt is computed after
+    whatever is queued before it on that engine, so through P it is ready at
+    ``P's queued work + what P computes for it`` (the prompt less what P holds, a pull
+    from D counted at its price: the share of a recompute it costs), and on D alone
+    at ``D's queued prefill work + what D computes for it`` (its uncached blocks, a
+    host-tier restore at its price).  D serves it alone when that is sooner, while
+
+    * P has work queued at all: an idle P keeps the static rule's decisions (through
+      an idle P the pull's price alone would make D look sooner, and the split's
+      point, D's decodes untouched by prefills, is worth that price);
+    * D's queued prefill work with this turn's stays within the bound: D's running
+      decodes share every step with that prefill, so the bound is what D may take on
+      before they slow too much (Dynamo's disaggregated router holds the same line
+      from the other side: remote prefill only while P's queue is below a limit);
+    * D has room (``decode_only_max_kv_usage``, ``decode_only_max_active_requests``),
+      as for a small increment.
+
+    Both queues are the proxy's own counts of what it routed and has not seen
+    finish, so the rule needs no engine metrics and holds for any trace; D's is
+    counted until each request ends, so it errs towards P.
+    """
+    bound = params.decode_only_prefill_queued_max_tokens
+    # ``decode_only_max_uncached_tokens: -1`` is "always disaggregate": this rule too.
+    if (bound <= 0 or params.decode_only_max_uncached_tokens < 0
+            or prefill.queued_prefill_blocks <= 0):
+        return None
+    if not (decode.kv_usage < params.decode_only_max_kv_usage
+            and decode.active_requests < params.decode_only_max_active_requests):
+        return None
+    through_prefill = prefill.queued_prefill_blocks + prefill.work_blocks
+    decode_work = decode.new_blocks + (1.0 - decode.host_weight) * decode.host_blocks
+    on_decode = decode.queued_prefill_blocks + decode_work
+    if through_prefill <= on_decode or on_decode * block_size > bound:
+        return None
+    return (f"P's queue {prefill.queued_prefill_blocks:.1f} + {prefill.work_blocks:.1f} "
+            f"blocks of compute for this turn = {through_prefill:.1f} > D's queue "
+            f"{decode.queued_prefill_blocks:.1f} + {decode_work:.1f} = {on_decode:.1f} "
+            f"(within {bound} tokens)")
 
 
 def _disaggregated_why(inp: RouteInput, workers: Sequence[WorkerLoad],

@@ -52,11 +52,13 @@ class PrefillUnreachable(Exception):
 class Load:
     """What a request adds to an engine's in-flight load while it runs (the policy's
     load terms): on D the KV it holds and the work it still has to do for it (its
-    uncached prompt, its outputs), on P the prompt it prefills."""
+    uncached prompt, its outputs), on P the prompt it prefills; on either, the prompt
+    tokens the engine computes for it."""
 
     decode_tokens: int = 0
     prefill_tokens: int = 0
     decode_work_tokens: int = 0
+    prefill_work_tokens: float = 0.0
 
 
 @contextmanager
@@ -66,6 +68,7 @@ def load_guard(engine: Engine, load: Load) -> Iterator[None]:
     engine.active_decode_tokens += load.decode_tokens
     engine.active_prefill_tokens += load.prefill_tokens
     engine.active_decode_work_tokens += load.decode_work_tokens
+    engine.active_prefill_work_tokens += load.prefill_work_tokens
     try:
         yield
     finally:
@@ -73,6 +76,7 @@ def load_guard(engine: Engine, load: Load) -> Iterator[None]:
         engine.active_decode_tokens -= load.decode_tokens
         engine.active_prefill_tokens -= load.prefill_tokens
         engine.active_decode_work_tokens -= load.decode_work_tokens
+        engine.active_prefill_work_tokens -= load.prefill_work_tokens
 
 
 @dataclass(frozen=True, slots=True)

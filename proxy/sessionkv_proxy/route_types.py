@@ -59,6 +59,9 @@ class RouteReason(str, enum.Enum):
     # Decode only: the request is several engine requests (n > 1, a batch of prompts),
     # and one P -> D hand-off carries one.
     SEVERAL_ENGINE_REQUESTS = "several_engine_requests"
+    # Decode only: with P's queued prefill work the turn would have its prompt computed
+    # later through P than on D alone (``policy._prefill_queued``).
+    PREFILL_QUEUED = "prefill_queued"
     # Decided by the router without the policy:
     ROUND_ROBIN = "round_robin"
     SINGLE_DECODE_WORKER = "single_decode_worker"
@@ -85,6 +88,13 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # Work queued here, in blocks: of the requests routed here and still running, the
     # prompt blocks this D computes itself plus the outputs they may generate.
     queued_decode_blocks: float = 0.0
+    # Prompt work queued here, in blocks of compute: of the requests routed here and
+    # not yet answered (P) or still running (D), what this engine computes of their
+    # prompts.  On P, each prompt less the credit for what P holds or pulls (a pull
+    # counts at its price, the share of a recompute it costs); on D, the uncached
+    # prompt of each request it serves alone (0 for a disaggregated one).  Counted
+    # until the answer (P) or the request's end (D), so D's is an upper bound.
+    queued_prefill_blocks: float = 0.0
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc as a fraction in [0, 1]
     recent_placements: int = 0  # requests placed here by cost in the last window
     # A host-tier restore here gave a handle already inside the expiry margin (its
@@ -162,9 +172,17 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     decode_load_scale: float = 1.0
     overlap_credit_decay: float = 1.0  # 0: no hot-spot decay (Dynamo's default)
     decode_kv_pressure_threshold: float = 0.9
-    decode_only_max_uncached_tokens: int = 256  # -1 turns decode-only off
+    decode_only_max_uncached_tokens: int = 256  # -1 turns decode-only off (every rule)
     decode_only_max_kv_usage: float = 0.8
     decode_only_max_active_requests: int = 32
+    # Load-aware decode only: a turn that is not small goes to D alone when P's queued
+    # prefill work would make it start later through P than on D alone, and D's queued
+    # prefill work with this turn's stays within this many tokens (D's running
+    # decodes share each step with that prefill: the bound keeps them from being
+    # starved; vLLM's default step budget, max_num_batched_tokens, is 2048).  0 turns
+    # it off (P's queue is then ignored, as before), and so does
+    # ``decode_only_max_uncached_tokens: -1``.  See ``policy._prefill_queued``.
+    decode_only_prefill_queued_max_tokens: int = 2048
     # Prefix affinity without a session: the decode worker holding the longest prefix
     # gets the request while its in-flight requests stay within this factor of the
     # pool mean ("consistent hashing with bounded loads", Mirrokni et al.); beyond
@@ -213,7 +231,8 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                      "temperature", "decode_only_max_active_requests",
                      "decode_affinity_load_bound", "decode_affinity_load_slack",
                      "decode_recent_weight", "handle_expiry_margin_s",
-                     "session_affinity_yield_weight"):
+                     "session_affinity_yield_weight",
+                     "decode_only_prefill_queued_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingParams.{name} must be >= 0")
         for name in ("decode_kv_pressure_threshold", "decode_only_max_kv_usage",
@@ -240,6 +259,15 @@ class PrefillTerms(msgspec.Struct, frozen=True, kw_only=True):
     adjusted_prefill_blocks: float
     active_decode_blocks: float
     cost: float
+    # ``WorkerLoad.queued_prefill_blocks`` (P's queued compute), for the load-aware
+    # decode-only rule; not part of ``cost``.
+    queued_prefill_blocks: float = 0.0
+
+    @property
+    def work_blocks(self) -> float:
+        """What P computes for this request, in blocks: the prompt less the credit for
+        what it holds or pulls (a pull at its price, no hot-spot decay)."""
+        return max(0.0, self.prompt_blocks - self.raw_credit_blocks)
 
 
 class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
@@ -248,6 +276,7 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     url: str
     active_decode_blocks: float
     queued_decode_blocks: float = 0.0  # ``WorkerLoad.queued_decode_blocks``
+    queued_prefill_blocks: float = 0.0  # ``WorkerLoad.queued_prefill_blocks``
     device_blocks: int  # prompt blocks D holds on device (index or verified session)
     host_blocks: int = 0  # beyond device_blocks, on D's host tier (restored, not computed)
     host_weight: float = 0.0  # share of their recompute a restore saves
@@ -273,6 +302,14 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     restore_tokens: int = 0
     prefill_candidates: tuple[PrefillTerms, ...] = ()
     decode_candidates: tuple[DecodeTerms, ...] = ()
+
+    @property
+    def prefill_work_blocks(self) -> float:
+        """What the chosen P computes for this request (``PrefillTerms.work_blocks``);
+        0 when no P serves it."""
+        chosen = next((t for t in self.prefill_candidates if t.url == self.prefill_url),
+                      None)
+        return chosen.work_blocks if chosen is not None else 0.0
 
     @property
     def decode_placed(self) -> bool:

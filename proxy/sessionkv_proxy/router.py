@@ -73,6 +73,9 @@ class RoutePlan:
     # Prompt tokens the chosen D holds on neither device nor host (the policy's
     # ``uncached_tokens``); the whole prompt where no policy ran.
     uncached_tokens: int | None = None
+    # What the chosen P computes of the prompt (``RouteDecision.prefill_work_blocks``
+    # in tokens); 0 when no P serves it.
+    prefill_work_tokens: float = 0.0
 
     @property
     def output_tokens(self) -> int:
@@ -87,6 +90,14 @@ class RoutePlan:
             return self.output_tokens
         uncached = self.prompt_tokens if self.uncached_tokens is None else self.uncached_tokens
         return uncached + self.output_tokens
+
+    @property
+    def decode_prefill_tokens(self) -> int:
+        """The prompt tokens D computes itself: the uncached ones when it serves the
+        request alone, none when P prefills."""
+        if self.mode is not Mode.DECODE_ONLY:
+            return 0
+        return self.prompt_tokens if self.uncached_tokens is None else self.uncached_tokens
 
 
 @dataclass(frozen=True)
@@ -273,6 +284,7 @@ class Router:
             active_prefill_blocks=e.active_prefill_tokens / block_size,
             active_decode_blocks=e.active_decode_tokens / block_size,
             queued_decode_blocks=e.active_decode_work_tokens / block_size,
+            queued_prefill_blocks=e.active_prefill_work_tokens / block_size,
             kv_usage=e.kv_usage, recent_placements=placed.get(e.url, 0),
             restores_expire=e.restore_handles_expire)
             for e in self.pool.engines]
@@ -314,7 +326,8 @@ class Router:
             degraded="redis_unavailable" if g.degraded else None,
             restore_tokens=decision.restore_tokens,
             prompt_token_ids=g.token_ids if decision.restore_tokens else None,
-            uncached_tokens=decision.uncached_tokens)
+            uncached_tokens=decision.uncached_tokens,
+            prefill_work_tokens=decision.prefill_work_blocks * self.block_size.tokens)
 
     def _terms(self, decision: policy.RouteDecision, g: _Gathered, started: float
                ) -> dict[str, Any]:

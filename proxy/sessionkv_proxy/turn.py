@@ -220,9 +220,11 @@ class TurnRunner:
         if role is Role.DECODE:
             engine = plan.decode
             load = Load(decode_tokens=plan.prompt_tokens + plan.output_tokens,
-                        decode_work_tokens=plan.decode_work_tokens)
+                        decode_work_tokens=plan.decode_work_tokens,
+                        prefill_work_tokens=plan.decode_prefill_tokens)
         else:
-            engine, load = plan.prefill, Load(prefill_tokens=plan.prompt_tokens)
+            engine, load = plan.prefill, Load(prefill_tokens=plan.prompt_tokens,
+                                              prefill_work_tokens=plan.prefill_work_tokens)
         return await self._sender.answer(
             request, role, engine, client.path, payload, client.request_id, load, headers,
             client.stream, relay_after=relay_after,
@@ -238,7 +240,9 @@ class TurnRunner:
         # The handle names D's blocks, valid for any P: a retry keeps it.
         async with self._sender.sending(
                 Role.PREFILL, plan.prefill, client.path, _json.encode(p_body),
-                client.request_id, Load(prefill_tokens=plan.prompt_tokens)) as sent:
+                client.request_id, Load(prefill_tokens=plan.prompt_tokens,
+                                        prefill_work_tokens=plan.prefill_work_tokens)
+                ) as sent:
             status, data = sent.response.status, await sent.response.read()
         if status != 200:
             raise _PassThrough(status, data)

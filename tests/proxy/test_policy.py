@@ -489,6 +489,72 @@ def test_decode_only_threshold_is_inclusive_and_can_be_disabled():
     assert route(full, workers, prm, random.Random(0)).mode is Mode.DISAGGREGATED
 
 
+# --------------------------------------------------------------------------- load-aware
+
+
+def _queued_turn() -> RouteInput:
+    # 1000 tokens = 63 blocks; the session's D holds 40, so 23 blocks (360 tokens) are
+    # uncached there: over the static bound (256), a P -> D turn on an idle P.
+    return inp(1000, session=session("d1"), peer_pullable_blocks=40)
+
+
+def test_idle_prefill_keeps_the_static_decision():
+    i = _queued_turn()
+    workers = [P("p1"), D("d1", queued_prefill_blocks=5.0)]
+    on = route(i, workers, params(), random.Random(0))
+    off = route(i, workers, params(decode_only_prefill_queued_max_tokens=0), random.Random(0))
+    assert on.mode is Mode.DISAGGREGATED and on.label.value == "increment_too_large"
+    assert (on.mode, on.label, on.reason, on.prefill_url) == \
+        (off.mode, off.label, off.reason, off.prefill_url)
+    # What P computes: the prompt less its credit (the 40 pulled blocks at their price).
+    chosen = by_url(on.prefill_candidates)["p1"]
+    assert on.prefill_work_blocks == pytest.approx(63 - chosen.raw_credit_blocks)
+    assert 23 < on.prefill_work_blocks < 26   # the pull is not free
+
+
+def test_turn_goes_to_decode_alone_behind_a_prefill_queue():
+    i = _queued_turn()
+    d = route(i, [P("p1", queued_prefill_blocks=30.0), D("d1", queued_prefill_blocks=5.0)],
+              params(), random.Random(0))
+    assert d.mode is Mode.DECODE_ONLY and d.prefill_url is None and d.decode_url == "d1"
+    assert d.label.value == "prefill_queued"
+    assert "P's queue 30.0 + 24.7" in d.reason and "D's queue 5.0 + 23.0 = 28.0" in d.reason
+    assert d.uncached_tokens == 1000 - 40 * BS
+
+
+@pytest.mark.parametrize("p1, d1, prm", [
+    # D's own queue is longer: through P is sooner (30 + 23.x < 40 + 23).
+    (P("p1", queued_prefill_blocks=30.0), D("d1", queued_prefill_blocks=40.0), {}),
+    # D's queued prefill with this turn's (105 + 23 blocks = 2048 tokens) at the bound
+    # is allowed, one block more is not: D's running decodes would be starved.
+    (P("p1", queued_prefill_blocks=500.0), D("d1", queued_prefill_blocks=106.0), {}),
+    # D has no room.
+    (P("p1", queued_prefill_blocks=30.0), D("d1", kv_usage=0.85), {}),
+    (P("p1", queued_prefill_blocks=30.0), D("d1", active_requests=32), {}),
+    # The rule is off, or every turn is to be disaggregated.
+    (P("p1", queued_prefill_blocks=30.0), D("d1"),
+     {"decode_only_prefill_queued_max_tokens": 0}),
+    (P("p1", queued_prefill_blocks=30.0), D("d1"), {"decode_only_max_uncached_tokens": -1}),
+])
+def test_prefill_queue_rule_keeps_p_when_it_must(p1, d1, prm):
+    d = route(_queued_turn(), [p1, d1], params(**prm), random.Random(0))
+    assert d.mode is Mode.DISAGGREGATED and d.label.value == "increment_too_large"
+
+
+def test_prefill_queue_bound_is_inclusive():
+    workers = [P("p1", queued_prefill_blocks=500.0), D("d1", queued_prefill_blocks=105.0)]
+    d = route(_queued_turn(), workers, params(), random.Random(0))
+    assert d.mode is Mode.DECODE_ONLY and "(within 2048 tokens)" in d.reason
+    d = route(_queued_turn(), workers,
+              params(decode_only_prefill_queued_max_tokens=2047), random.Random(0))
+    assert d.mode is Mode.DISAGGREGATED
+
+
+def test_prefill_queue_bound_is_validated():
+    with pytest.raises(ValueError, match="decode_only_prefill_queued_max_tokens"):
+        params(decode_only_prefill_queued_max_tokens=-1)
+
+
 # --------------------------------------------------------------------------- prefill-only
 
 

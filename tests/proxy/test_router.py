@@ -237,3 +237,33 @@ def test_decode_work_counts_what_d_computes_not_its_cached_prefix():
     assert alone.decode_work_tokens == 300
     unknown = RoutePlan(Mode.DECODE_ONLY, None, d, RouteReason.COLOCATED, prompt_tokens=3000)
     assert unknown.decode_work_tokens == 3000 + DEFAULT_OUTPUT_ESTIMATE
+
+
+async def test_prefill_work_is_counted_and_a_queued_p_sends_a_turn_to_d_alone() -> None:
+    """The plan carries what P computes of the prompt; while P's load guard holds that
+    work, the next large turn goes to D alone (``prefill_queued``), and once P has
+    answered, P -> D again."""
+    from sessionkv_proxy.relay import Load, load_guard
+
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none"})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    pool = EnginePool.from_configs(config.engines)
+    router = Router(config, pool, MemoryIndex(), upstream)
+    p = pool.get(P_URL)
+    try:
+        first = await router.plan(_body(list(range(1000, 1640))), False, None)
+        assert first.mode == "disaggregated" and first.prefill_work_tokens == 640
+        assert first.decode_prefill_tokens == 0
+        with load_guard(p, Load(prefill_tokens=first.prompt_tokens,
+                                prefill_work_tokens=first.prefill_work_tokens)):
+            queued = await router.plan(_body(list(range(3000, 3640))), False, None)
+            assert (queued.mode, queued.reason) == ("decode_only", "prefill_queued")
+            assert queued.decode_prefill_tokens == 640
+            assert "P's queue 40.0 + 40.0" in queued.terms["detail"]
+        assert p.active_prefill_work_tokens == 0
+        after = await router.plan(_body(list(range(5000, 5640))), False, None)
+        assert after.mode == "disaggregated"
+    finally:
+        await upstream.close()
