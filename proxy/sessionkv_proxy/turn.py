@@ -292,6 +292,8 @@ class TurnRunner:
         if acct:
             headers["x-sessionkv-prefill"] = acct
         headers["x-sessionkv-prefill-engine"] = prefill.url
+        # P's time as the proxy saw it (its queue, prefill and pulls, and the hop).
+        headers["x-sessionkv-prefill-ms"] = f"{prefill_s * 1e3:.1f}"
         if decode_task is not None:
             prefill_done.set_result(None)
             # P's connector pushed them itself when it could reach D; else push them

@@ -198,6 +198,7 @@ async def test_d_gets_the_request_while_p_prefills_and_p_params_after(free_port)
     assert status == 200, body
     assert headers["x-sessionkv-route"] == "disaggregated"
     assert headers["x-sessionkv-prefill-engine"].startswith("http://127.0.0.1:")
+    assert float(headers["x-sessionkv-prefill-ms"]) > 0
     # One D request, sent with an id and no P parameters, then given P's exactly.
     assert len(engines.d_bodies) == 1
     sent = engines.d_bodies[0]["kv_transfer_params"]
