@@ -298,8 +298,10 @@ def build_workloads(args, tokenizer_dir: str) -> dict[str, tuple[Workload, list[
     if args.client == "chat":
         return chat_mode.build_workloads(args, _override)
     selected = args.arm_keys
-    # Arms 5-vr-cache-coloc and 8-* are for their own workloads only.
-    regime_arms = [k for k in selected if k != "5-vr-cache-coloc" and k not in HOST_ARMS]
+    # Arms 5-vr-cache-coloc and 8-* are for their own workloads only, 7-ours-pd for the
+    # chat mode's.
+    regime_arms = [k for k in selected if k not in ("5-vr-cache-coloc", "7-ours-pd")
+                   and k not in HOST_ARMS]
     out: dict[str, tuple[Workload, list[str]]] = {}
     for name in ("r1", "r2"):
         if name in args.workload_names:

@@ -44,6 +44,10 @@ ARMS = [
     Arm("5-vr-cache", "5 vllm-router P/D cache_aware", "ours", "vr-pd:cache_aware"),
     Arm("6-ours-nopull", "6 ours, D->P pulls off", "nopull", "cluster"),
     Arm("7-ours", "7 ours in full", "ours", "cluster"),
+    # The chat mode only (issue 41's forced P/D): a second proxy of ours on the same
+    # engines and Redis, every turn P then D (decode_only_max_uncached_tokens -1, which
+    # turns the load-aware decode-only rule off too).
+    Arm("7-ours-pd", "7 ours, P/D forced on every turn", "ours", "cluster-pd"),
     # Mooncake replay only: vllm-router's cache-aware policy over the co-located pair.
     Arm("5-vr-cache-coloc", "5 vllm-router cache_aware (co-located)", "coloc",
         "vr:cache_aware"),
@@ -205,6 +209,8 @@ class Running:
     engines: list[tuple[str, str]]
     routers: dict[str, str] = field(default_factory=dict)   # arm key -> base URL
     admin: str | None = None    # our proxy: /admin/reset resets sessions and engines
+    # Further proxies of ours on the same engines: each drops its own sessions on reset.
+    more_admins: list[str] = field(default_factory=list)
     procs: list = field(default_factory=list)
     cluster: object = None
     commands: dict[str, str] = field(default_factory=dict)
@@ -306,6 +312,9 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
             if a.router == "cluster":
                 run.routers[a.key] = cluster.proxy_url
                 run.commands[a.key] = " ".join(cluster.procs[-1].popen.args)
+            elif a.router == "cluster-pd":
+                _start_forced_pd_proxy(run, a.key, list(cluster.procs[-1].popen.args),
+                                       ports, log_dir)
             elif a.router == "conv":
                 _start_conversation_proxy(run, a.key, p_url, d_url, ports, log_dir)
             else:
@@ -318,6 +327,25 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         raise
     log(f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
     return run
+
+
+def _start_forced_pd_proxy(run: Running, key: str, cluster_argv: list[str],
+                           ports: PortPool, log_dir: Path) -> None:
+    """Arm 7-ours-pd: the cluster's proxy command (same engines, events, early decode,
+    handle channels and Redis) on another port, with every turn sent P then D."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    port = ports.take()
+    argv = list(cluster_argv)
+    argv[argv.index("--port") + 1] = str(port)
+    argv += ["--decode-only-max-uncached-tokens", "-1"]
+    proc = start_process(key, argv, log_dir, env=dict(os.environ))
+    run.procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy([(proc, url)], timeout_s=120)
+    run.routers[key] = url
+    run.commands[key] = " ".join(argv)
+    run.more_admins.append(url)
 
 
 def _start_conversation_proxy(run: Running, key: str, p_url: str, d_url: str,
@@ -390,6 +418,8 @@ def reset(run: Running) -> str:
     until its TTL, and they cannot be freed)."""
     import requests
 
+    for admin in run.more_admins:   # their own sessions; the engines are reset below
+        requests.post(admin + "/admin/reset", params={"timeout_s": "30"}, timeout=60)
     if run.admin:
         resp = requests.post(run.admin + "/admin/reset", params={"timeout_s": "30"},
                              timeout=60)

@@ -28,7 +28,10 @@ from agentload.workload import pin_sessions, without_waits
 # attaches D's blocks unverified (wrong answers wherever a client edits its history:
 # the token-id report shows them) and arm 6 is ours less the pulls, which the token-id
 # report measures; the must-shows need 7 against 5-vr-cache and 3-nixl-rr.
-FULL_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-rr", "5-vr-cache", "7-ours")
+# 7-ours-pd (ours with P/D forced on every turn) runs in the short regime beside
+# vllm-router's two P/D arms on the same engines: issue 41's like-for-like P/D path.
+FULL_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-rr", "5-vr-cache", "7-ours",
+             "7-ours-pd")
 # The long regime leaves out 5-vr-rr too: its P recomputes what its cache lost, as
 # 5-vr-cache's does, for a run near the cap (minutes of the budget); the must-show
 # compares with cache_aware, vllm-router's better policy here.
@@ -211,6 +214,7 @@ def run_arm(run, arm, wname: str, workload: ChatWorkload, model: str, reference:
     summary["streamed_ok"] = sum(workload.session(sid).steps[k].stream for sid, k in ok)
     e2e = sorted(r.e2e_s for r in ok.values() if r.e2e_s is not None)
     summary["e2e_p50_s"] = measure._p(e2e, 0.5)
+    summary["e2e_p99_s"] = measure._p(e2e, 0.99)
     summary["not_finished"] = sum(r.error == NOT_FINISHED for r in res.values())
     routes: dict[str, int] = {}
     for r in res.values():
@@ -221,7 +225,9 @@ def run_arm(run, arm, wname: str, workload: ChatWorkload, model: str, reference:
     summary["step_detail"] = {f"{sid}/{k}": {
         "prompt": r.prompt_tokens, "sent_s": round(r.sent_s, 3), "ttft_s": r.ttft_s,
         "e2e_s": r.e2e_s, "route": r.headers.get("x-sessionkv-route"),
-        "prefill": r.headers.get("x-sessionkv-prefill"), "error": r.error}
+        "prefill": r.headers.get("x-sessionkv-prefill"),
+        "prefill_ms": r.headers.get("x-sessionkv-prefill-ms"),
+        "reason": r.headers.get("x-sessionkv-route-reason"), "error": r.error}
         for (sid, k), r in res.items()}
     if round_no:
         summary.pop("step_detail")

@@ -1,5 +1,5 @@
 """The chat-text mode's report: the text ceiling, re-tokenization, one table per
-regime, the must-shows of issue 38 (2 and 3) and the plots.
+regime, the must-shows of issue 38 (2 and 3) and issue 41 (4) and the plots.
 
 Top-level imports are the standard library only: ``plot`` runs under the side venv's
 python (matplotlib lives there)."""
@@ -12,9 +12,37 @@ from pathlib import Path
 from agentload.report import ARM_LABELS, ARM_ORDER, _f, _ms, _sources
 
 
-def _ratio(runs: dict, theirs: str, key: str) -> float | None:
-    a, b = runs.get("7-ours", {}).get(key), runs.get(theirs, {}).get(key)
+def _ratio(runs: dict, theirs: str, key: str, ours: str = "7-ours") -> float | None:
+    a, b = runs.get(ours, {}).get(key), runs.get(theirs, {}).get(key)
     return b / a if a and b else None
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def forced_pd_split(s: dict) -> str:
+    """Where the forced P/D arm's TTFT went, from its step detail: P's time as the
+    proxy saw it (``x-sessionkv-prefill-ms``), the rest up to the first token (the
+    hand-off to D, D's pull of P's KV and D's first step), and P's pulls from D."""
+    rows = [d for d in (s.get("step_detail") or {}).values()
+            if d.get("route") == "disaggregated" and d.get("ttft_s") and d.get("prefill_ms")]
+    if not rows:
+        return "no streamed disaggregated turn with P's time"
+    p_ms = [float(d["prefill_ms"]) for d in rows]
+    after = [d["ttft_s"] * 1e3 - float(d["prefill_ms"]) for d in rows]
+    pulls = []
+    for d in rows:
+        acct = json.loads(d["prefill"]) if d.get("prefill") else {}
+        if acct.get("pulled_from_peer_tokens"):
+            pulls.append(acct.get("pull_ms", 0.0))
+    ttft = [d["ttft_s"] * 1e3 for d in rows]
+    return (f"{len(rows)} streamed disaggregated turns: TTFT median {_median(ttft):.0f} ms = "
+            f"P's answer {_median(p_ms):.0f} ms (median; its queue, prefill and pulls) + "
+            f"{_median(after):.0f} ms from P's answer to D's first token (median; max "
+            f"{max(after):.0f}); {len(pulls)} of them pulled from D, pull_ms median "
+            f"{_f(_median(pulls), '{:.0f}')}")
 
 
 def ceiling_lines(c: dict) -> list[str]:
@@ -88,6 +116,26 @@ def must_shows(results: dict) -> list[str]:
                        + (f"; their run: {o['ok']}/{o['steps']} turns answered within the "
                           f"cap, {o.get('not_finished', 0)} cut" if o["ok"] < o["steps"]
                           else ""))
+    short = runs.get("chat", {})
+    if "7-ours-pd" in short:
+        o = short["7-ours-pd"]
+        for other in ("5-vr-rr", "5-vr-cache"):
+            if other not in short:
+                continue
+            t = short[other]
+            out.append(
+                f"- **41.4** (chat) {ARM_LABELS['7-ours-pd']} vs {ARM_LABELS[other]} "
+                "(theirs / ours, target >= 1): TTFT p50 "
+                f"{_f(o['ttft_p50_s'], '{:.3f}')} vs {_f(t['ttft_p50_s'], '{:.3f}')} s = "
+                f"{_f(_ratio(short, other, 'ttft_p50_s', '7-ours-pd'))}; p99 "
+                f"{_f(o['ttft_p99_s'], '{:.3f}')} vs {_f(t['ttft_p99_s'], '{:.3f}')} s = "
+                f"{_f(_ratio(short, other, 'ttft_p99_s', '7-ours-pd'))}; latency (e2e) p50 "
+                f"{_f(o.get('e2e_p50_s'), '{:.2f}')} vs {_f(t.get('e2e_p50_s'), '{:.2f}')} s = "
+                f"{_f(_ratio(short, other, 'e2e_p50_s', '7-ours-pd'))}, p99 "
+                f"{_f(o.get('e2e_p99_s'), '{:.2f}')} vs {_f(t.get('e2e_p99_s'), '{:.2f}')} s = "
+                f"{_f(_ratio(short, other, 'e2e_p99_s', '7-ours-pd'))}")
+        out.append(f"- **41.4** (chat) where {ARM_LABELS['7-ours-pd']}'s time went: "
+                   f"{forced_pd_split(o)}")
     return out
 
 
@@ -120,7 +168,7 @@ def render(results: dict) -> str:
              f"- wall time {meta.get('wall_s', 0):.0f} s", ""]
     for name, desc in meta.get("workloads", {}).items():
         lines.append(f"- **{name}**: {desc}")
-    lines += ["", "## Must-shows (issue 38: 2 and 3)", ""] + must_shows(results)
+    lines += ["", "## Must-shows (issue 38: 2 and 3; issue 41: 4)", ""] + must_shows(results)
     for wname, runs in results.get("runs", {}).items():
         lines += ["", f"## {wname}", ""]
         if wname in results.get("ceilings", {}):

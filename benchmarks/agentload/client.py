@@ -23,7 +23,7 @@ from agentload.workload import OutputKey, Workload
 SESSION_HEADER = "X-Session-ID"
 NOT_FINISHED = "not finished within the run's time cap"
 ROUTE_HEADERS = ("x-sessionkv-route", "x-sessionkv-route-reason", "x-sessionkv-prefill",
-                 "x-sessionkv-handle",
+                 "x-sessionkv-handle", "x-sessionkv-prefill-ms",
                  "x-sessionkv-prefill-engine", "x-sessionkv-decode-engine")
 
 

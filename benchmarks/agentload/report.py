@@ -18,6 +18,7 @@ ARM_LABELS = {
     "5-vr-cache": "5 vllm-router P/D cache_aware",
     "6-ours-nopull": "6 ours, D->P pulls off",
     "7-ours": "7 ours in full",
+    "7-ours-pd": "7 ours, P/D forced on every turn",
     "5-vr-cache-coloc": "5 vllm-router cache_aware (co-located)",
     "8-ours-nohost": "8 ours, short lease, no host tier",
     "8-ours-host": "8 ours, short lease, host tier",
