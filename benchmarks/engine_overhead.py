@@ -408,6 +408,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="plain, ours as D and as P; one round, fewer requests")
     ap.add_argument("--model", help="model directory (default: generate the tiny model)")
+    ap.add_argument("--real-model", action="store_true",
+                    help="serve the real model (SmolLM2-135M-Instruct, built by "
+                         "sessionkv-real-model into $SESSIONKV_REAL_MODEL_DIR or "
+                         f"~/{REAL_MODEL_CACHE}) instead of the tiny one")
     ap.add_argument("--gpus", help="CUDA_VISIBLE_DEVICES for every engine (GPU hosts)")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--requests", type=int, default=None, help="per concurrency")
@@ -450,6 +454,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     live.add_argument("--no-holding", action="store_true",
                       help="skip the holding-D CPU measurement")
     args = ap.parse_args(argv)
+    if args.real_model:
+        if args.model:
+            ap.error("--real-model and --model name two models: give one")
+        args.model = real_model_dir()
     if args.rounds is None:
         args.rounds = (4 if args.live else 1) if args.quick else (8 if args.live else 2)
     if args.requests is None:
@@ -467,10 +475,10 @@ def main_live(args, argv) -> int:
 
     import overhead_live
 
-    command = "python benchmarks/engine_overhead.py " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:]))
+    command = public_command(argv if argv is not None else sys.argv[1:])
     if args.render:
         saved = json.loads(Path(args.render).read_text())
+        saved["command"] = public_command(saved["command"].split()[2:])
         runs = saved["runs"]
     else:
         runs = []
@@ -481,7 +489,8 @@ def main_live(args, argv) -> int:
                 Path(args.out).with_suffix(f".{layout}.partial.json").write_text(
                     json.dumps(runs[-1], indent=1))
             print("\n".join(overhead_live.verdicts(runs[-1], args.concurrency)), flush=True)
-        saved = {"args": {k: v for k, v in vars(args).items()}, "runs": runs,
+        saved = {"args": {k: v for k, v in vars(args).items() if k not in _PATH_ARGS},
+                 "runs": runs,
                  "machine": f"{psutil.cpu_count()} cores, "
                             f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
                             f"{platform.system()} {platform.release()}",
@@ -501,6 +510,43 @@ def main_live(args, argv) -> int:
             out.with_suffix(".json").write_text(json.dumps(saved, indent=1))
         print(f"wrote {out}")
     return 0 if all(v.startswith("ok") for v in all_verdicts) else 1
+
+
+# Flags whose values are local paths: a report names them, never gives them.
+_PATH_FLAGS = {"--model": "MODEL_DIR", "--out": "REPORT", "--log-dir": "LOG_DIR",
+               "--render": "JSON"}
+_PATH_ARGS = ("model", "out", "log_dir", "render")
+REAL_MODEL_CACHE = ".cache/vllm-sessionkv/smollm2-135m-instruct"
+
+
+def public_command(argv: list[str]) -> str:
+    """The command line as a report states it: each path-valued flag's value replaced
+    by what it stands for (``--model MODEL_DIR``), so no local path is published."""
+    out, hide = [], None
+    for a in argv:
+        if hide is not None:
+            out.append(hide)
+            hide = None
+            continue
+        flag, eq, _ = a.partition("=")
+        if flag in _PATH_FLAGS:
+            if eq:
+                out.append(f"{flag}={_PATH_FLAGS[flag]}")
+            else:
+                out.append(a)
+                hide = _PATH_FLAGS[flag]
+            continue
+        out.append(a)
+    return " ".join(["python benchmarks/engine_overhead.py", *out])
+
+
+def real_model_dir() -> str:
+    """The real model's folder (``sessionkv-real-model``), built there if not yet."""
+    from vllm_sessionkv.dev.real_model import build_real_model
+
+    where = os.environ.get("SESSIONKV_REAL_MODEL_DIR") or str(Path.home() / REAL_MODEL_CACHE)
+    path, _ = build_real_model(Path(where))
+    return str(path)
 
 
 def _commit() -> str:
