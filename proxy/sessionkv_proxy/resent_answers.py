@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.prompt_keys import PromptKeys
 from sessionkv_proxy.relay import Answer
@@ -247,7 +248,17 @@ class ResentAnswers:
         if response is None or answer.status != 200:
             self.memory.drop(rewrite.session_id)
             return response
-        out = _decode.decode(response.body)
+        try:
+            out = _decode.decode(response.body)
+        except msgspec.DecodeError:
+            out = None
+        if not isinstance(out, dict):
+            # vLLM's completions endpoint answers JSON objects; anything else is a
+            # broken engine or something in between, not an answer to translate.
+            self.memory.drop(rewrite.session_id)
+            return error_response(ApiError(
+                502, "the engine answered the completions request the chat turn went "
+                     "as (resend_answer_ids) with a body that is not a JSON object"))
         got = answer_of(out)
         decode = self._keys.local_chat.tokenizer.decode if self._keys.local_chat else None
         # The ids must account for the text exactly (nothing skipped, nothing cut).

@@ -239,3 +239,20 @@ def test_the_option_needs_a_local_tokenizer(tiny_model):
     with pytest.raises(ConfigError, match="resend_answer_ids_max_sessions"):
         load_config(None, {"engines": ENGINES, "resend_answer_ids": True,
                            "tokenizer": str(tiny_model), "resend_answer_ids_max_sessions": 0})
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b""])
+def test_a_200_that_is_no_completions_answer_is_a_502(resent, tok, body):
+    """An engine (or something in between) answering 200 with a body that is not a
+    JSON object: the client gets a 502 naming the option, and the session's memory
+    is dropped, not a crash or a chat answer made up from nothing."""
+    _, rewrite = resent.rewrite(client_of(chat([{"role": "user", "content": "x"}])))
+    resent.memory.put("s1", LastAnswer("p", (1,), "t", (2,)))
+    broken = Answer(Response(200, body, [], content_type=None), 200, None,
+                    SimpleNamespace(url="d"))
+    response = resent.finish(rewrite, broken)
+    assert response.status == 502 and b"resend_answer_ids" in response.body
+    assert resent.memory.get("s1") is None
+    # The control: a real answer still comes back as a chat answer.
+    ok = resent.finish(rewrite, answered(completion_reply("hi", [5, 6], finish="length")))
+    assert ok.status == 200
