@@ -76,9 +76,11 @@ def _clean(cluster) -> None:
     """Start each case from engines with no holds and empty prefix caches."""
     for url in (*cluster.prefill, *cluster.decode):
         _reset(url)
+    # vLLM answers 200 with {"success": false} while a block is in use and then keeps
+    # every cached block: only {"success": true} is a reset.
     wait_until(lambda: metric_sum(cluster.decode[0], "sessionkv_session_holds") == 0
-               and all(requests.post(u + "/reset_prefix_cache", timeout=30).ok
-                       for u in (*cluster.prefill, *cluster.decode)),
+               and all(requests.post(u + "/reset_prefix_cache", timeout=30).json()
+                       == {"success": True} for u in (*cluster.prefill, *cluster.decode)),
                60, "holds released and caches reset")
 
 
