@@ -24,6 +24,17 @@ def _body(tokens: list[int], max_tokens: int = 8) -> dict:
     return {"model": "m", "prompt": tokens, "max_tokens": max_tokens}
 
 
+def _one_p_one_d(**extra) -> tuple[Router, EnginePool, UpstreamPool]:
+    """A router over one P and one D (``extra``: more config keys), with its pool and
+    upstream (the caller closes the upstream)."""
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none", **extra})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    pool = EnginePool.from_configs(config.engines)
+    return Router(config, pool, MemoryIndex(), upstream), pool, upstream
+
+
 async def test_only_placements_by_cost_are_counted_and_prefill_only_skips_d() -> None:
     config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
                                             {"url": D1, "role": "decode"},
@@ -100,12 +111,7 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
     from sessionkv_proxy.sessions import SessionRecord
     from vllm_sessionkv.wire.protocol import handle_from_params
 
-    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
-                                            {"url": D1, "role": "decode"}],
-                                "block_size": BS, "tokenizer": "none"})
-    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
-    pool = EnginePool.from_configs(config.engines)
-    router = Router(config, pool, MemoryIndex(), upstream)
+    router, pool, upstream = _one_p_one_d()
     handle = handle_from_params({
         "do_remote_decode": True, "remote_engine_id": "d1",
         "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60}})
@@ -245,12 +251,7 @@ async def test_prefill_work_is_counted_and_a_queued_p_sends_a_turn_to_d_alone() 
     answered, P -> D again."""
     from sessionkv_proxy.relay import Load, load_guard
 
-    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
-                                            {"url": D1, "role": "decode"}],
-                                "block_size": BS, "tokenizer": "none"})
-    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
-    pool = EnginePool.from_configs(config.engines)
-    router = Router(config, pool, MemoryIndex(), upstream)
+    router, pool, upstream = _one_p_one_d()
     p = pool.get(P_URL)
     try:
         first = await router.plan(_body(list(range(1000, 1640))), False, None)
