@@ -213,6 +213,9 @@ def run_arm(run, arm, wname: str, workload: ChatWorkload, model: str, reference:
         for k, r in ok.items())
     summary["streamed_ok"] = sum(workload.session(sid).steps[k].stream for sid, k in ok)
     e2e = sorted(r.e2e_s for r in ok.values() if r.e2e_s is not None)
+    # Every round keeps its samples, so --rounds can pool them (chat_report.pooled).
+    summary["ttft_samples_s"] = sorted(r.ttft_s for r in ok.values() if r.ttft_s is not None)
+    summary["e2e_samples_s"] = e2e
     summary["e2e_p50_s"] = measure._p(e2e, 0.5)
     summary["e2e_p99_s"] = measure._p(e2e, 0.99)
     summary["not_finished"] = sum(r.error == NOT_FINISHED for r in res.values())

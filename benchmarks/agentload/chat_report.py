@@ -85,6 +85,48 @@ def workload_table(runs: dict) -> list[str]:
     return lines
 
 
+def pooled(results: dict, wname: str, arm: str) -> dict | None:
+    """An arm's TTFT and e2e samples over every round of a workload (the first run and
+    ``--rounds``' later ones), with their p50 and p99; None when it ran once."""
+    from bench_common import pct
+
+    runs = [results.get("runs", {}).get(wname, {}).get(arm)]
+    runs += [r.get(wname, {}).get(arm) for r in results.get("rounds", {}).values()]
+    runs = [r for r in runs if r and "ttft_samples_s" in r]
+    if len(runs) < 2:
+        return None
+    out = {"rounds": len(runs)}
+    for key in ("ttft", "e2e"):
+        xs = sorted(x for r in runs for x in r[f"{key}_samples_s"])
+        out[f"{key}_n"] = len(xs)
+        out[f"{key}_p50_s"] = pct(xs, 0.5) if xs else None
+        out[f"{key}_p99_s"] = pct(xs, 0.99) if xs else None
+    return out
+
+
+def _pooled_lines(results: dict) -> list[str]:
+    """Issue 41 must-show 4 over every round: ours forced P/D against vllm-router."""
+    ours = pooled(results, "chat", "7-ours-pd")
+    if ours is None:
+        return []
+    out = []
+    for other in ("5-vr-rr", "5-vr-cache"):
+        theirs = pooled(results, "chat", other)
+        if theirs is None:
+            continue
+        parts = []
+        for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "p99"),
+                           ("e2e_p50_s", "latency (e2e) p50"), ("e2e_p99_s", "p99")):
+            a, b = ours[key], theirs[key]
+            parts.append(f"{label} {_f(a, '{:.3f}')} vs {_f(b, '{:.3f}')} s = "
+                         f"{_f(b / a if a and b else None)}")
+        out.append(f"- **41.4** (chat, pooled over {ours['rounds']} rounds: "
+                   f"{ours['ttft_n']} / {theirs['ttft_n']} streamed turns) "
+                   f"{ARM_LABELS['7-ours-pd']} vs {ARM_LABELS[other]} (theirs / ours, "
+                   f"target >= 1): " + "; ".join(parts))
+    return out
+
+
 def must_shows(results: dict) -> list[str]:
     runs = results.get("runs", {})
     out = []
@@ -136,7 +178,7 @@ def must_shows(results: dict) -> list[str]:
                 f"{_f(_ratio(short, other, 'e2e_p99_s', '7-ours-pd'))}")
         out.append(f"- **41.4** (chat) where {ARM_LABELS['7-ours-pd']}'s time went: "
                    f"{forced_pd_split(o)}")
-    return out
+    return out + _pooled_lines(results)
 
 
 def render(results: dict) -> str:

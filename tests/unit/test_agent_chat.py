@@ -83,3 +83,29 @@ def test_text_ceiling_and_retokenization_loss():
     # An edited previous answer is the client's doing, not re-tokenization's.
     assert retokenization_loss(_two_turns("trim"), {("s", 0): p0, ("s", 1): moved},
                                {("s", 0): out0}).turns == 0
+
+
+def test_rounds_pool_their_samples_for_the_forced_pd_comparison():
+    """``--rounds``: each arm's TTFT and e2e samples from every round are pooled into
+    one p50/p99 (nearest rank) per arm, and the report's must-show 4 line uses them;
+    one round alone pools nothing (its figures are the run's own)."""
+    from agentload import chat_report
+
+    def arm(ttft, e2e):
+        return {"ttft_samples_s": ttft, "e2e_samples_s": e2e}
+
+    results = {"runs": {"chat": {"7-ours-pd": arm([1.0, 2.0], [5.0, 6.0]),
+                                 "5-vr-cache": arm([2.0, 4.0], [6.0, 8.0])}},
+               "rounds": {"2": {"chat": {"7-ours-pd": arm([3.0, 9.0], [7.0, 9.0]),
+                                         "5-vr-cache": arm([1.0, 3.0], [5.0, 7.0])}}}}
+    ours = chat_report.pooled(results, "chat", "7-ours-pd")
+    assert ours["rounds"] == 2 and ours["ttft_n"] == 4
+    assert (ours["ttft_p50_s"], ours["ttft_p99_s"]) == (2.0, 9.0)
+    assert (ours["e2e_p50_s"], ours["e2e_p99_s"]) == (6.0, 9.0)
+    (line,) = chat_report._pooled_lines(results)
+    assert "pooled over 2 rounds" in line and "TTFT p50 2.000 vs 2.000 s = 1.00" in line
+    assert "p99 9.000 vs 4.000 s = 0.44" in line
+    # The control: a single run is not pooled.
+    del results["rounds"]
+    assert chat_report.pooled(results, "chat", "7-ours-pd") is None
+    assert chat_report._pooled_lines(results) == []
