@@ -86,10 +86,7 @@ class RoutePlan:
     def decode_work_tokens(self) -> int:
         """What this request queues on D while it runs: the prompt tokens D prefills
         itself (none when P prefills) plus the output tokens it may generate."""
-        if self.mode is not Mode.DECODE_ONLY:
-            return self.output_tokens
-        uncached = self.prompt_tokens if self.uncached_tokens is None else self.uncached_tokens
-        return uncached + self.output_tokens
+        return self.decode_prefill_tokens + self.output_tokens
 
     @property
     def decode_prefill_tokens(self) -> int:
