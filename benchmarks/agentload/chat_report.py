@@ -12,8 +12,8 @@ from pathlib import Path
 from agentload.report import ARM_LABELS, ARM_ORDER, _f, _ms, _sources
 
 
-def _ratio(runs: dict, theirs: str, key: str, ours: str = "7-ours") -> float | None:
-    a, b = runs.get(ours, {}).get(key), runs.get(theirs, {}).get(key)
+def _ratio(runs: dict, theirs: str, key: str) -> float | None:
+    a, b = runs.get("7-ours", {}).get(key), runs.get(theirs, {}).get(key)
     return b / a if a and b else None
 
 
@@ -114,17 +114,23 @@ def _pooled_lines(results: dict) -> list[str]:
         theirs = pooled(results, "chat", other)
         if theirs is None:
             continue
-        parts = []
-        for key, label in (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "p99"),
-                           ("e2e_p50_s", "latency (e2e) p50"), ("e2e_p99_s", "p99")):
-            a, b = ours[key], theirs[key]
-            parts.append(f"{label} {_f(a, '{:.3f}')} vs {_f(b, '{:.3f}')} s = "
-                         f"{_f(b / a if a and b else None)}")
-        out.append(f"- **41.4** (chat, pooled over {ours['rounds']} rounds: "
-                   f"{ours['ttft_n']} / {theirs['ttft_n']} streamed turns) "
-                   f"{ARM_LABELS['7-ours-pd']} vs {ARM_LABELS[other]} (theirs / ours, "
-                   f"target >= 1): " + "; ".join(parts))
+        out.append(_forced_pd_line(f"chat, pooled over {ours['rounds']} rounds: "
+                                   f"{ours['ttft_n']} / {theirs['ttft_n']} streamed turns",
+                                   other, ours, theirs))
     return out
+
+
+def _forced_pd_line(scope: str, other: str, ours: dict, theirs: dict) -> str:
+    """Issue 41 must-show 4's line: ours forced P/D against one vllm-router arm, TTFT and
+    latency p50/p99 as theirs over ours (a run's summary or ``pooled``'s figures)."""
+    def vs(key: str, fmt: str) -> str:
+        a, b = ours.get(key), theirs.get(key)
+        return f"{_f(a, fmt)} vs {_f(b, fmt)} s = {_f(b / a if a and b else None)}"
+
+    return (f"- **41.4** ({scope}) {ARM_LABELS['7-ours-pd']} vs {ARM_LABELS[other]} "
+            f"(theirs / ours, target >= 1): TTFT p50 {vs('ttft_p50_s', '{:.3f}')}; p99 "
+            f"{vs('ttft_p99_s', '{:.3f}')}; latency (e2e) p50 {vs('e2e_p50_s', '{:.2f}')}, "
+            f"p99 {vs('e2e_p99_s', '{:.2f}')}")
 
 
 def must_shows(results: dict) -> list[str]:
@@ -164,18 +170,7 @@ def must_shows(results: dict) -> list[str]:
         for other in ("5-vr-rr", "5-vr-cache"):
             if other not in short:
                 continue
-            t = short[other]
-            out.append(
-                f"- **41.4** (chat) {ARM_LABELS['7-ours-pd']} vs {ARM_LABELS[other]} "
-                "(theirs / ours, target >= 1): TTFT p50 "
-                f"{_f(o['ttft_p50_s'], '{:.3f}')} vs {_f(t['ttft_p50_s'], '{:.3f}')} s = "
-                f"{_f(_ratio(short, other, 'ttft_p50_s', '7-ours-pd'))}; p99 "
-                f"{_f(o['ttft_p99_s'], '{:.3f}')} vs {_f(t['ttft_p99_s'], '{:.3f}')} s = "
-                f"{_f(_ratio(short, other, 'ttft_p99_s', '7-ours-pd'))}; latency (e2e) p50 "
-                f"{_f(o.get('e2e_p50_s'), '{:.2f}')} vs {_f(t.get('e2e_p50_s'), '{:.2f}')} s = "
-                f"{_f(_ratio(short, other, 'e2e_p50_s', '7-ours-pd'))}, p99 "
-                f"{_f(o.get('e2e_p99_s'), '{:.2f}')} vs {_f(t.get('e2e_p99_s'), '{:.2f}')} s = "
-                f"{_f(_ratio(short, other, 'e2e_p99_s', '7-ours-pd'))}")
+            out.append(_forced_pd_line("chat", other, o, short[other]))
         out.append(f"- **41.4** (chat) where {ARM_LABELS['7-ours-pd']}'s time went: "
                    f"{forced_pd_split(o)}")
     return out + _pooled_lines(results)
