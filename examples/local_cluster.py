@@ -55,7 +55,9 @@ from vllm_sessionkv.dev.launch import ChildExited, ClusterSpec, LocalCluster, pa
 GENERATED_MODEL_NAME = "sessionkv-tiny-model"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The launcher's flags (docs/running.md lists each with its default; checked by
+    tests/unit/test_docs_options.py)."""
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
@@ -127,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="restarts of one child within --restart-window-s before it is "
                         "given up (0: never restart)")
     p.add_argument("--restart-window-s", type=float, default=600.0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 

@@ -174,14 +174,18 @@ def write_perturbed_copy(src_dir: str | os.PathLike, out_dir: str | os.PathLike)
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sessionkv-real-model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--perturbed-copy", metavar="DIR2",
                         help="also write a copy with k_proj/v_proj scaled by -3 (negative "
                              "control)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     path, converted = build_real_model(args.out_dir)
     print(f"{path} ({'converted' if converted else 'already built'})")

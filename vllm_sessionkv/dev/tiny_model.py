@@ -119,7 +119,7 @@ def generate_tiny_model(out_dir: str | os.PathLike, seed: int = 0, perturb: bool
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sessionkv-tiny-model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
@@ -128,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agent benchmark's larger model (BENCH_MODEL_SIZE)")
     parser.add_argument("--perturb", action="store_true",
                         help="scale k_proj/v_proj by -3 (negative control)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     generate_tiny_model(args.out_dir, seed=args.seed, perturb=args.perturb,
                         **(BENCH_MODEL_SIZE if args.bench else {}))
