@@ -188,3 +188,30 @@ def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
 def fresh_prefill_params() -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def connector_prom_metrics():
+    """(registry, metrics): the connector's ``SessionKVPromMetrics`` for one engine
+    (label ``engine="0"``), its series in a registry of their own, built as vLLM builds
+    them but without vLLM's multiprocess mode."""
+    import types
+
+    import prometheus_client
+
+    from vllm_sessionkv.stats import SessionKVPromMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def bind(cls):
+        class Bound(cls):
+            def __init__(self, *args, **kwargs):
+                kwargs.setdefault("registry", registry)
+                kwargs.pop("multiprocess_mode", None)
+                super().__init__(*args, **kwargs)
+        return Bound
+
+    metric_types = {cls: bind(cls) for cls in (prometheus_client.Gauge,
+                                               prometheus_client.Counter,
+                                               prometheus_client.Histogram)}
+    config = types.SimpleNamespace(kv_transfer_config=None)
+    return registry, SessionKVPromMetrics(config, metric_types, ["engine"], {0: ["0"]})

@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
+from helpers import connector_prom_metrics
 
 prometheus_client = pytest.importorskip("prometheus_client")
 stats_mod = pytest.importorskip("vllm_sessionkv.stats")
 
 
 def _registry_metrics():
-    registry = prometheus_client.CollectorRegistry()
-
-    def bind(cls):
-        class Bound(cls):
-            def __init__(self, *args, **kwargs):
-                kwargs.setdefault("registry", registry)
-                kwargs.pop("multiprocess_mode", None)
-                super().__init__(*args, **kwargs)
-        return Bound
-
-    metric_types = {cls: bind(cls) for cls in (prometheus_client.Gauge,
-                                               prometheus_client.Counter,
-                                               prometheus_client.Histogram)}
-    config = types.SimpleNamespace(kv_transfer_config=None)
-    metrics = stats_mod.SessionKVPromMetrics(config, metric_types, ["engine"], {0: ["0"]})
-    return registry, metrics
+    return connector_prom_metrics()
 
 
 def test_recorded_keys_reach_their_series():

@@ -26,12 +26,12 @@ import argparse
 import importlib.util
 import math
 import re
-import types
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+from helpers import connector_prom_metrics
 
 from sessionkv_proxy import policy
 from sessionkv_proxy.__main__ import _parser
@@ -290,24 +290,9 @@ def proxy_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def connector_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
-    prometheus_client = pytest.importorskip("prometheus_client")
-    stats = pytest.importorskip("vllm_sessionkv.stats")
-    registry = prometheus_client.CollectorRegistry()
-
-    def bind(cls):
-        class Bound(cls):
-            def __init__(self, *args, **kwargs):
-                kwargs.setdefault("registry", registry)
-                kwargs.pop("multiprocess_mode", None)
-                super().__init__(*args, **kwargs)
-        Bound.__name__ = cls.__name__
-        return Bound
-
-    metric_types = {cls: bind(cls) for cls in (prometheus_client.Gauge,
-                                               prometheus_client.Counter,
-                                               prometheus_client.Histogram)}
-    config = types.SimpleNamespace(kv_transfer_config=None)
-    stats.SessionKVPromMetrics(config, metric_types, ["engine"], {0: ["0"]})
+    pytest.importorskip("prometheus_client")
+    pytest.importorskip("vllm_sessionkv.stats")
+    registry, _ = connector_prom_metrics()
     return _families(registry)
 
 
