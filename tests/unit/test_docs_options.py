@@ -163,6 +163,16 @@ def test_the_proxy_help_names_the_struct_defaults():
         assert action.help, f"{action.option_strings} has no help"
 
 
+def test_the_proxy_config_section_names_every_flag_that_overrides_it():
+    """"flags override it (...)": every flag of sessionkv-proxy but --config itself."""
+    section = _section(RUNNING.read_text(), "#### Proxy config keys")
+    intro = section[:section.index("| key |")]
+    flags = set(parser_flags(_parser())) - {"--config"}
+    missing = sorted(f for f in flags if f"`{f}`" not in intro and f"`{f}`/" not in intro
+                     and f"/`{f}`" not in intro)
+    assert not missing, f"running.md #### Proxy config keys names no {missing}"
+
+
 # --------------------------------------------------------------------- command lines
 
 
