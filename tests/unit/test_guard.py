@@ -18,12 +18,10 @@ import functools
 import heapq
 import itertools
 import random
-import threading
 import time
 from dataclasses import dataclass, field
 
 import pytest
-import zmq
 
 from vllm_sessionkv.guard import (
     GuardAnswer,
@@ -488,34 +486,6 @@ def test_negative_controls_break_the_promise(ledger):
 
 
 # ------------------------------------------------------------ the reader over ZMQ
-@pytest.fixture
-def holder_channel():
-    """A ROUTER answering guard calls from a ledger, as the side channel does."""
-    ledger = SendLedger("D", claim_ttl_s=30.0)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    stop = threading.Event()
-
-    def serve():
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        while not stop.is_set():
-            if poller.poll(50):
-                identity, _, msg = sock.recv_multipart()
-                call = decode_call(msg)
-                sock.send_multipart((identity, b"", encode_answer(
-                    ledger.answer(call, time.perf_counter()))))
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield ledger, port
-    stop.set()
-    thread.join()
-    sock.close(linger=0)
-    ctx.term()
-
-
 def _poll_until(guard: ReadGuard, pred, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
     polls = []
@@ -528,8 +498,8 @@ def _poll_until(guard: ReadGuard, pred, timeout_s=5.0):
     raise AssertionError(f"no matching poll: {polls[-3:]}")
 
 
-def test_reader_claims_then_confirms_over_zmq(holder_channel):
-    ledger, port = holder_channel
+def test_reader_claims_then_confirms_over_zmq(guard_holder):
+    ledger, port = guard_holder.ledger, guard_holder.port
     ledger.add("x", 7)
     guard = ReadGuard("P", member="tp0", timeout_s=5.0)
     try:
@@ -552,15 +522,13 @@ def test_reader_claims_then_confirms_over_zmq(holder_channel):
         guard.close()
 
 
-def test_reader_times_out_on_a_silent_holder():
-    sock = zmq.Context.instance().socket(zmq.ROUTER)   # binds, never answers
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
+def test_reader_times_out_on_a_silent_holder(silent_holder):
     guard = ReadGuard("P", member="tp0", timeout_s=0.2)
     try:
         guard.claim(GuardedRead(request_id="r1", holder_engine_id="D",
                                 holder_request_id="x", token=7, host="127.0.0.1",
-                                port=port, local_blocks=frozenset()), time.perf_counter())
+                                port=silent_holder, local_blocks=frozenset()),
+                    time.perf_counter())
         assert _poll_until(guard, lambda p: p.refused).refused == [("r1", "timeout")]
     finally:
         guard.close()
-        sock.close(linger=0)
