@@ -8,7 +8,9 @@ turn that reads the stale handle.  With the guard (the default) the read is refu
 at its claim, the turn is recomputed and equals the co-located server, the fallback
 is counted, and afterwards the same prompt sent straight to P and to D also equals
 it (no poisoned prefix cache).  The negative control runs the same sequence on a
-cluster with ``pull_guard: false``: the stale read is attached and the answer differs.
+cluster with ``pull_guard: false``: the stale blocks are pulled (the accounting says
+so) and attached, the answer differs, and the same prompt straight to the reader
+differs too, so the "straight to" check the guarded run passes is one that can fail.
 
 Each cluster is 1P+1D from ``local_cluster.py`` with a small KV cache (so freed
 blocks are reused quickly) and a low hold cap (so kv_pressure can be provoked).
@@ -109,6 +111,11 @@ def _released(cluster, reason: str) -> float:
                       reason=reason)
 
 
+def _assert_pulled(kv_transfer_params, what: str) -> None:
+    acct = ((kv_transfer_params or {}).get("sessionkv") or {}).get("accounting", {})
+    assert acct.get("pulled_from_peer_tokens", 0) > 0, f"{what} pulled nothing: {acct}"
+
+
 def _fallbacks(url: str) -> float:
     return metric_sum(url, "sessionkv_pull_guard_fallbacks_total")
 
@@ -130,8 +137,9 @@ def test_a_read_of_blocks_let_go_is_never_attached(race_cluster, path):
             model, prompt, max_tokens=1, kv_transfer_params=fresh_prefill_params()))
         p_params = p_out.raw["kv_transfer_params"]
         assert p_params["sessionkv"].get("hold_token", 0) > 0 or not guard, p_params
-        post(d_url, "/v1/completions", completion_body(
+        first_read = post(d_url, "/v1/completions", completion_body(
             model, prompt, max_tokens=16, kv_transfer_params=p_params))
+        _assert_pulled(first_read.raw["kv_transfer_params"], "the first read of P's blocks")
         _overwrite(p_url, model, seed)
         requests.post(d_url + "/reset_prefix_cache", timeout=30)   # D must read again
         reader_url = d_url
@@ -165,10 +173,11 @@ def test_a_read_of_blocks_let_go_is_never_attached(race_cluster, path):
             # P reads the handle once (D then lets the blocks go); a retried P request
             # with the same handle reads them again.
             turn_prompt = prompt + first.token_ids + _ids(seed + 80, 40)
-            post(p_url, "/v1/completions", completion_body(
+            first_read = post(p_url, "/v1/completions", completion_body(
                 model, turn_prompt, max_tokens=1, session_id=session,
                 kv_transfer_params=dict(handle, do_remote_decode=True,
                                         do_remote_prefill=False)))
+            _assert_pulled(first_read.raw["kv_transfer_params"], "the first read of D's hold")
             _reset(p_url)
         _overwrite(d_url, model, seed)
         final_prompt = prompt + first.token_ids + _ids(seed + 90, 40)
@@ -188,8 +197,18 @@ def test_a_read_of_blocks_let_go_is_never_attached(race_cluster, path):
     acct = (accounting.get("sessionkv") or {}).get("accounting", {})
     print(f"{path} guard={guard}: accounting {acct}")
     if not guard:
-        # Negative control: the stale read is attached and the answer is wrong.
+        # Negative control: the stale blocks were pulled and attached (not refused,
+        # not recomputed), and the answer is wrong ...
+        assert acct.get("pulled_from_peer_tokens", 0) > 0, (path, acct)
+        assert "pull_failed" not in acct.get("decision", ""), (path, acct)
         assert not compare(answer, expected).equal, (path, acct)
+        # ... and the reader cached them under the prompt's hashes: the same prompt
+        # straight to the reader, with no hand-off, hits them and answers wrongly.
+        # This is the check the guarded run makes below; here it must fail.
+        direct = post(reader_url, "/v1/completions", completion_body(
+            model, final_prompt, max_tokens=16))
+        assert not compare(direct, expected).equal, \
+            f"{path}: a poisoned prefix straight to the reader {reader_url} looked right"
         return
     assert_same(answer, expected, path)
     assert acct.get("pulled_from_peer_tokens", 0) == 0, acct
