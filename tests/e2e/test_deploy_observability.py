@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,7 +22,7 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import completion_body, metric_sum, post, wait_until
+from helpers import completion_body, metric_names, metric_sum, post, wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -34,8 +33,6 @@ CHART = REPO / "deploy" / "helm" / "vllm-sessionkv"
 _SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
              "summary": ("", "_sum", "_count"), "gauge": ("",), "unknown": ("",),
              "info": ("_info",), "stateset": ("",), "gaugehistogram": ("_bucket",)}
-_PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-                 "and", "or", "unless", "offset", "inf", "nan"}
 
 
 def dashboard_queries(dashboard: dict) -> list[str]:
@@ -49,23 +46,6 @@ def dashboard_queries(dashboard: dict) -> list[str]:
 
     walk(dashboard["panels"])
     return exprs
-
-
-def metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression selects (not functions, labels, keywords)."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', "", expr)               # string literals
-    text = re.sub(r"\{[^}]*\}", "", text)                       # label matchers
-    text = re.sub(r"\[[^\]]*\]", "", text)                      # ranges
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    names = set()
-    for m in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", text):
-        name = m.group(0)
-        if name.lower() in _PROMQL_WORDS or re.match(r"\s*\(", text[m.end():]):
-            continue  # a keyword or a function call
-        if m.start() > 0 and (text[m.start() - 1].isdigit() or text[m.start() - 1] == "."):
-            continue  # the exponent or unit of a number
-        names.add(name)
-    return names
 
 
 def exported_names(exposition: str) -> tuple[set[str], set[str]]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from helpers import connector_prom_metrics
+from helpers import connector_series, proxy_series
 
 from sessionkv_proxy import policy
 from sessionkv_proxy.__main__ import _parser
@@ -274,36 +274,14 @@ def test_the_flag_check_fails_on_a_missing_or_wrong_row():
 # -------------------------------------------------------------------------- metrics
 
 
-def _families(registry) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Exported name -> (type, label names) of every series a registry holds, read from
-    its collectors (a metric with no samples yet included)."""
-    out: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for collector in list(registry._collector_to_names):
-        if hasattr(collector, "_labelnames") and hasattr(collector, "_type"):
-            found = [(collector._name, collector._type, tuple(collector._labelnames))]
-        else:
-            found = [(f.name, f.type, tuple(getattr(f, "_labelnames", ())))
-                     for f in collector.describe()]
-        for name, kind, labels in found:
-            out[name + "_total" if kind == "counter" else name] = (kind, labels)
-    return out
-
-
 def proxy_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
-    from sessionkv_proxy import handle_subscriber
-    from sessionkv_proxy.metrics import ProxyMetrics
-
-    metrics = ProxyMetrics(redis=True)
-    # What the app adds when decode engines have handle channels (app.py).
-    metrics.registry.register(handle_subscriber._ChannelCollector([]))
-    return _families(metrics.registry)
+    return proxy_series()
 
 
 def connector_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
     pytest.importorskip("prometheus_client")
     pytest.importorskip("vllm_sessionkv.stats")
-    registry, _ = connector_prom_metrics()
-    return _families(registry)
+    return connector_series()
 
 
 def _check_metric_rows(rows: dict[str, list[str]], expected) -> list[str]:
