@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import subprocess
@@ -157,7 +158,8 @@ def report(result: dict, meta: dict) -> str:
         "# Redis memory per block, session record and handle",
         "",
         f"`{meta['command']}`, {meta['date']}, commit {meta['commit']}; "
-        f"{meta['redis']}; Python {meta['python']}. `used_memory` deltas "
+        f"{meta['redis']}; Python {meta['python']}; machine: {meta['machine']}. "
+        "`used_memory` deltas "
         "(INFO memory) over writes made with the project's own code "
         "(`benchmarks/redis_memory.py` says which).",
         "",
@@ -206,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python benchmarks/redis_memory.py" + (" --quick" if args.quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "redis": f"redis-server {version.removeprefix('v=')}",
-            "python": platform.python_version()}
+            "python": platform.python_version(),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}, Linux "
+                       f"{platform.release()} (Redis memory does not depend on it)"}
     text = report(result, meta)
     print(text)
     if not args.no_report and not args.quick:
