@@ -253,3 +253,27 @@ def test_a_synchronous_read_given_up_is_never_reported_later(make_worker, guard_
     assert _reported(seen) == set()
     assert worker.posted == ([] if stalls == "claim" else ["r1"])
     assert _invalid(worker) == set()     # nor its blocks invalid again, in a later step
+
+
+def test_an_unanswered_confirm_fails_the_read_and_a_late_answer_is_ignored(
+        make_worker, guard_holder):
+    ledger = guard_holder.ledger
+    ledger.add("x", TOKEN)
+    worker = make_worker(pull_guard_timeout_s=0.3)
+    _step(worker, guard_holder.port)
+    seen = _results_until(worker, lambda r: worker.posted, "the read posted")
+    guard_holder.stall()
+    worker.landed["r1"] = True
+    seen += _results_until(worker, lambda r: "r1" in r.finished_recving, "r1 reported")
+    assert "r1" in seen[-1].failed_recving and _invalid(worker) == set(BLOCKS)
+    assert _count(worker, "pull_guard_confirm_timeout") == 1
+    # The holder answers the confirm at last (valid: its claim stood): too late to
+    # count, and r1 is not reported a second time.
+    guard_holder.resume()
+    deadline = time.monotonic() + 10
+    while ledger.claimed("x", time.perf_counter()) and time.monotonic() < deadline:
+        seen.append(worker.get_transfer_results())
+        time.sleep(0.002)
+    assert not ledger.claimed("x", time.perf_counter())
+    seen += [worker.get_transfer_results() for _ in range(3)]
+    assert sum("r1" in r.finished_recving for r in seen) == 1 and _invalid(worker) == set()
