@@ -341,19 +341,21 @@ class _Sim:
         self.at(now + self.rng.expovariate(1 / 2), self.stray_reader)
 
     def claim(self, now: float, handle: _Handle) -> None:
+        """One reader request; with tensor parallelism each of its workers claims,
+        reads and confirms on its own."""
         reader = f"p/{next(self.next_id)}"
-        self.tally.claims += 1
-        if handle.request_id not in self.allocated:
-            self.tally.claims_on_freed += 1
-        sent = self.lat()
-        self.at(now + sent, self.answer_claim, handle, reader, now)
+        for member in ("tp0", "tp1") if self.rng.random() < 0.3 else ("tp0",):
+            self.tally.claims += 1
+            if handle.request_id not in self.allocated:
+                self.tally.claims_on_freed += 1
+            self.at(now + self.lat(), self.answer_claim, handle, (reader, member), now)
 
-    def _call(self, op: GuardOp, handle: _Handle, reader: str) -> GuardCall:
+    def _call(self, op: GuardOp, handle: _Handle, who: tuple[str, str]) -> GuardCall:
         return GuardCall(op=op, engine_id="D", request_id=handle.request_id,
-                         token=handle.token, reader=reader, member="tp0", seq=1)
+                         token=handle.token, reader=who[0], member=who[1], seq=1)
 
-    def answer_claim(self, now: float, handle: _Handle, reader: str, sent_s: float) -> None:
-        answer = self.ledger.answer(self._call(GuardOp.CLAIM, handle, reader), now)
+    def answer_claim(self, now: float, handle: _Handle, who: tuple[str, str], sent_s: float) -> None:
+        answer = self.ledger.answer(self._call(GuardOp.CLAIM, handle, who), now)
         if not answer.ok:
             self.tally.refused[answer.reason] += 1
             return
@@ -365,26 +367,26 @@ class _Sim:
         back = self.lat() if self.rng.random() > 0.01 else self.rng.uniform(1, 8)
         if now + back - sent_s >= GUARD_TIMEOUT_S:
             # The reader gave up (claim_timeout) and releases what it may have got.
-            self.at(sent_s + GUARD_TIMEOUT_S + self.lat(), self.release, handle, reader)
+            self.at(sent_s + GUARD_TIMEOUT_S + self.lat(), self.release, handle, who)
             return
-        self.at(now + back, self.read, handle, reader)
+        self.at(now + back, self.read, handle, who)
 
-    def read(self, now: float, handle: _Handle, reader: str) -> None:
+    def read(self, now: float, handle: _Handle, who: tuple[str, str]) -> None:
         """The grant arrived: the read is posted now and lands after its duration."""
         self.tally.reads += 1
         r = self.rng.random()
         duration = (self.rng.uniform(1e-4, 0.02) if r < 0.95          # a read: ~ms
                     else self.rng.uniform(0.05, 5.0) if r < 0.99      # a slow one
                     else self.rng.uniform(30.0, 150.0))               # stalled
-        self.at(now + duration, self.read_done, handle, reader, now)
+        self.at(now + duration, self.read_done, handle, who, now)
 
-    def read_done(self, now: float, handle: _Handle, reader: str, granted_s: float) -> None:
+    def read_done(self, now: float, handle: _Handle, who: tuple[str, str], granted_s: float) -> None:
         # The read saw the held bytes only if no block was written since the handle
         # was published (versions only grow, so an equal one never changed).
         clean = all(self.version[b] == v for b, v in handle.versions.items())
         self.tally.torn_reads += not clean
         if self.rng.random() < 0.03:          # NIXL failed the read: release
-            self.at(now + self.rng.uniform(1e-3, 0.03), self.release, handle, reader)
+            self.at(now + self.rng.uniform(1e-3, 0.03), self.release, handle, who)
             return
         if self.rng.random() < 0.95:
             # The read's notification, seen by the holder's worker at its next step:
@@ -394,10 +396,10 @@ class _Sim:
         delay = (self.rng.uniform(1e-3, 0.03) if self.rng.random() < 0.99
                  else self.rng.uniform(1.0, 100.0))
         self.tally.lapses_possible += now + delay - granted_s >= CLAIM_TTL_S
-        self.at(now + delay + self.lat(), self.confirm, handle, reader, clean)
+        self.at(now + delay + self.lat(), self.confirm, handle, who, clean)
 
-    def confirm(self, now: float, handle: _Handle, reader: str, clean: bool) -> None:
-        answer = self.ledger.answer(self._call(GuardOp.CONFIRM, handle, reader), now)
+    def confirm(self, now: float, handle: _Handle, who: tuple[str, str], clean: bool) -> None:
+        answer = self.ledger.answer(self._call(GuardOp.CONFIRM, handle, who), now)
         if answer.ok:
             self.tally.confirms_valid += 1
             self.tally.bad_confirms += not clean
@@ -405,8 +407,8 @@ class _Sim:
             self.tally.confirms_refused[answer.reason] += 1
         self.kick(now)
 
-    def release(self, now: float, handle: _Handle, reader: str) -> None:
-        self.ledger.answer(self._call(GuardOp.RELEASE, handle, reader), now)
+    def release(self, now: float, handle: _Handle, who: tuple[str, str]) -> None:
+        self.ledger.answer(self._call(GuardOp.RELEASE, handle, who), now)
         self.kick(now)
 
 
