@@ -10,20 +10,34 @@
 #                                 turn strips the previous output)
 # Other arguments go to examples/demo_chat.py.
 # DEMO_PROXY_PORT (8000) and DEMO_BASE_PORT (8100, engines count up from it) move its ports.
+# Its files go to one folder, named when it starts and when it ends: DEMO_DIR, by default
+# a new /tmp/sessionkv-demo.XXXXXX, with cluster.out (the launcher's output) and logs/
+# (each engine's, the proxy's and Redis's log); the install's pip log is
+# .venv/pip-install.log.  The model is cached in SESSIONKV_REAL_MODEL_DIR (below).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/install.sh --demo
 . "${SESSIONKV_VENV:-.venv}/bin/activate"
 PROXY_PORT=${DEMO_PROXY_PORT:-8000}
-LOG=$(mktemp -d)/cluster.out
+DEMO_DIR=${DEMO_DIR:-$(mktemp -d "${TMPDIR:-/tmp}/sessionkv-demo.XXXXXX")}
+mkdir -p "$DEMO_DIR/logs"
+LOG=$DEMO_DIR/cluster.out
+echo "demo: logs in $DEMO_DIR (cluster.out: the launcher; logs/: engines, proxy, Redis)"
 if [ "${1:-}" = "--token-ids" ]; then
   # The generated tiny model; turns with at most 64 uncached tokens go to D alone.
+  echo "demo: generating the tiny model in $DEMO_DIR/model"
+  sessionkv-tiny-model "$DEMO_DIR/model" >>"$DEMO_DIR/logs/model.log" 2>&1
   python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port "$PROXY_PORT" \
-    --base-port "${DEMO_BASE_PORT:-8100}" \
+    --base-port "${DEMO_BASE_PORT:-8100}" --log-dir "$DEMO_DIR/logs" \
+    --model "$DEMO_DIR/model" --served-model-name sessionkv-tiny-model \
     --decode-only-max-uncached-tokens 64 >"$LOG" 2>&1 &
 else
   MODEL_DIR=${SESSIONKV_REAL_MODEL_DIR:-$HOME/.cache/vllm-sessionkv/smollm2-135m-instruct}
-  sessionkv-real-model "$MODEL_DIR"
+  echo "demo: the model: $MODEL_DIR (SESSIONKV_REAL_MODEL_DIR; built once, about 30 s)"
+  # One line of its own, not the converter's progress bars (TQDM_DISABLE); its log in DEMO_DIR.
+  TQDM_DISABLE=1 sessionkv-real-model "$MODEL_DIR" >"$DEMO_DIR/logs/model.log" 2>&1 \
+    || { tail -20 "$DEMO_DIR/logs/model.log"; exit 1; }
+  echo "demo: $(tail -1 "$DEMO_DIR/logs/model.log")"
   NAME=$(python -c 'from vllm_sessionkv.dev.real_model import SERVED_NAME; print(SERVED_NAME)')
   CONFIG=$(python -c 'import json; from vllm_sessionkv.dev.real_model import CPU_COST
 print(json.dumps({"cost": CPU_COST}))')
@@ -31,10 +45,12 @@ print(json.dumps({"cost": CPU_COST}))')
   python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port "$PROXY_PORT" \
     --base-port "${DEMO_BASE_PORT:-8100}" \
     --model "$MODEL_DIR" --served-model-name "$NAME" --dtype float32 --max-model-len 4096 \
+    --log-dir "$DEMO_DIR/logs" \
     --sessionkv-config "$CONFIG" --decode-only-max-uncached-tokens -1 >"$LOG" 2>&1 &
 fi
 CLUSTER=$!
-trap 'kill -TERM $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true' EXIT
+trap 'kill -TERM $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true; echo "demo: logs in $DEMO_DIR"' EXIT
+echo "demo: starting 1P+1D, Redis and the proxy (the first start compiles the model: minutes)"
 # A cold start compiles the model (minutes on 2 cores; vLLM caches it for the next).
 for _ in $(seq 1 900); do
   grep -q '^READY' "$LOG" && break

@@ -121,7 +121,36 @@ def _snippet(text: str, width: int = 60) -> str:
     return flat if len(flat) <= width else flat[:width - 3] + "..."
 
 
+# What the tables' columns mean, printed above them.  P's columns are P's accounting of
+# the turn's prompt (the proxy's x-sessionkv-prefill header), in tokens.
+LEGEND = """\
+route      disaggregated: P computed the prompt's KV, D decoded the answer from it;
+           decode_only: D alone (P's columns then 0)
+prompt     the prompt's tokens as P got them: the whole history each turn
+local      found in P's own prefix cache (earlier turns' prompts P computed)
+from D     pulled from the D that decoded earlier turns (only D held their answers' KV)
+computed   computed by P; local + from D + computed = prompt
+refused    D's tokens that verification refused (D's blocks did not hold this prompt's
+           tokens), computed by P instead (counted in computed)
+P decision for the blocks only D held: "pull (a/b ms)" pulled them, priced a ms to pull
+           against b ms to compute; "recompute (a/b ms)" computed them, no dearer;
+           "none (why)" nothing to price; "-" D held nothing P lacked"""
+CHAT_LEGEND = LEGEND.replace("prompt     ", "stream     whether the answer was streamed\n"
+                             "prompt     ", 1) + "\nanswer     the answer's start"
+TOKEN_ID_LEGEND = LEGEND + """
+D pulled   prompt tokens D pulled from P (the rest of its prompt D held already)
+D from P token  yes: D continued from the token P sampled (first-token handoff)"""
+
+
+def _print_legend(legend: str) -> None:
+    print("Columns:")
+    for line in legend.splitlines():
+        print("  " + line)
+    print()
+
+
 def run_chat(proxy: str, model: str, turns: int, max_tokens: int, session: str) -> None:
+    _print_legend(CHAT_LEGEND)
     print(f"{'turn':>4} {'route':<14} {'stream':<6} {'prompt':>6} {'local':>6} {'from D':>6} "
           f"{'computed':>8} {'refused':>7}  {'P decision':<22} answer")
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
@@ -164,6 +193,7 @@ def run_token_ids(proxy: str, model: str, turns: int, max_tokens: int, stream: b
                   session: str, seed: int) -> None:
     rng = random.Random(seed)
     history = _tokenize(proxy, model, " ".join(rng.choices(_WORDS, k=120)))
+    _print_legend(TOKEN_ID_LEGEND)
     print(f"{'turn':>4} {'route':<14} {'prompt':>6} {'computed':>8} {'local':>6} "
           f"{'from D':>6} {'refused':>7} {'D pulled':>8} {'D from P token':>14} "
           f"{'P decision':<16} (tokens)")

@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         placement = parse_placement(json.loads(args.placement))
     except ValueError as exc:  # json.JSONDecodeError is one
         p.error(f"--placement: {exc}")
-    workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
+    # A temporary folder only for what no flag places: the generated model, the logs.
+    workdir = None
+    if args.model is None or args.log_dir is None:
+        workdir = Path(tempfile.mkdtemp(prefix="sessionkv-cluster-"))
     model, served_name = args.model, args.served_model_name
     if model is None:
         from vllm_sessionkv.dev.tiny_model import generate_tiny_model
@@ -187,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # Where the engines compute, before they start (their start-up takes minutes).
     print(spec.core_plan().rule, flush=True)
+    if workdir is not None:
+        kept = [what for what, flag in (("the generated model", args.model),
+                                         ("the logs", args.log_dir)) if flag is None]
+        print(f"work folder (kept after exit): {workdir}: {' and '.join(kept)}", flush=True)
     cluster = LocalCluster(spec)
     started = time.monotonic()
     try:
