@@ -129,6 +129,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="restarts of one child within --restart-window-s before it is "
                         "given up (0: never restart)")
     p.add_argument("--restart-window-s", type=float, default=600.0)
+    p.add_argument("--engine-api-key", metavar="KEY",
+                   help="start P and D with vLLM's --api-key KEY; the proxy sends it "
+                        "(its engine_api_key)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="the proxy asks clients for Authorization: Bearer KEY on /v1/* "
+                        "and /metrics (its api_key)")
+    p.add_argument("--side-port-secret", metavar="SECRET",
+                   help="engines and proxy authenticate the early-decode and handle-"
+                        "channel messages with this shared secret (side_port_secret)")
     return p
 
 
@@ -180,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             proxy_args=([] if args.decode_only_max_uncached_tokens is None else
                         ["--decode-only-max-uncached-tokens",
                          str(args.decode_only_max_uncached_tokens)]),
-            placement=placement, cores=args.cores)
+            placement=placement, cores=args.cores, engine_api_key=args.engine_api_key,
+            api_key=args.api_key, side_port_secret=args.side_port_secret)
     except ValueError as exc:  # a placement naming no process, a bad --cores
         p.error(str(exc))
 

@@ -125,7 +125,9 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
                       early_decode=layout.get("early_decode", {}),
                       handle_channel=layout.get("handle_channel", {}), model=model,
                       launcher=proc, ready_s=ready_s, log_dir=log_dir,
-                      descendants=descendants, output=lines)
+                      descendants=descendants, output=lines,
+                      colocated=layout.get("colocated") if layout.get("colocated") != "-"
+                      else None)
     def drain() -> None:  # so it never blocks on a full pipe; line by line, for wait_output
         for line in proc.stdout:
             lines.append(line)

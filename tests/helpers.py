@@ -271,3 +271,15 @@ def connector_series() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Every series the connector registers on an engine (NIXL's own included)."""
     registry, _ = connector_prom_metrics()
     return registered_series(registry)
+
+
+def connection_refused(address: str, port: int) -> bool:
+    """Whether a TCP connection to ``address:port`` is refused (nothing listens on
+    that address), as opposed to accepted."""
+    import socket
+
+    try:
+        with socket.create_connection((address, port), timeout=2):
+            return False
+    except ConnectionRefusedError:
+        return True

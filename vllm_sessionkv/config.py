@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_sessionkv.wire import side_auth
 from vllm_sessionkv.wire.cost import DEFAULT_HOST_LINK, DEFAULT_LINK, DEFAULT_RECOMPUTE
 from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S
 from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
@@ -148,6 +149,11 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # The address it binds: "*" (every address of the host) or one IP address, which
     # the proxy's early=tcp://HOST:PORT must then name.
     early_decode_bind_host: str = "*"
+    # The shared secret that authenticates the side ports' messages (side_auth.py):
+    # as D, the early-decode inbox takes only P's parameters with a valid HMAC and the
+    # handle channel signs its handles; as P, pushes to D are signed.  The proxy sets
+    # the same.  None: SESSIONKV_SIDE_PORT_SECRET from the environment, else off.
+    side_port_secret: str | None = None
     # A held request whose parameters never come computes its prompt itself after
     # this long (the proxy died, or the message was lost).
     early_decode_timeout_s: float = 60.0
@@ -225,6 +231,7 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 except ValueError:
                     raise ValueError(f"{key} must be '*' or an IP address, got "
                                      f"{host!r}") from None
+        side_auth.check_secret(self.side_port_secret, "side_port_secret")
         if self.advertise_url is not None:
             url = urllib.parse.urlsplit(self.advertise_url)
             if url.scheme not in ("http", "https") or not url.hostname:
@@ -274,6 +281,9 @@ def parse_config(extra_config: dict[str, Any] | None) -> SessionKVConfig:
             f"kv_connector_extra_config.{EXTRA_CONFIG_KEY}.{misplaced[0]} (vLLM's NIXL "
             "connector ignores it there)")
     raw = extra_config.get(EXTRA_CONFIG_KEY, {})
+    if isinstance(raw, dict) and raw.get("side_port_secret") is None \
+            and side_auth.secret_from_env():
+        raw = {**raw, "side_port_secret": side_auth.secret_from_env()}
     try:
         return msgspec.convert(raw, SessionKVConfig)
     except msgspec.ValidationError as exc:

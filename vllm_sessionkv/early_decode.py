@@ -15,6 +15,12 @@ through its API server and the proxy), else from the proxy (both send with
 never came) and requests whose message never comes (the proxy died) both expire
 after ``timeout_s``; an expired request computes its prompt itself, so a lost
 message costs time, never correctness.
+
+Whoever reaches the port could push a forged ``PrefillDone`` (the id is unguessable,
+but seen by anyone on the path).  With a ``side_port_secret`` the inbox takes only
+messages whose HMAC (``wire/side_auth.py``) verifies, and drops and counts the rest
+(``refused``): a forged message changes nothing.  Without one it takes any message,
+as before; docs/operations.md (*Security*) says when that is acceptable.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_sessionkv.wire import side_auth
 from vllm_sessionkv.wire.protocol import decode_prefill_done
 from vllm_sessionkv.zmq_bind import bind_socket
 
-__all__ = ["EarlyDecodeInbox", "Outcome"]
+__all__ = ["EarlyDecodeInbox", "Outcome", "REFUSED_REASONS"]
 
 logger = logging.getLogger("vllm.sessionkv.early_decode")
 
@@ -43,29 +50,59 @@ class Outcome(enum.Enum):
     TIMED_OUT = "timed_out"      # nothing came in time: compute the prompt here
 
 
+# Why a message on the port was dropped (``sessionkv_early_decode_messages_refused``).
+REFUSED_REASONS = ("unauthenticated", "malformed")
+
+
 class EarlyDecodeInbox:
     def __init__(self, bind: str, timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 secret: str | None = None) -> None:
         self.timeout_s = timeout_s
         self._clock = clock
+        self._secret = secret.encode() if secret else None
         self._context, self._socket = bind_socket(zmq.PULL, bind, "early_decode_port")
         self.endpoint = bind
         # early_decode_id -> (P's params or None, arrival time)
         self._arrived: dict[str, tuple[dict[str, Any] | None, float]] = {}
         # early_decode_id -> when the scheduler first asked for it
         self._waiting: dict[str, float] = {}
-        self.malformed = 0
+        # Messages dropped since the last take_refused(), by reason (REFUSED_REASONS).
+        self.refused = dict.fromkeys(REFUSED_REASONS, 0)
+
+    def take_refused(self) -> dict[str, int]:
+        """The messages dropped since the last call, by reason (then zeroed)."""
+        taken, self.refused = self.refused, dict.fromkeys(REFUSED_REASONS, 0)
+        return taken
+
+    def _authentic(self, frames: list[bytes]) -> bytes | None:
+        """The message's payload, or None when it needs a MAC and has no valid one.
+        Without a secret a trailing MAC frame is ignored."""
+        if self._secret is None:
+            return frames[0]
+        if len(frames) != 2 or not side_auth.verify(self._secret, side_auth.EARLY_DECODE,
+                                                     frames[1], frames[0]):
+            return None
+        return frames[0]
 
     def _drain(self, now: float) -> None:
         while True:
             try:
-                raw = self._socket.recv(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            raw = self._authentic(frames)
+            if raw is None:
+                if not any(self.refused.values()):   # logged once until counted
+                    logger.warning("sessionkv early decode: a message without a valid "
+                                   "MAC dropped (side_port_secret differs, or a sender "
+                                   "that has none)")
+                self.refused["unauthenticated"] += 1
+                continue
             try:
                 message = decode_prefill_done(raw)
             except msgspec.DecodeError as exc:
-                self.malformed += 1
+                self.refused["malformed"] += 1
                 logger.warning("sessionkv early decode: malformed message dropped: %s", exc)
                 continue
             params = message.kv_transfer_params

@@ -54,12 +54,13 @@ class HandleChannel:
             raise ValueError("sessionkv handle_channel_port does not support "
                              "data_parallel_size > 1")
         channel = cls(f"tcp://{config.handle_channel_bind_host}:"
-                      f"{config.handle_channel_port}")
+                      f"{config.handle_channel_port}", config.side_port_secret)
         logger.info("sessionkv handle channel: sending session handles on %s",
                     channel.endpoint)
         return channel
 
-    def __init__(self, bind: str) -> None:
+    def __init__(self, bind: str, secret: str | None = None) -> None:
+        self._secret = secret.encode() if secret else None   # signs each handle
         self._context, self._socket = bind_socket(zmq.PUB, bind, "handle_channel_port",
                                                   [(zmq.SNDHWM, _SEND_HWM)])
         # The bound address (a "*" port resolved), for logs and tests.
@@ -75,7 +76,7 @@ class HandleChannel:
             logger.warning("sessionkv: handle not sent on the channel: %r", exc)
             return False
         try:
-            self._socket.send_multipart(encode_frames(self._seq, raw), zmq.NOBLOCK)
+            self._socket.send_multipart(encode_frames(self._seq, raw, self._secret), zmq.NOBLOCK)
         except zmq.ZMQError as exc:   # not expected of PUB (it drops); never raise here
             logger.warning("sessionkv: handle channel send failed: %r", exc)
             return False

@@ -108,7 +108,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             config.first_token_handoff,
             vllm_first_token.first_token_unsupported(vllm_config)
             if config.first_token_handoff else None)
-        self._early = EarlyDecode(self._early_decode_inbox(vllm_config, config))
+        self._early = EarlyDecode(self._early_decode_inbox(vllm_config, config),
+                                  config.side_port_secret)
         # This runs in the engine-core process, whose loop the pacing changes.
         pacing.pace_holding_steps(config.holding_step_interval(version.is_cpu_platform()))
 
@@ -123,7 +124,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                              "data_parallel_size > 1")
         inbox = EarlyDecodeInbox(
             f"tcp://{config.early_decode_bind_host}:{config.early_decode_port}",
-            config.early_decode_timeout_s)
+            config.early_decode_timeout_s, secret=config.side_port_secret)
         logger.info("sessionkv early decode: taking P's parameters on %s", inbox.endpoint)
         pacing.wait_for_prefill_params(lambda: inbox.waiting, inbox.wait,
                                        max_wait_s=_HELD_STEP_INTERVAL_S)

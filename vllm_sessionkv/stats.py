@@ -17,6 +17,7 @@ from vllm_sessionkv._vllm.metrics import (
     NixlPromMetrics,
     create_metric_per_engine,
 )
+from vllm_sessionkv.early_decode import REFUSED_REASONS as EARLY_DECODE_REFUSED
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
 from vllm_sessionkv.holds import RELEASE_REASONS
 
@@ -64,6 +65,7 @@ _SESSION_KEYS = (
     *(f"early_decode_{o}" for o in EARLY_DECODE_OUTCOMES),
     "early_decode_wait_s",
     "early_decode_pushed_by_prefill",
+    *(f"early_decode_refused_{r}" for r in EARLY_DECODE_REFUSED),
     *(f"first_token_{o}" for o in FIRST_TOKEN_OUTCOMES),
     *(f"pull_guard_{r}" for r in GUARD_FALLBACKS),
     *(f"guard_claims_{o}" for o in GUARD_CLAIM_OUTCOMES),
@@ -237,6 +239,11 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "P's parameters.",
             [1e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0])
 
+        self._early_decode_refused = self._by_label(
+            "sessionkv_early_decode_messages_refused",
+            "Messages on the early-decode port dropped unread, by why: unauthenticated "
+            "(no valid HMAC under side_port_secret: a forged or misconfigured sender) "
+            "or malformed.", "reason", EARLY_DECODE_REFUSED)
         self._early_decode_pushes = create_metric_per_engine(
             self._counter("sessionkv_early_decode_pushes",
                     "Parameters this engine, as P, pushed straight to the D holding "
@@ -283,6 +290,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "sync_load_timeouts": self._sync_load_timeouts,
             **{f"early_decode_{o}": m for o, m in self._early_decode.items()},
             "early_decode_pushed_by_prefill": self._early_decode_pushes,
+            **{f"early_decode_refused_{r}": m for r, m in self._early_decode_refused.items()},
             **{f"first_token_{o}": m for o, m in self._first_token.items()},
             **{f"pull_guard_{r}": m for r, m in self._guard_fallbacks.items()},
             **{f"guard_claims_{o}": m for o, m in self._guard_claims.items()},

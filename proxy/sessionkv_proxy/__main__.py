@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
                         "[,early=EP][,handles=EP] (repeatable; early: the engine's "
                         "early-decode socket, its connector's early_decode_port; handles: "
                         "its handle channel, its connector's handle_channel_port)")
+    p.add_argument("--engines-file", metavar="FILE",
+                   help="a JSON array of engines (each as in the config's 'engines'), "
+                        "read in place of --prefill/--decode and watched: engines are "
+                        "added and removed as its content changes, without a restart")
     p.add_argument("--redis-url", help="share the index and sessions through Redis: "
                         "redis://HOST:PORT/DB, or redis+cluster://HOST:PORT (any node) "
                         "for a Redis Cluster (default: in-process, this replica only)")
@@ -78,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engines = ([parse_engine_spec(s, Role.PREFILL) for s in args.prefill]
                    + [parse_engine_spec(s, Role.DECODE) for s in args.decode])
-        overrides = {"engines": engines, "host": args.host, "port": args.port,
+        overrides = {"engines": engines, "engines_file": args.engines_file,
+                     "host": args.host, "port": args.port,
                      "block_size": args.block_size, "tokenizer": args.tokenizer,
                      "log_level": args.log_level,
                      "first_token_handoff": args.first_token_handoff,

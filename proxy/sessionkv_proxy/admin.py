@@ -27,7 +27,6 @@ hand-off to D not yet read, also keep blocks in use until they end.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import logging
 import time
@@ -38,6 +37,7 @@ from urllib.parse import parse_qs
 import aiohttp
 import msgspec
 
+from sessionkv_proxy.auth import bearer_matches
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.index.base import KVIndex
 from sessionkv_proxy.index.redis import delete_matching
@@ -131,11 +131,9 @@ def timeout_from_query(query: str) -> float:
 def authorize(admin_token: str | None, request: Request) -> None:
     """Refuse (403) an admin call that is neither from loopback nor carries the
     configured admin token."""
-    token = admin_token
-    if token is not None:
-        sent = request.headers.get("authorization", "")
-        if hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-            return
+    if admin_token is not None and bearer_matches(request.headers.get("authorization", ""),
+                                                  admin_token):
+        return
     try:
         if ipaddress.ip_address(request.peer_host or "").is_loopback:
             return

@@ -24,12 +24,14 @@ import msgspec
 
 from vllm_sessionkv.wire.early_decode import EarlyDecodeSender
 
+from sessionkv_proxy.auth import OPEN_PATHS, requiring_key
 from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.consumer import EngineSource, KVEventConsumer
+from sessionkv_proxy.engine_set import EngineSet
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.handle_subscriber import HandleSubscribers
-from sessionkv_proxy.index.base import KVIndex
+from sessionkv_proxy.index.base import KVIndex, PublishedHandles
 from sessionkv_proxy.index.factory import make_index
 from sessionkv_proxy.metrics import ProxyMetrics
 from sessionkv_proxy.ops import Ops
@@ -52,10 +54,11 @@ _json = msgspec.json.Encoder()
 
 @dataclass(frozen=True)
 class Services:
-    """Everything a started proxy serves with.  ``redis``, ``early``, ``consumer``
-    and ``handles`` are None where the config has none (no Redis, no early-decode
-    sockets, no KV events, no handle channels), never because start-up has not got
-    there."""
+    """Everything a started proxy serves with.  ``redis`` is None without Redis,
+    ``handles`` with an index that cannot keep published handles; never because
+    start-up has not got there.  The early-decode sender, the KV-event consumer and
+    the handle subscribers run with no engine of theirs too: one added later may
+    have a socket for them (``engine_set.py``)."""
 
     config: ProxyConfig
     pool: EnginePool
@@ -65,12 +68,13 @@ class Services:
     http: aiohttp.ClientSession   # control plane: scrape, models, admin
     upstream: UpstreamPool        # the request hot path, /tokenize too
     router: Router
-    early: EarlyDecodeSender | None
-    consumer: KVEventConsumer | None
+    early: EarlyDecodeSender
+    consumer: KVEventConsumer
     handles: HandleSubscribers | None   # Ds' handle channels (no Redis needed)
     models: ModelCatalog
     turns: TurnRunner
     ops: Ops
+    engine_set: EngineSet             # engines added and removed while running
 
 
 class ProxyApp:
@@ -106,11 +110,13 @@ class ProxyApp:
         routes = _routes(services)
         server = HttpServer(routes, error_response=_server_error,
                             max_body_bytes=config.max_body_bytes, limits=config.front)
-        await server.start(config.host, config.port)
+        await server.start(config.host, config.port, ssl=config.ssl_context())
         self._undo.push_async_callback(lambda: server.stop(self._grace_s))
         self.services = services
-        logger.info("proxy ready on %s:%d: %d prefill, %d decode engines, index=%s, "
-                    "policy=%s", config.host, config.port, len(config.prefill),
+        logger.info("proxy ready on %s://%s:%d (API key %s): %d prefill, %d decode engines, index=%s, "
+                    "policy=%s", "https" if config.tls_cert_file else "http", config.host,
+                    config.port, "required" if config.api_key else "not asked",
+                    len(config.prefill),
                     len(config.decode), config.index.backend, config.routing.policy)
 
     async def _open_services(self) -> Services:
@@ -122,12 +128,14 @@ class ProxyApp:
         # on each new connection.
         http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=10, keepalive_timeout=60),
+            headers=_engine_auth(config),
             json_serialize=lambda o: _json.encode(o).decode(),
             timeout=aiohttp.ClientTimeout(total=config.request_timeout_s,
                                           sock_connect=config.connect_timeout_s))
         undo.push_async_callback(http.close)
         upstream = UpstreamPool(connect_timeout_s=config.connect_timeout_s,
-                                request_timeout_s=config.request_timeout_s)
+                                request_timeout_s=config.request_timeout_s,
+                                engine_api_key=config.engine_api_key)
         undo.push_async_callback(upstream.close)
         router = Router(config, self.pool, self.index, upstream, on_error=self._count_error)
         undo.push_async_callback(functools.partial(_flush, router))
@@ -148,29 +156,33 @@ class ProxyApp:
         turns = TurnRunner(config=config, router=router, sender=sender, early=early,
                            metrics=self.metrics, model_ids=lambda: models.ids,
                            resent=resent)
+        engine_set = EngineSet(config=config, pool=self.pool, index=self.index,
+                               metrics=self.metrics, consumer=consumer, handles=handles,
+                               early=early, models=models)
         ops = Ops(config=config, pool=self.pool, index=self.index, metrics=self.metrics,
                   router=router, sender=sender, http=http, models=models,
-                  consumer=consumer, handles=handles, redis=self.redis)
+                  consumer=consumer, handles=handles, redis=self.redis,
+                  engine_set=engine_set)
         return Services(config=config, pool=self.pool, index=self.index,
                         metrics=self.metrics, redis=self.redis, http=http,
                         upstream=upstream, router=router, early=early, consumer=consumer,
-                        handles=handles, models=models, turns=turns, ops=ops)
+                        handles=handles, models=models, turns=turns, ops=ops,
+                        engine_set=engine_set)
 
-    async def _open_early_decode(self) -> EarlyDecodeSender | None:
+    async def _open_early_decode(self) -> EarlyDecodeSender:
+        # Made with no endpoint too: a decode engine added later may have one.
         endpoints = [e.early_decode for e in self.config.decode if e.early_decode]
-        if not endpoints:
-            return None
-        early = EarlyDecodeSender(endpoints)
+        early = EarlyDecodeSender(endpoints, secret=self.config.side_port_secret)
         self._undo.callback(early.close)
-        await _wait_connected(early, endpoints, min(2.0, self.config.connect_timeout_s))
+        if endpoints:
+            await _wait_connected(early, endpoints, min(2.0, self.config.connect_timeout_s))
         return early
 
-    def _start_consumer(self, router: Router) -> KVEventConsumer | None:
+    def _start_consumer(self, router: Router) -> KVEventConsumer:
+        # Started with no source too: an engine added later may publish.
         sources = [EngineSource(engine=e.url, endpoint=e.kv_events,
                                 replay_endpoint=e.kv_events_replay, topic=e.kv_events_topic)
                    for e in self.config.engines if e.kv_events]
-        if not sources:
-            return None
         consumer = KVEventConsumer(sources, self.index, block_size=router.block_size)
         consumer.start()
         self._undo.push_async_callback(consumer.stop)
@@ -178,9 +190,9 @@ class ProxyApp:
 
     def _start_handle_channels(self) -> HandleSubscribers | None:
         channels = {e.url: e.handle_channel for e in self.config.decode if e.handle_channel}
-        if not channels:
-            return None
-        handles = HandleSubscribers(channels, self.index)
+        if not channels and not isinstance(self.index, PublishedHandles):
+            return None   # an index that cannot keep them: no engine may name one
+        handles = HandleSubscribers(channels, self.index, self.config.side_port_secret)
         self.metrics.registry.register(handles.collector())
         handles.start()
         self._undo.push_async_callback(handles.stop)
@@ -193,6 +205,9 @@ class ProxyApp:
             config.metrics_scrape_timeout_s,
             on_slow=lambda e: count("metrics_scrape_slow"), stall_s=config.engine_stall_s,
             on_stall=lambda e: count("engine_stalled")), name="metrics-scraper")]
+        if config.engines_file:
+            tasks.append(asyncio.create_task(services.engine_set.watch_file(
+                config.engines_file, config.engines_file_poll_s), name="engines-file"))
         maintain = getattr(self.index, "maintain", None)
         if maintain is not None:
             tasks.append(asyncio.create_task(maintain(), name="index-upkeep"))
@@ -206,9 +221,10 @@ class ProxyApp:
 
 def _routes(services: Services) -> dict[str, dict[str, Callable[[Request], Awaitable]]]:
     turns, ops = services.turns, services.ops
-    # The generation endpoints are bound without a wrapper: ``serve`` answers every
-    # error itself, and a frame less is less CPU on every request.
-    return {
+    # The generation endpoints are bound without a wrapper (but the API key's, when
+    # set): ``serve`` answers every error itself, and a frame less is less CPU on
+    # every request.
+    routes = {
         "/v1/completions": {"POST": functools.partial(
             turns.serve, endpoint="completions", path="/v1/completions", is_chat=False)},
         "/v1/chat/completions": {"POST": functools.partial(
@@ -217,8 +233,25 @@ def _routes(services: Services) -> dict[str, dict[str, Callable[[Request], Await
         "/tokenize": {"POST": _answering_errors(ops.forward_to_decode)},
         "/detokenize": {"POST": _answering_errors(ops.forward_to_decode)},
         "/admin/reset": {"POST": _answering_errors(ops.reset)},
+        "/admin/engines": {"GET": _answering_errors(ops.engines),
+                           "PUT": _answering_errors(ops.engines)},
         "/health": {"GET": _answering_errors(ops.health)},
         "/metrics": {"GET": _answering_errors(ops.metrics)}}
+    key = services.config.api_key
+    if key:
+        refused = services.metrics.unauthorized
+        for path, methods in routes.items():
+            if path not in OPEN_PATHS and not path.startswith("/admin/"):
+                for method, handler in methods.items():
+                    methods[method] = requiring_key(
+                        handler, key, lambda p: refused.labels(p).inc())
+    return routes
+
+
+def _engine_auth(config: ProxyConfig) -> dict[str, str] | None:
+    """The header every control-plane call to an engine carries (vLLM's --api-key)."""
+    key = config.engine_api_key
+    return {"Authorization": f"Bearer {key}"} if key else None
 
 
 def _answering_errors(handler: Callable[[Request], Awaitable[Response]]

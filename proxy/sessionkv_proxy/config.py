@@ -7,11 +7,13 @@ exits before binding its port.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from vllm_sessionkv.wire import side_auth
 from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
 # The proxy's one role type (re-exported), defined with the routing types.
@@ -28,6 +30,19 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 class ConfigError(ValueError):
     pass
+
+
+# Secrets a config need not hold: where the key is absent, load_config takes it from
+# this environment variable (so it stays off command lines and out of config files).
+SECRET_ENV = {"api_key": "SESSIONKV_PROXY_API_KEY",
+              "engine_api_key": "SESSIONKV_ENGINE_API_KEY",
+              "side_port_secret": side_auth.SECRET_ENV}
+
+
+def _check_bearer_token(value: str | None, key: str) -> None:
+    """A token sent in an Authorization header: visible ASCII, no spaces."""
+    if value is not None and not (value and all(33 <= ord(c) < 127 for c in value)):
+        raise ValueError(f"{key} must be non-empty visible ASCII without spaces")
 
 
 
@@ -176,6 +191,27 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Admin endpoints (/admin/reset) answer loopback clients, and others that send
     # "Authorization: Bearer <admin_token>" when it is set.
     admin_token: str | None = None
+    # Clients must send "Authorization: Bearer <api_key>" on /v1/*, /tokenize,
+    # /detokenize and /metrics (auth.py); /health stays open, /admin/* keeps its rule.
+    # None: SESSIONKV_PROXY_API_KEY from the environment, else no key is asked.
+    api_key: str | None = None
+    # Sent as "Authorization: Bearer <engine_api_key>" on every call to an engine
+    # (requests, /tokenize, /metrics scrapes, /v1/models, resets), for engines started
+    # with vLLM's --api-key.  None: SESSIONKV_ENGINE_API_KEY, else none is sent.
+    engine_api_key: str | None = None
+    # Authenticates the side ports' messages (vllm_sessionkv/wire/side_auth.py): the
+    # pushes to D's early-decode inbox are signed, handle-channel messages without a
+    # valid HMAC are dropped.  The engines' side_port_secret must be the same.  None:
+    # SESSIONKV_SIDE_PORT_SECRET, else off.
+    side_port_secret: str | None = None
+    # Serve HTTPS: a PEM certificate (chain) and its private key, loaded at start-up.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    # A JSON file holding the engine list (an array of engine objects, as "engines"),
+    # read at start-up in place of "engines" and watched: when its content changes, the
+    # proxy adds and removes engines without a restart (engine_set.py).
+    engines_file: str | None = None
+    engines_file_poll_s: float = 2.0
     # Answers keep D's kv_transfer_params (engine ids, NIXL addresses, block ids) only
     # when true, for clients that run their own P/D; by default they are removed.
     return_kv_transfer_params: bool = False
@@ -197,19 +233,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        roles = {e.role for e in self.engines}
-        if Role.DECODE not in roles:
-            raise ValueError("engines: at least one engine with role 'decode' is required")
+        check_engines(self.engines, self.tokenizer)
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port}")
-        if self.tokenizer == "text":
-            publishing = [e.url for e in self.engines if e.kv_events]
-            if publishing:
-                raise ValueError(
-                    "tokenizer: 'text' keys routing on the prompt's text, which KV "
-                    f"events (keyed by tokens) never match, but {publishing[0]} "
-                    "publishes them: use 'engine' or a tokenizer path")
-        elif self.tokenizer not in ("engine", "none"):
+        if not self.engines_file_poll_s > 0:
+            raise ValueError("engines_file_poll_s must be > 0")
+        if self.tokenizer not in ("engine", "none", "text"):
             from sessionkv_proxy.tokenizer import LocalTokenizer
 
             LocalTokenizer.load(self.tokenizer)  # fail at start-up, naming the key
@@ -226,8 +255,29 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.log_level.upper() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                              f"got {self.log_level!r}")
+        _check_bearer_token(self.api_key, "api_key")
+        _check_bearer_token(self.engine_api_key, "engine_api_key")
+        side_auth.check_secret(self.side_port_secret, "side_port_secret")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_cert_file is not None:
+            self.ssl_context()   # fail at start-up, naming the key
         if self.block_size is not None and (self.block_size <= 0 or self.block_size % 16):
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+
+    def ssl_context(self):
+        """The front door's TLS context (None: plain HTTP)."""
+        if self.tls_cert_file is None:
+            return None
+        import ssl
+
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"tls_cert_file/tls_key_file: cannot load "
+                             f"{self.tls_cert_file} and {self.tls_key_file}: {exc}") from None
+        return context
 
     @property
     def prefill(self) -> list[EngineConfig]:
@@ -236,6 +286,36 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def decode(self) -> list[EngineConfig]:
         return [e for e in self.engines if e.role is Role.DECODE]
+
+
+def check_engines(engines: list[EngineConfig], tokenizer: str) -> None:
+    """The rules an engine list meets, at start-up and on each change while running
+    (``engine_set.py``); ``ValueError`` naming what is wrong."""
+    urls = [e.url for e in engines]
+    duplicate = next((u for u in urls if urls.count(u) > 1), None)
+    if duplicate is not None:
+        raise ValueError(f"engines: {duplicate} is listed twice")
+    if not any(e.role is Role.DECODE for e in engines):
+        raise ValueError("engines: at least one engine with role 'decode' is required")
+    if tokenizer == "text":
+        publishing = [e.url for e in engines if e.kv_events]
+        if publishing:
+            raise ValueError(
+                "tokenizer: 'text' keys routing on the prompt's text, which KV "
+                f"events (keyed by tokens) never match, but {publishing[0]} "
+                "publishes them: use 'engine' or a tokenizer path")
+
+
+def read_engines_file(path: str, raw: bytes | None = None) -> list[EngineConfig]:
+    """The engine list in ``path`` (``raw``: its bytes, already read); ConfigError
+    naming the file and the bad entry."""
+    try:
+        data = json.loads(raw if raw is not None else Path(path).read_bytes())
+        return msgspec.convert(data, list[EngineConfig])
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"engines_file {path}: cannot read: {exc}") from None
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"engines_file {path}: invalid engine list: {exc}") from None
 
 
 def parse_engine_spec(spec: str, role: Role) -> dict[str, Any]:
@@ -276,6 +356,14 @@ def load_config(path: str | None, overrides: dict[str, Any]) -> ProxyConfig:
         if value is None or (key == "engines" and not value):
             continue
         raw[key] = _merge(raw.get(key), value)
+    if raw.get("engines_file"):
+        if raw.get("engines"):
+            raise ConfigError("engines and engines_file: give one (the file holds the "
+                              "engine list)")
+        raw["engines"] = msgspec.to_builtins(read_engines_file(raw["engines_file"]))
+    for key, variable in SECRET_ENV.items():
+        if raw.get(key) is None and os.environ.get(variable):
+            raw[key] = os.environ[variable]
     try:
         return msgspec.convert(raw, ProxyConfig)
     except msgspec.ValidationError as exc:

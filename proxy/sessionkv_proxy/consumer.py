@@ -342,7 +342,8 @@ class EngineSubscriber:
 
 
 class KVEventConsumer:
-    """Runs one ``EngineSubscriber`` task per engine; start and stop it with the app."""
+    """Runs one ``EngineSubscriber`` task per engine; start and stop it with the app.
+    Engines added or removed while it runs (``engine_set.py``) get or lose theirs."""
 
     def __init__(self, sources: Sequence[EngineSource], index: KVIndex,
                  **subscriber_kwargs) -> None:
@@ -352,19 +353,42 @@ class KVEventConsumer:
         if len(set(engines)) != len(engines):
             raise ValueError(f"engine ids must be unique, got {engines}")
         self._ctx = zmq.asyncio.Context()
+        self._index = index
+        self._subscriber_kwargs = subscriber_kwargs
         self.subscribers = {s.engine: EngineSubscriber(s, index, self._ctx, **subscriber_kwargs)
                             for s in sources}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(sub.run(), name=f"kv-events-{engine}")
-                       for engine, sub in self.subscribers.items()]
+        for engine in self.subscribers:
+            self._start(engine)
+
+    def _start(self, engine: str) -> None:
+        self._tasks[engine] = asyncio.create_task(self.subscribers[engine].run(),
+                                                  name=f"kv-events-{engine}")
+
+    def add(self, source: EngineSource) -> None:
+        """Subscribe to an engine added while the proxy runs (its entries are rebuilt
+        from its replay buffer, as at start)."""
+        if source.engine in self.subscribers:
+            raise ValueError(f"engine {source.engine} already has a KV-event subscriber")
+        self.subscribers[source.engine] = EngineSubscriber(
+            source, self._index, self._ctx, **self._subscriber_kwargs)
+        self._start(source.engine)
+
+    async def remove(self, engine: str) -> None:
+        """Stop reading a removed engine's events."""
+        self.subscribers.pop(engine, None)
+        task = self._tasks.pop(engine, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks = {}
         self._ctx.term()
 
     def stats(self) -> dict[str, ConsumerStats]:

@@ -104,12 +104,26 @@ class Engine:
 
 @dataclass
 class EnginePool:
+    """The engines requests may go to.  The set changes while the proxy runs
+    (``engine_set.py``): :meth:`add` and :meth:`remove`, each taking effect for the
+    next routing decision.  A removed engine gets no new request; those in flight on
+    it finish (it is *draining* until its count reaches zero)."""
+
     engines: list[Engine]
     _by_url: dict[str, Engine] = field(default_factory=dict)
+    # Removed engines with requests still in flight, by URL.
+    draining: dict[str, Engine] = field(default_factory=dict)
+    # Every URL removed and not added back: handles naming one are not used.
+    removed: set[str] = field(default_factory=set)
 
     def __post_init__(self):
         self._by_url = {e.url: e for e in self.engines}
-        # The pools are fixed at start-up; routing asks for them on every request.
+        self._scraper: tuple | None = None     # scrape_forever's arguments, once running
+        self._scrapes: dict[str, asyncio.Task[None]] = {}
+        self._index_roles()
+
+    def _index_roles(self) -> None:
+        # Routing asks for the pools on every request: tuples, rebuilt on each change.
         self._by_role = {role: tuple(e for e in self.engines if e.role is role)
                          for role in Role}
 
@@ -119,6 +133,41 @@ class EnginePool:
 
     def get(self, url: str) -> Engine | None:
         return self._by_url.get(url)
+
+    def add(self, config: EngineConfig) -> Engine:
+        """Take new requests on ``config``'s engine from the next routing decision."""
+        if config.url in self._by_url:
+            raise ValueError(f"engine {config.url} is already in the pool")
+        engine = Engine(config)
+        self.draining.pop(config.url, None)
+        self.removed.discard(config.url)
+        self.engines = [*self.engines, engine]
+        self._by_url[engine.url] = engine
+        self._index_roles()
+        if self._scraper is not None:
+            self._start_scrape(engine)
+        return engine
+
+    def remove(self, url: str) -> Engine:
+        """Send ``url`` no new requests; it drains (``draining``) while requests sent
+        to it finish."""
+        engine = self._by_url.pop(url)
+        self.removed.add(url)
+        self.engines = [e for e in self.engines if e is not engine]
+        self._index_roles()
+        task = self._scrapes.pop(url, None)
+        if task is not None:
+            task.cancel()
+        if engine.active_requests:
+            self.draining[url] = engine
+        return engine
+
+    def drained(self) -> list[str]:
+        """Forget the removed engines whose last request ended; their URLs."""
+        done = [url for url, e in self.draining.items() if e.active_requests <= 0]
+        for url in done:
+            del self.draining[url]
+        return done
 
     def by_role(self, role: Role) -> tuple[Engine, ...]:
         return self._by_role[role]
@@ -152,10 +201,26 @@ class EnginePool:
                              timeout_s: float = 5.0, on_slow=None, stall_s: float = 0.0,
                              on_stall=None) -> None:
         """One scrape loop per engine, so a hung engine's timeouts never delay the
-        others' scrapes (or their signs of life)."""
-        await asyncio.gather(*(self._scrape_engine_forever(
-            session, e, interval_s, timeout_s, on_slow, stall_s, on_stall)
-            for e in self.engines))
+        others' scrapes (or their signs of life); an engine added later gets its own
+        loop, a removed one loses it.  Runs until cancelled."""
+        self._scraper = (session, interval_s, timeout_s, on_slow, stall_s, on_stall)
+        for engine in self.engines:
+            self._start_scrape(engine)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._scraper = None
+            tasks = list(self._scrapes.values())
+            self._scrapes.clear()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start_scrape(self, engine: Engine) -> None:
+        session, interval_s, timeout_s, on_slow, stall_s, on_stall = self._scraper
+        self._scrapes[engine.url] = asyncio.create_task(self._scrape_engine_forever(
+            session, engine, interval_s, timeout_s, on_slow, stall_s, on_stall),
+            name=f"scrape-{engine.url}")
 
     async def _scrape_engine_forever(self, session, engine: Engine, interval_s: float,
                                      timeout_s: float, on_slow, stall_s: float,

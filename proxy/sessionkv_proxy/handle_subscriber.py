@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily
 
-from vllm_sessionkv.wire.handle_channel import HANDLE_TOPIC, decode_frames
+from vllm_sessionkv.wire.handle_channel import HANDLE_TOPIC, Unauthenticated, decode_frames
 from vllm_sessionkv.wire.protocol import PayloadError, decode_handle, session_store_key
 
 from sessionkv_proxy.index.base import PublishedHandles
@@ -38,7 +38,7 @@ logger = logging.getLogger("sessionkv_proxy.handle_subscriber")
 
 # What became of the handles an engine sent (``sessionkv_proxy_channel_handles``).
 CHANNEL_OUTCOMES = ("stored", "lost", "undecodable", "unsupported_version", "no_session",
-                    "expired", "evicted", "store_error")
+                    "expired", "evicted", "store_error", "unauthenticated")
 # Messages buffered per engine before ZMQ drops new ones (then counted as lost).
 _RECEIVE_HWM = 10_000
 
@@ -62,8 +62,9 @@ class HandleSubscriber:
     """One D's channel: receive, check, keep."""
 
     def __init__(self, engine: str, endpoint: str, handles: PublishedHandles,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, secret: str | None = None) -> None:
         self.engine = engine
+        self._secret = secret.encode() if secret else None
         self.endpoint = endpoint
         self.stats = HandleChannelStats()
         self._handles = handles
@@ -88,7 +89,10 @@ class HandleSubscriber:
         now = self._clock()
         self.stats.received += 1
         self.stats.last_received_unix_s = now
-        decoded = decode_frames(frames)
+        try:
+            decoded = decode_frames(frames, self._secret)
+        except Unauthenticated:
+            return self._outcome("unauthenticated")
         if decoded is None:
             return self._outcome("undecodable")
         seq, raw = decoded
@@ -129,19 +133,40 @@ class HandleSubscriber:
 class HandleSubscribers:
     """One ``HandleSubscriber`` task per decode engine; start and stop with the app."""
 
-    def __init__(self, endpoints: dict[str, str], handles: PublishedHandles) -> None:
+    def __init__(self, endpoints: dict[str, str], handles: PublishedHandles,
+                 secret: str | None = None) -> None:
         if not isinstance(handles, PublishedHandles):
             raise TypeError(f"handle channels need an index that keeps published handles "
                             f"(PublishedHandles); {type(handles).__name__} does not")
         self._ctx = zmq.asyncio.Context()
-        self.subscribers = {engine: HandleSubscriber(engine, endpoint, handles)
+        self._handles = handles
+        self._secret = secret
+        self.subscribers = {engine: HandleSubscriber(engine, endpoint, handles,
+                                                     secret=secret)
                             for engine, endpoint in endpoints.items()}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def start(self) -> None:
-        self._tasks = {engine: asyncio.create_task(sub.run(self._ctx),
-                                                   name=f"handle-channel-{engine}")
-                       for engine, sub in self.subscribers.items()}
+        for engine in self.subscribers:
+            self._start(engine)
+
+    def _start(self, engine: str) -> None:
+        self._tasks[engine] = asyncio.create_task(self.subscribers[engine].run(self._ctx),
+                                                  name=f"handle-channel-{engine}")
+
+    def add(self, engine: str, endpoint: str) -> None:
+        """Subscribe to an engine added while the proxy runs."""
+        self.subscribers[engine] = HandleSubscriber(engine, endpoint, self._handles,
+                                                    secret=self._secret)
+        self._start(engine)
+
+    async def remove(self, engine: str) -> None:
+        """Stop reading a removed engine's channel (its handles kept so far expire)."""
+        self.subscribers.pop(engine, None)
+        task = self._tasks.pop(engine, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     async def stop(self) -> None:
         for task in self._tasks.values():
@@ -169,7 +194,7 @@ class HandleSubscribers:
 
     def collector(self) -> _ChannelCollector:
         """Exports ``sessionkv_proxy_channel_handles`` at scrape time."""
-        return _ChannelCollector(self.subscribers.values())
+        return _ChannelCollector(self.subscribers)
 
 
 _METRIC = ("sessionkv_proxy_channel_handles",
@@ -177,19 +202,20 @@ _METRIC = ("sessionkv_proxy_channel_handles",
            "outcome: stored (kept for the session's next turn), lost (sent by the "
            "engine and never received), undecodable, unsupported_version, no_session, "
            "expired (its lease had ended), evicted (an older kept handle dropped for "
-           "index.max_published_handles), store_error.")
+           "index.max_published_handles), store_error, unauthenticated (no valid HMAC "
+           "under side_port_secret).")
 
 
 class _ChannelCollector:
-    def __init__(self, subscribers: Iterable[HandleSubscriber]) -> None:
-        self._subscribers = list(subscribers)
+    def __init__(self, subscribers: dict[str, HandleSubscriber]) -> None:
+        self._subscribers = subscribers   # the live table: engines come and go
 
     def describe(self):
         yield CounterMetricFamily(*_METRIC, labels=("engine", "outcome"))
 
     def collect(self):
         family = CounterMetricFamily(*_METRIC, labels=("engine", "outcome"))
-        for sub in self._subscribers:
+        for sub in list(self._subscribers.values()):
             for outcome in CHANNEL_OUTCOMES:
                 family.add_metric((sub.engine, outcome),
                                   float(sub.stats.outcomes.get(outcome, 0)))

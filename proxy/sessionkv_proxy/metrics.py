@@ -96,6 +96,7 @@ class ProxyMetrics:
             "sessionkv_proxy_engine_available",
             "1 while an engine takes new requests; 0 while it refuses connections or "
             "is stalled (no answer for engine_stall_s).", ["engine"], registry=r)
+        self._engine_set_and_auth(r)
         self.degraded = Counter(
             "sessionkv_proxy_degraded_requests",
             "Requests routed with less than the usual view, by reason "
@@ -114,6 +115,22 @@ class ProxyMetrics:
                 "sessionkv_proxy_redis_republishes",
                 "Times the proxy re-published its index and sessions to Redis after an "
                 "outage or a Redis restart.", registry=r)
+
+    def _engine_set_and_auth(self, r: CollectorRegistry) -> None:
+        self.engines = Gauge(
+            "sessionkv_proxy_engines",
+            "Engines in the set, by role and state (serving: routing sends them new "
+            "requests; draining: removed, with requests still in flight).",
+            ["role", "state"], registry=r)
+        self.engine_set_changes = Counter(
+            "sessionkv_proxy_engine_set_changes",
+            "Changes of the engine set while running (PUT /admin/engines, engines_file), "
+            "by outcome: applied, or invalid (refused; the set unchanged).", ["outcome"],
+            registry=r)
+        self.unauthorized = Counter(
+            "sessionkv_proxy_unauthorized_requests",
+            "Requests refused with 401 for a missing or wrong API key (api_key), by "
+            "endpoint path.", ["endpoint"], registry=r)
 
     def count_request(self, endpoint: str, status: int) -> None:
         """One answered request (``sessionkv_proxy_requests``)."""

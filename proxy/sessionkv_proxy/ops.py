@@ -15,6 +15,8 @@ from vllm_sessionkv.wire.redis_keys import RedisKeys
 from sessionkv_proxy import admin
 from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.consumer import KVEventConsumer
+from sessionkv_proxy.config import EngineConfig
+from sessionkv_proxy.engine_set import EngineSet
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
 from sessionkv_proxy.handle_subscriber import HandleSubscribers
@@ -46,7 +48,7 @@ class Ops:
                  metrics: ProxyMetrics, router: Router, sender: EngineSender,
                  http: aiohttp.ClientSession, models: ModelCatalog,
                  consumer: KVEventConsumer | None, handles: HandleSubscribers | None,
-                 redis: RedisLink | None) -> None:
+                 redis: RedisLink | None, engine_set: EngineSet | None = None) -> None:
         self._config = config
         self._pool = pool
         self._index = index
@@ -58,6 +60,7 @@ class Ops:
         self._consumer = consumer
         self._handles = handles
         self._redis = redis
+        self._engine_set = engine_set
 
     async def models(self, request: Request) -> Response:
         if not self._models.body:
@@ -95,17 +98,22 @@ class Ops:
                             "last_answer_s_ago": round(now - e.last_alive_s, 1)})
         available = {role.value: sum(e.available for e in self._pool.by_role(role))
                      for role in Role}
-        report: dict[str, Any] = {"healthy": available, "engines": engines}
+        if self._engine_set is not None:
+            self._engine_set.update_gauges()   # forgets engines that finished draining
+        report: dict[str, Any] = {"healthy": available, "engines": engines,
+                                  "draining": [{"url": e.url, "role": e.role.value,
+                                                "in_flight": e.active_requests}
+                                               for e in self._pool.draining.values()]}
         if self._redis is not None:
             report["redis"] = self._redis.health()
             if self._redis.state is not LinkState.UP:
                 problems.append(f"redis {self._redis.state.value}: routing from this "
                                 "replica's own index and sessions")
-        if self._consumer is not None:
+        if self._consumer is not None and self._consumer.subscribers:
             report["events"] = self._event_health(problems)
             report["block_size"] = self._router.block_size.report()
             problems.extend(self._router.block_size.problems())
-        if self._handles is not None:
+        if self._handles is not None and self._handles.subscribers:
             report["handle_channel"], channel_problems = self._handles.health()
             problems += channel_problems
         serving = available["decode"] > 0
@@ -143,8 +151,11 @@ class Ops:
                 metrics.undecodable.labels(engine).set(stats.batches_undecodable)
                 for reason, count in stats.dropped_by_reason.items():
                     metrics.dropped.labels(engine, reason).set(count)
-        for engine in self._pool.engines:
+        if self._engine_set is not None:
+            self._engine_set.update_gauges()
+        for engine in [*self._pool.engines, *self._pool.draining.values()]:
             metrics.in_flight.labels(engine.url).set(engine.active_requests)
+        for engine in self._pool.engines:
             metrics.engine_available.labels(engine.url).set(1 if engine.available else 0)
         if self._redis is not None:
             metrics.redis_up.set(1 if self._redis.available else 0)
@@ -165,3 +176,28 @@ class Ops:
         self._router.recent.clear()
         body["dropped"] = dropped
         return Response(status, _json.encode(body))
+
+    async def engines(self, request: Request) -> Response:
+        """``GET /admin/engines``: the engine list and the engines draining.
+        ``PUT /admin/engines`` with ``{"engines": [...]}`` (each as in the config):
+        make that the list (``engine_set.py``); 400 naming what is wrong, the set
+        unchanged.  Admin rule: loopback, or ``admin_token``."""
+        admin.authorize(self._config.admin_token, request)
+        engine_set = self._engine_set
+        if request.method == "GET":
+            return Response(200, _json.encode({
+                "engines": engine_set.configs,
+                "draining": sorted(self._pool.draining)}))
+        try:
+            body = msgspec.json.decode(request.body)
+            if not isinstance(body, dict) or "engines" not in body:
+                raise ValueError('the body must be {"engines": [...]}')
+            configs = msgspec.convert(body["engines"], list[EngineConfig])
+        except ValueError as exc:   # msgspec's decode and validation errors are ones
+            self._metrics.engine_set_changes.labels("invalid").inc()
+            raise ApiError(400, f"engine list not applied: {exc}", param="engines") from None
+        try:
+            result = await engine_set.apply(configs)   # counts what it refuses
+        except ValueError as exc:
+            raise ApiError(400, f"engine list not applied: {exc}", param="engines") from None
+        return Response(200, _json.encode(result))

@@ -147,8 +147,13 @@ class Router:
             holder = self.pool.get(url)
             return holder.lost_at_unix_s if holder is not None else None
 
-        return usable_handle(record, published, tenant, lost_at, time.time(),
-                             self.params.handle_expiry_margin_s)
+        handle, outcome, source = usable_handle(record, published, tenant, lost_at,
+                                                time.time(),
+                                                self.params.handle_expiry_margin_s)
+        if handle is not None and handle.engine_url in self.pool.removed:
+            # Its D left the engine set: no pull from it (it may be shutting down).
+            return None, "engine_removed", ""
+        return handle, outcome, source
 
     # ------------------------------------------------------------ engines
     def _next(self, role: Role, exclude: set[str] = frozenset()) -> Engine:

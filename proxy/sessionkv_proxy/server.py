@@ -240,7 +240,8 @@ class HttpServer:
         self._server: _Server | None = None
         self._listener: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, ssl=None) -> None:
+        """Listen on ``host:port``; HTTPS when ``ssl`` (an ``ssl.SSLContext``) is given."""
         check_aiohttp_internals()  # the subclasses below rely on them
         limits = self.limits
         self._server = _Server(
@@ -250,7 +251,7 @@ class HttpServer:
             max_headers=limits.max_headers, lingering_time=limits.lingering_s,
             access_log=None)
         self._listener = await asyncio.get_running_loop().create_server(
-            self._server, host, port, reuse_address=True)
+            self._server, host, port, reuse_address=True, ssl=ssl)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting; wait up to ``grace_s`` for in-flight requests; close all."""

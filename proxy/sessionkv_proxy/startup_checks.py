@@ -174,6 +174,10 @@ class ModelCatalog:
         self.ids: frozenset[str] = frozenset()
         self.body = b""
 
+    def set_urls(self, urls: Sequence[str]) -> None:
+        """The engines to ask from now on (the engine set changed)."""
+        self._urls = list(urls)
+
     async def refresh(self) -> None:
         served = await discover_models(self._http, self._urls)
         if served is not None:

@@ -117,12 +117,12 @@ class _Endpoint:
 
     __slots__ = ("host", "port", "head", "idle")
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, extra_head: bytes = b"") -> None:
         self.host = host
         self.port = port
         # The header lines every request to this engine carries, after its request line.
         self.head = (f"Host: {host}:{port}\r\n"
-                     "Content-Type: application/json\r\n").encode("latin-1")
+                     "Content-Type: application/json\r\n").encode("latin-1") + extra_head
         self.idle: list[tuple[float, ResponseHandler]] = []
 
     def take(self) -> ResponseHandler | None:
@@ -146,9 +146,12 @@ class _Endpoint:
 class UpstreamPool:
     """Keep-alive connections to the engines, created on demand."""
 
-    def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 600.0
-                 ) -> None:
+    def __init__(self, connect_timeout_s: float = 5.0, request_timeout_s: float = 600.0,
+                 engine_api_key: str | None = None) -> None:
         check_aiohttp_internals()  # ResponseHandler is driven directly below
+        # Every request carries the engines' key (vLLM's --api-key) when there is one.
+        self._extra_head = (f"Authorization: Bearer {engine_api_key}\r\n".encode("ascii")
+                            if engine_api_key else b"")
         self.connect_timeout_s = connect_timeout_s
         # The longest an engine may go without sending a byte (aiohttp's sock_read).
         self.request_timeout_s = request_timeout_s
@@ -162,7 +165,8 @@ class UpstreamPool:
             parts = urlsplit(base_url)
             if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
                 raise ValueError(f"upstream URL must be http://host:port, got {base_url!r}")
-            endpoint = self._endpoints[base_url] = _Endpoint(parts.hostname, parts.port or 80)
+            endpoint = self._endpoints[base_url] = _Endpoint(parts.hostname, parts.port or 80,
+                                                             self._extra_head)
         return endpoint
 
     def check_url(self, base_url: str) -> None:

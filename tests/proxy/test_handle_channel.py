@@ -113,6 +113,48 @@ def test_every_message_gets_one_outcome_and_gaps_count_as_lost():
     assert sum(n for k, n in sub.stats.outcomes.items() if k not in ("lost", "evicted")) == 8
 
 
+def test_with_a_secret_only_handles_with_a_valid_mac_are_kept():
+    """A process that takes over D's address (or a D without the secret) cannot feed
+    the proxy handles: unsigned or wrongly signed messages are counted
+    ``unauthenticated`` and kept nowhere.  Control: the same frames signed are kept."""
+    secret = b"s3cret-shared-by-proxy-and-engines"
+    now = time.time()
+    index = MemoryIndex()
+    sub = HandleSubscriber("d0", "tcp://127.0.0.1:1", index, clock=lambda: now,
+                           secret=secret.decode())
+    assert sub.receive(encode_frames(0, raw_handle("a"))) == "unauthenticated"
+    assert sub.receive(encode_frames(1, raw_handle("a"), b"another-secret-16+")) == \
+        "unauthenticated"
+    signed = encode_frames(2, raw_handle("a"), secret)
+    assert sub.receive(signed[:2] + [raw_handle("b")] + signed[3:]) == "unauthenticated"
+    assert sub.receive(signed) == "stored"
+    assert sub.stats.outcomes["unauthenticated"] == 3
+    # No secret: a signed message is read as before (its MAC ignored).
+    plain = HandleSubscriber("d0", "tcp://127.0.0.1:1", MemoryIndex(), clock=lambda: now)
+    assert plain.receive(encode_frames(0, raw_handle("a"), secret)) == "stored"
+
+
+async def test_a_signing_channel_reaches_a_subscriber_with_the_secret():
+    secret = "s3cret-shared-by-proxy-and-engines"
+    channel = HandleChannel("tcp://127.0.0.1:*", secret)
+    index = MemoryIndex()
+    subscribers = HandleSubscribers({"http://d0": channel.endpoint}, index, secret)
+    subscribers.start()
+    sub = subscribers.subscribers["http://d0"]
+    try:
+        async def first_arrival():
+            while not sub.stats.outcomes.get("stored"):
+                assert channel.publish(d_params("s1"))
+                await asyncio.sleep(0.01)
+        await asyncio.wait_for(first_arrival(), 10.0)
+        assert sub.stats.outcomes.get("unauthenticated", 0) == 0
+        read = await index.route_read(session_store_key("s1", None), [], take_handle=True)
+        assert read.handle_taken
+    finally:
+        await subscribers.stop()
+        channel.close()
+
+
 def test_subscribers_need_an_index_that_keeps_handles():
     class NoHandles:
         pass

@@ -138,7 +138,7 @@ def test_malformed_messages_are_dropped(pair):
     push.send(b"not json")
     push.send(b'{"kv_transfer_params": {}}')   # no id
     deadline = time.monotonic() + 5
-    while inbox.malformed < 2:
+    while inbox.refused["malformed"] < 2:
         inbox.poll("x")
         assert time.monotonic() < deadline
         time.sleep(0.005)
@@ -243,3 +243,93 @@ def test_sender_connects_ahead_so_a_later_send_goes_out():
     finally:
         sender.close()
         inbox.close()
+
+
+SECRET = "s3cret-shared-by-proxy-and-engines"
+FORGED = {"do_remote_prefill": True, "remote_block_ids": [[66, 67]],
+          "remote_engine_id": "attacker", "remote_host": "10.6.6.6", "remote_port": 6666}
+
+
+def _wait_refused(inbox: EarlyDecodeInbox, early_id: str, want: int) -> None:
+    """Poll ``early_id`` (it must stay waiting) until ``want`` messages were refused."""
+    deadline = time.monotonic() + 5
+    while inbox.refused["unauthenticated"] < want:
+        assert inbox.poll(early_id)[0] is Outcome.WAITING
+        assert time.monotonic() < deadline, f"refused {inbox.refused}, want {want}"
+        time.sleep(0.005)
+
+
+def _forgers(endpoint: str, early_id: str) -> tuple[zmq.Context, list]:
+    """Three unauthenticated senders' forged ``PrefillDone`` for ``early_id``: bare
+    (no MAC), with a MAC under another secret, with a MAC of the wrong length."""
+    forged = encode_prefill_done(PrefillDone(early_decode_id=early_id,
+                                             kv_transfer_params=FORGED))
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(endpoint)
+    push.send(forged)
+    push.send_multipart([forged, b"\0" * 7])
+    wrong = EarlyDecodeSender([endpoint], secret="not-the-shared-secret")
+    deadline = time.monotonic() + 5
+    while not wrong.send(endpoint, early_id, FORGED):
+        assert time.monotonic() < deadline, "the forger never connected"
+        time.sleep(0.01)
+    return ctx, [push, wrong]
+
+
+def _close_forgers(ctx: zmq.Context, forgers: list) -> None:
+    for forger in forgers:
+        forger.close()
+    ctx.term()
+
+
+def test_a_forged_prefill_done_is_refused_and_the_authentic_one_taken():
+    """Issue 49 must-show 4: on D's real inbox over real ZMQ, with a side_port_secret,
+    a PrefillDone from a sender without the secret (bare, or signed with another
+    secret) is dropped and counted, and the request keeps waiting; P's authenticated
+    one then attaches P's parameters.  Control: the same bare forgery on an inbox
+    without a secret is taken, so the test would see a forgery that got through."""
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    inbox = EarlyDecodeInbox(endpoint, timeout_s=30.0, secret=SECRET)
+    genuine = EarlyDecodeSender([endpoint], secret=SECRET)
+    early_id = new_early_decode_id()
+    ctx, forgers = _forgers(endpoint, early_id)
+    try:
+        _wait_refused(inbox, early_id, 3)
+        assert inbox.take_refused() == {"unauthenticated": 3, "malformed": 0}
+        assert inbox.take_refused() == {"unauthenticated": 0, "malformed": 0}
+        deadline = time.monotonic() + 5
+        while not genuine.send(endpoint, early_id, P_PARAMS):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        params, _ = _poll_until(inbox, early_id, Outcome.READY)
+        assert params == P_PARAMS
+    finally:
+        _close_forgers(ctx, forgers)
+        genuine.close()
+        inbox.close()
+
+    # The control: no secret, and the bare forgery attaches the attacker's blocks.
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    open_inbox = EarlyDecodeInbox(endpoint, timeout_s=30.0)
+    victim = new_early_decode_id()
+    ctx, forgers = _forgers(endpoint, victim)
+    try:
+        params, _ = _poll_until(open_inbox, victim, Outcome.READY)
+        assert params == FORGED
+    finally:
+        _close_forgers(ctx, forgers)
+        open_inbox.close()
+
+
+def test_the_secret_is_validated_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(ConfigError, match="side_port_secret"):
+        parse_config({"sessionkv": {"side_port_secret": "short"}})
+    monkeypatch.setenv("SESSIONKV_SIDE_PORT_SECRET", SECRET)
+    assert parse_config({}).side_port_secret == SECRET
+    assert parse_config({"sessionkv": {"side_port_secret": "x" * 16}}).side_port_secret \
+        == "x" * 16
+    monkeypatch.setenv("SESSIONKV_SIDE_PORT_SECRET", "short")
+    with pytest.raises(ConfigError, match="side_port_secret"):
+        parse_config({})

@@ -296,3 +296,53 @@ def test_local_cluster_prints_the_core_rule_before_it_starts(monkeypatch, tmp_pa
     assert "cores: 3 engines on 2 cores, round robin" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main([*common, "--cores", "0"])
+
+
+def test_kv_event_sockets_bind_the_engines_address_only():
+    """vLLM 0.32 binds the PUB endpoint only when it holds ``*`` or ``::``; the
+    IPv4-mapped form does, and ZMQ binds it as the IPv4 address alone: a connection
+    to another loopback address is refused (control: ``*`` takes it)."""
+    import json
+
+    import zmq
+    from helpers import connection_refused as refused
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from vllm_sessionkv.dev.launch import kv_events_bind
+
+    spec = EngineSpec(role="decode", model="m", port=8000, kv_events_port=5601,
+                      kv_events_replay_port=5603, host=Host(address="10.213.7.2"))
+    events = json.loads(_flag(engine_command(spec)[0], "--kv-events-config"))
+    assert events["endpoint"] == "tcp://[::ffff:10.213.7.2]:5601"
+    assert events["replay_endpoint"] == "tcp://10.213.7.2:5603"
+    assert ZmqEventPublisher._is_bind_endpoint(events["endpoint"])
+    assert kv_events_bind("fd00::2", 5601) == "tcp://*:5601"   # IPv6: ZMQ needs IPV6
+
+    context = zmq.Context()
+    try:
+        for endpoint, open_elsewhere in ((kv_events_bind("127.0.0.1", 0), False),
+                                         ("tcp://*:0", True)):
+            pub = context.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.bind(endpoint.replace(":0", ":*") if endpoint.endswith(":0") else endpoint)
+            port = int(pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            assert not refused("127.0.0.1", port)
+            assert refused("127.0.0.2", port) is not open_elsewhere, endpoint
+            pub.close()
+    finally:
+        context.term()
+
+
+def test_cluster_secrets_reach_engines_and_proxy_by_environment():
+    from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+
+    cluster = LocalCluster(ClusterSpec(model="m", engine_api_key="ek", api_key="ck",
+                                       side_port_secret="s" * 16, base_port=9000))
+    decode = cluster._engine("decode", 1, "decode0")
+    argv, env = engine_command(decode)
+    assert _flag(argv, "--api-key") == "ek"
+    assert env["SESSIONKV_SIDE_PORT_SECRET"] == "s" * 16
+    assert cluster._proxy_secrets() == {"SESSIONKV_ENGINE_API_KEY": "ek",
+                                        "SESSIONKV_PROXY_API_KEY": "ck",
+                                        "SESSIONKV_SIDE_PORT_SECRET": "s" * 16}
+    assert LocalCluster(ClusterSpec(model="m"))._proxy_secrets() == {}

@@ -161,7 +161,8 @@ class EngineSpec:
 
     @property
     def kv_events_endpoint(self) -> str | None:
-        """Where a subscriber connects (the engine binds every address of its host)."""
+        """Where a subscriber connects (the engine binds its host's address only,
+        ``kv_events_bind``)."""
         return f"tcp://{self.host.endpoint(self.kv_events_port)}" if self.kv_events_port \
             else None
 
@@ -198,6 +199,19 @@ def kv_transfer_config(spec: EngineSpec) -> dict | None:
             "kv_connector_extra_config": {"sessionkv": dict(spec.sessionkv), **spec.nixl_extra}}
 
 
+def kv_events_bind(address: str, port: int, replay: bool = False) -> str:
+    """The ``--kv-events-config`` endpoint that makes vLLM 0.32 listen on ``address``
+    only.  Its publisher binds the PUB endpoint only when it holds ``*`` or ``::``
+    (it connects to any other), and binds the replay endpoint as given.  An IPv4
+    address written IPv4-mapped, ``tcp://[::ffff:A.B.C.D]:PORT``, holds ``::``, and
+    ZMQ binds it as the IPv4 address A.B.C.D; the replay endpoint takes the address
+    plainly.  ZMQ binds an IPv6 address only on a socket with its IPV6 option, which
+    vLLM sets for neither: on an IPv6 host both stay wildcards (``*``)."""
+    if ipaddress.ip_address(address).version == 6:
+        return f"tcp://*:{port}"
+    return f"tcp://{address}:{port}" if replay else f"tcp://[::ffff:{address}]:{port}"
+
+
 def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     host = spec.host
     argv = [*host.command_prefix, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -216,12 +230,13 @@ def engine_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     if ktc is not None:
         argv += ["--kv-transfer-config", json.dumps(ktc)]
     if spec.kv_events_port:
-        # A wildcard: vLLM's publisher binds only wildcard endpoints (it connects to
-        # the rest), so it listens on every address of the engine's host.
         events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                  "endpoint": f"tcp://*:{spec.kv_events_port}", "topic": "kv-events"}
+                  "endpoint": kv_events_bind(host.address, spec.kv_events_port),
+                  "topic": "kv-events"}
         if spec.kv_events_replay_port:
-            events["replay_endpoint"] = f"tcp://*:{spec.kv_events_replay_port}"
+            events["replay_endpoint"] = kv_events_bind(host.address,
+                                                       spec.kv_events_replay_port,
+                                                       replay=True)
         argv += ["--kv-events-config", json.dumps(events)]
     argv += spec.extra_args
 
@@ -456,6 +471,15 @@ class ClusterSpec:
     gpus: list[str] | None = None
     log_dir: Path | None = None
     proxy_args: list[str] = field(default_factory=list)
+    # Security (docs/operations.md#security).  engine_api_key: P and D start with
+    # vLLM's --api-key and the proxy sends it (SESSIONKV_ENGINE_API_KEY); api_key: the
+    # proxy asks clients for it (SESSIONKV_PROXY_API_KEY); side_port_secret: engines and
+    # proxy sign and check the side ports' messages (SESSIONKV_SIDE_PORT_SECRET).  The
+    # proxy and engines get them in their environments, not on their command lines
+    # (vLLM's --api-key aside).
+    engine_api_key: str | None = None
+    api_key: str | None = None
+    side_port_secret: str | None = None
     # D engines take P's parameters on an early-decode socket, and the proxy sends
     # them each disaggregated request while P prefills (see early_decode.py).
     early_decode: bool = True
@@ -601,6 +625,11 @@ class LocalCluster:
         gpus = None
         if spec.gpus:
             gpus = spec.gpus[index % len(spec.gpus)]
+        extra_args = list(spec.engine_extra_args)
+        if spec.engine_api_key:
+            extra_args += ["--api-key", spec.engine_api_key]
+        extra_env = ({"SESSIONKV_SIDE_PORT_SECRET": spec.side_port_secret}
+                     if spec.side_port_secret else {})
         return EngineSpec(role=role, model=spec.model, port=port,
                           served_model_name=spec.served_model_name,
                           side_channel_port=self._port(), kv_events_port=self._port(),
@@ -615,8 +644,8 @@ class LocalCluster:
                               if role == "prefill" and spec.prefill_num_gpu_blocks_override
                               else spec.num_gpu_blocks_override),
                           connector=spec.connector, sessionkv=sessionkv,
-                          nixl_extra=dict(spec.nixl_extra), extra_args=list(spec.engine_extra_args), gpus=gpus,
-                          host=host)
+                          nixl_extra=dict(spec.nixl_extra), extra_args=extra_args,
+                          extra_env=extra_env, gpus=gpus, host=host)
 
     def manage(self, name: str, start: Callable[[], ManagedProcess],
                health_url: str | None = None) -> ManagedProcess:
@@ -661,7 +690,7 @@ class LocalCluster:
                 port = spec.proxy_port or self._port()
                 proxy_host = spec.host("proxy")
                 argv = self._proxy_argv(port, proxy_host)
-                env = {**os.environ, **proxy_host.env}
+                env = {**os.environ, **proxy_host.env, **self._proxy_secrets()}
                 self.proxy_url = f"http://{proxy_host.endpoint(port)}"
                 proxy = self.manage("proxy",
                                     lambda: start_process("proxy", argv, log_dir, env),
@@ -684,6 +713,13 @@ class LocalCluster:
 
     def _engine_starter(self, engine: EngineSpec, name: str) -> Callable[[], ManagedProcess]:
         return lambda: start_engine(engine, name, self.spec.log_dir)
+
+    def _proxy_secrets(self) -> dict[str, str]:
+        spec = self.spec
+        secrets = {"SESSIONKV_ENGINE_API_KEY": spec.engine_api_key,
+                   "SESSIONKV_PROXY_API_KEY": spec.api_key,
+                   "SESSIONKV_SIDE_PORT_SECRET": spec.side_port_secret}
+        return {name: value for name, value in secrets.items() if value}
 
     def _proxy_argv(self, port: int, host: Host) -> list[str]:
         spec = self.spec

@@ -35,9 +35,10 @@ def params_without_early_decode(ours: SessionPayload) -> dict[str, Any] | None:
 
 
 class EarlyDecode:
-    def __init__(self, inbox: EarlyDecodeInbox | None) -> None:
+    def __init__(self, inbox: EarlyDecodeInbox | None, secret: str | None = None) -> None:
         self.inbox = inbox                      # as D; None without early_decode_port
         self._sender: EarlyDecodeSender | None = None   # as P, made on first use
+        self._secret = secret                   # signs P's pushes (side_auth)
 
     def params_when_ready(self, request_id: str, ours: SessionPayload,
                           stats: StatsSink) -> Any:
@@ -51,6 +52,9 @@ class EarlyDecode:
                            "early_decode_port; computing the prompt here", request_id)
         else:
             result, p_params, waited_s = self.inbox.poll(early_id)
+            for reason, count in self.inbox.take_refused().items():
+                if count:
+                    stats.record(f"early_decode_refused_{reason}", count)
             if result is Outcome.WAITING:
                 return _WAITING
             outcome = result.value
@@ -76,7 +80,7 @@ class EarlyDecode:
         if push is None or not (push.endpoint.startswith("tcp://") and push.id):
             return None
         if self._sender is None:
-            self._sender = EarlyDecodeSender()
+            self._sender = EarlyDecodeSender(secret=self._secret)
         return push.endpoint, push.id
 
     def connect(self, ours: SessionPayload) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_sessionkv.wire import side_auth
 from vllm_sessionkv.wire.protocol import PrefillDone, encode_prefill_done
 
 __all__ = ["EarlyDecodeSender", "new_early_decode_id"]
@@ -31,9 +32,12 @@ class EarlyDecodeSender:
     that fails returns False and the caller falls back (P: the proxy pushes; the
     proxy: it sends D the request again after P).  ``endpoints`` connect at once; any
     other endpoint connects on ``connect()`` or on its first send (which then fails:
-    the connection is not up yet)."""
+    the connection is not up yet).  With ``secret`` each message goes out as two
+    frames, the payload and its HMAC (``side_auth``); without, as the payload alone."""
 
-    def __init__(self, endpoints: Iterable[str] = (), max_endpoints: int = 1024) -> None:
+    def __init__(self, endpoints: Iterable[str] = (), max_endpoints: int = 1024,
+                 secret: str | None = None) -> None:
+        self._secret = secret.encode() if secret else None
         self._context = zmq.Context()
         self._sockets: dict[str, zmq.Socket] = {}
         self._max_endpoints = max_endpoints
@@ -79,7 +83,12 @@ class EarlyDecodeSender:
             logger.warning("early decode: parameters not encodable: %s", exc)
             return False
         try:
-            sock.send(payload, zmq.NOBLOCK)
+            if self._secret is None:
+                sock.send(payload, zmq.NOBLOCK)
+            else:
+                sock.send_multipart(
+                    [payload, side_auth.mac(self._secret, side_auth.EARLY_DECODE, payload)],
+                    zmq.NOBLOCK)
         except zmq.ZMQError as exc:   # Again: no live connection yet, or queue full
             logger.debug("early decode: cannot push to %s: %s", endpoint, exc)
             return False

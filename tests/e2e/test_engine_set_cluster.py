@@ -1,0 +1,138 @@
+"""Issue 49 must-show 5 on real engines: a decode engine added to a running proxy
+gets traffic, and one removed gets none, with no restart; a request in flight on the
+removed engine finishes.
+
+The launcher starts 1P + 2D (no proxy); the test runs the proxy itself on a watched
+``--engines-file`` that first lists P0 and D0 only, then adds D1, then removes D0
+while a streamed request runs there.  Which D served a request is the proxy's
+``x-sessionkv-decode-engine`` header, and each D's own count of finished requests
+(``vllm:request_success_total``) confirms it.  Round-robin routing makes "gets
+traffic" exact; every request goes P -> NIXL -> D, D1's through its early-decode
+socket and KV events connected when it was added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+from cluster import REPO, free_port_block, launch_cluster, stop_cluster
+from helpers import completion_body, metric_sum, parse_stream, post, wait_until
+
+pytestmark = pytest.mark.cluster
+
+PROMPT = "Once upon a time in a land far away, " * 6
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    cluster = launch_cluster(tiny_model, tmp_path_factory.mktemp("engine-set-logs"), [
+        "--prefill", "1", "--decode", "2", "--no-proxy"])
+    try:
+        yield cluster
+    finally:
+        report = stop_cluster(cluster)
+        assert not report["alive"], report
+
+
+def _entry(cluster, url: str, role: str) -> dict:
+    entry = {"url": url, "role": role}
+    events = cluster.kv_events.get(url)
+    if events:
+        entry["kv_events"] = events
+    if role == "decode":
+        entry["early_decode"] = cluster.early_decode[url]
+        entry["handle_channel"] = cluster.handle_channel[url]
+    return entry
+
+
+def _served(cluster, d_url: str) -> float:
+    return metric_sum(d_url, "vllm:request_success_total")
+
+
+def _proxy_sees(proxy: str, urls: list[str]) -> bool:
+    health = requests.get(proxy + "/health", timeout=10).json()
+    return [e["url"] for e in health["engines"]] == urls
+
+
+def test_engines_added_and_removed_while_the_proxy_runs(engines, tmp_path):
+    cluster = engines
+    p0, (d0, d1) = cluster.prefill[0], cluster.decode
+    entries = {url: _entry(cluster, url, role) for url, role in
+               ((p0, "prefill"), (d0, "decode"), (d1, "decode"))}
+    engines_file = tmp_path / "engines.json"
+    engines_file.write_text(json.dumps([entries[p0], entries[d0]]))
+    port = free_port_block(1)
+    proxy = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), str(REPO / "proxy"), os.environ.get("PYTHONPATH", "")])}
+    log = open(tmp_path / "proxy.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+                             "--engines-file", str(engines_file), "--policy", "round_robin",
+                             "--block-size", "32", "--tokenizer", "engine"],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: _healthy(proxy), 60, "the proxy to start")
+        body = completion_body(cluster.model, PROMPT, max_tokens=8)
+        # P0 and D0 only: D1 gets nothing.
+        d1_before = _served(cluster, d1)
+        first = [post(proxy, "/v1/completions", body) for _ in range(3)]
+        assert {g.headers["x-sessionkv-decode-engine"] for g in first} == {d0}
+        assert {g.headers["x-sessionkv-route"] for g in first} == {"disaggregated"}
+        assert _served(cluster, d1) == d1_before
+
+        # D1 added to the file: from then on it gets every other request.
+        engines_file.write_text(json.dumps([entries[p0], entries[d0], entries[d1]]))
+        wait_until(lambda: _proxy_sees(proxy, [p0, d0, d1]), 30, "D1 in the proxy's set")
+        after_add = [post(proxy, "/v1/completions", body) for _ in range(4)]
+        on_d1 = [g for g in after_add if g.headers["x-sessionkv-decode-engine"] == d1]
+        assert len(on_d1) == 2, [g.headers["x-sessionkv-decode-engine"] for g in after_add]
+        assert _served(cluster, d1) == d1_before + 2
+        # The same answer from either D (temperature 0, the same model and prompt).
+        assert {tuple(g.token_ids) for g in first + after_add} == {tuple(first[0].token_ids)}
+
+        # A long streamed request on D0, then D0 removed from the file mid-stream.
+        stream_body = completion_body(cluster.model, PROMPT, max_tokens=300, stream=True)
+        for _ in range(2):
+            resp = requests.post(proxy + "/v1/completions", json=stream_body, stream=True,
+                                 timeout=300)
+            assert resp.status_code == 200
+            if resp.headers["x-sessionkv-decode-engine"] == d0:
+                break
+            resp.content   # on D1: read it out, the next one goes to D0
+        assert resp.headers["x-sessionkv-decode-engine"] == d0
+        d0_before = _served(cluster, d0)
+        engines_file.write_text(json.dumps([entries[p0], entries[d1]]))
+        wait_until(lambda: _proxy_sees(proxy, [p0, d1]), 30, "D0 out of the proxy's set")
+        health = requests.get(proxy + "/health", timeout=10).json()
+        assert health["draining"] == [{"url": d0, "role": "decode", "in_flight": 1}], health
+        after_remove = [post(proxy, "/v1/completions", body) for _ in range(4)]
+        assert {g.headers["x-sessionkv-decode-engine"] for g in after_remove} == {d1}
+        streamed = parse_stream(resp.text)
+        assert len(streamed.token_ids) == 300, "the in-flight request on D0 was cut"
+        wait_until(lambda: requests.get(proxy + "/health", timeout=10).json()["draining"]
+                   == [], 30, "D0 to finish draining")
+        # D0 finished the one request it had, and got no other.
+        assert _served(cluster, d0) == d0_before + 1
+        text = requests.get(proxy + "/metrics", timeout=10).text
+        assert 'sessionkv_proxy_engines{role="decode",state="serving"} 1.0' in text
+        assert 'sessionkv_proxy_engine_set_changes_total{outcome="applied"} 2.0' in text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _healthy(proxy: str) -> bool:
+    try:
+        return requests.get(proxy + "/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
