@@ -113,10 +113,10 @@ class ProxyApp:
         await server.start(config.host, config.port, ssl=config.ssl_context())
         self._undo.push_async_callback(lambda: server.stop(self._grace_s))
         self.services = services
-        logger.info("proxy ready on %s://%s:%d (API key %s): %d prefill, %d decode engines, index=%s, "
-                    "policy=%s", "https" if config.tls_cert_file else "http", config.host,
-                    config.port, "required" if config.api_key else "not asked",
-                    len(config.prefill),
+        logger.info("proxy ready on %s://%s:%d (API key %s): %d prefill, %d decode "
+                    "engines, index=%s, policy=%s",
+                    "https" if config.tls_cert_file else "http", config.host, config.port,
+                    "required" if config.api_key else "not asked", len(config.prefill),
                     len(config.decode), config.index.backend, config.routing.policy)
 
     async def _open_services(self) -> Services:

@@ -13,9 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from vllm_sessionkv.wire.redis_keys import RedisKeys
 
 from sessionkv_proxy import admin
-from sessionkv_proxy.config import ProxyConfig
+from sessionkv_proxy.config import EngineConfig, ProxyConfig
 from sessionkv_proxy.consumer import KVEventConsumer
-from sessionkv_proxy.config import EngineConfig
 from sessionkv_proxy.engine_set import EngineSet
 from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError, error_response
