@@ -33,6 +33,7 @@ from vllm_sessionkv.guard import (
     encode_answer,
     encode_call,
 )
+from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.read_guard import GuardedRead, ReadGuard
 
 
@@ -123,14 +124,15 @@ def test_unknown_sends_pass_the_gate():
 # blocks: readers keep claiming handles whose blocks were freed and reused (issue
 # 37's case).  The promise checked: no confirm is granted to a read that saw bytes
 # other than the held ones, and no claim is granted on a request already freed.
-CLAIM_TTL_S = 60.0          # pull_claim_ttl_s
-LEASE_S = 120.0             # session_lease_s
-GRACE_S = 10.0              # superseded_hold_grace_s
-EXPIRY_S = LEASE_S + 5.0    # NIXL's expiry of a held send (our lease + 5 s backstop)
-PUBLISHED_S = LEASE_S + 60.0  # how long readers may still claim a handle
-GUARD_TIMEOUT_S = 5.0       # pull_guard_timeout_s
+_DEFAULTS = SessionKVConfig()
+CLAIM_TTL_S = _DEFAULTS.pull_claim_ttl_s                # 60 s
+LEASE_S = _DEFAULTS.session_lease_s                     # 120 s
+GRACE_S = _DEFAULTS.superseded_hold_grace_s             # 10 s
+GUARD_TIMEOUT_S = _DEFAULTS.pull_guard_timeout_s        # 5 s
+EXPIRY_S = LEASE_S + 5.0    # NIXL's expiry of a held send (scheduler.py's 5 s backstop)
+PUBLISHED_S = LEASE_S + CLAIM_TTL_S    # how long readers may still claim a handle
 NUM_BLOCKS = 128
-HOLD_CAP = NUM_BLOCKS // 2  # session_hold_max_kv_fraction 0.5
+HOLD_CAP = int(NUM_BLOCKS * _DEFAULTS.session_hold_max_kv_fraction)
 SESSIONS = 12
 SIM_S = 900.0
 
