@@ -142,6 +142,10 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A synchronous pull (see cost.sync_load_max_stall_s) that has not landed after
     # this long is given up: vLLM recomputes the request's blocks.
     sync_load_timeout_s: float = 1.0
+    # A synchronous read's blocks stay out of vLLM's prefix cache until the read is
+    # seen good (vLLM hashes them at allocation, before the read; a failed one would
+    # stay findable: _vllm/prefix_cache.py).  Off only for tests' negative control.
+    sync_read_quarantine: bool = True
     # Early decode: a ZMQ PULL port on which this engine, as D, takes P's parameters
     # for requests the proxy sent it while P was still prefilling (early_decode.py).
     # 0 = off.  Give the proxy the same endpoint: --decode url=...,early=tcp://HOST:PORT.

@@ -3,9 +3,15 @@
 A thin facade, like vLLM's own: it builds the scheduler half or the worker half for
 its role and delegates.  Load it with either form::
 
-    --kv-transfer-config '{"kv_connector":"SessionKVConnector","kv_role":"kv_producer"}'
+    --kv-transfer-config '{"kv_connector":"SessionKVConnector","kv_role":"kv_producer",
+                           "kv_load_failure_policy":"recompute"}'
     --kv-transfer-config '{"kv_connector":"SessionKVConnector",
-                           "kv_connector_module_path":"vllm_sessionkv.connector", ...}'
+                           "kv_connector_module_path":"vllm_sessionkv.connector",
+                           "kv_load_failure_policy":"recompute", ...}'
+
+The engine's shape is checked first (``engine_shape.py``): hybrid models, a hash unit
+other than the block size and a load-failure policy other than ``recompute`` are
+refused at start-up, naming the setting.
 
 Our options go under ``kv_connector_extra_config.sessionkv`` (see ``config.py``).
 """
@@ -16,7 +22,8 @@ import logging
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from vllm_sessionkv._vllm import nixl_state, pacing, version
+from vllm_sessionkv import engine_shape
+from vllm_sessionkv._vllm import engine_state, nixl_state, pacing, version
 from vllm_sessionkv.config import parse_config
 from vllm_sessionkv.scheduler import SessionKVScheduler
 from vllm_sessionkv.stats import SessionKVPromMetrics, SessionKVStats
@@ -39,10 +46,14 @@ class SessionKVConnector(nixl_state.NixlPullConnector):
             # Both pools must agree, or P parks turn k+1 waiting for a read it never
             # starts; setting it here keeps the two sides consistent by construction.
             transfer_config.kv_connector_extra_config["bidirectional_kv_xfer"] = True
-        if transfer_config.kv_load_failure_policy == "fail":
-            # Our contract: a failed or expired pull falls back to recompute.
-            transfer_config.kv_load_failure_policy = "recompute"
-            logger.info("sessionkv: kv_load_failure_policy set to 'recompute'")
+        block_size = vllm_config.cache_config.block_size
+        refused = engine_shape.refusal(
+            num_kv_cache_groups=engine_state.kv_cache_group_count(kv_cache_config),
+            block_size=block_size,
+            hash_tokens=engine_state.kv_hash_tokens(kv_cache_config, block_size),
+            kv_load_failure_policy=transfer_config.kv_load_failure_policy)
+        if refused is not None:
+            raise ValueError(f"SessionKVConnector cannot serve this engine: {refused}")
         self.sessionkv_config = config
         busy_poll_cap_s = config.busy_poll_cap_s(version.is_cpu_platform())
         if busy_poll_cap_s is not None:
@@ -60,6 +71,16 @@ class SessionKVConnector(nixl_state.NixlPullConnector):
                 vllm_config, self.engine_id, kv_cache_config, config)
         else:
             raise ValueError(f"unsupported KVConnectorRole: {role}")
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.bind_kv_cache_manager(kv_cache_manager)
+
+    def build_connector_worker_meta(self):
+        if self.connector_worker is not None:
+            return self.connector_worker.build_connector_worker_meta()
+        return None
 
     def take_events(self):
         if self.connector_scheduler is not None:

@@ -1,4 +1,4 @@
-"""What the connector's scheduler half tells its worker half for one step.
+"""What the connector's scheduler and worker halves tell each other for one step.
 
 vLLM moves connector metadata once per step, from ``build_connector_meta`` (engine
 core) to ``start_load_kv`` (each worker).  NIXL's own metadata object carries its
@@ -13,7 +13,7 @@ import enum
 
 import msgspec
 
-__all__ = ["HostCopy", "HostCopyKind", "StepInstructions"]
+__all__ = ["HostCopy", "HostCopyKind", "StepInstructions", "WorkerReport"]
 
 
 class HostCopyKind(enum.Enum):
@@ -47,3 +47,19 @@ class StepInstructions(msgspec.Struct, kw_only=True):
     # Sends whose free the scheduler deferred while a reader's claim stood: report
     # them sent again (once), so vLLM frees them now.
     report_sent: set[str] = msgspec.field(default_factory=set)
+
+
+class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The worker's report to the scheduler for one step, beside NIXL's results
+    (vLLM's worker metadata: each worker's, merged, reaches the scheduler with that
+    step's output, however many steps are in flight)."""
+
+    # Synchronous reads this step ran, succeeded or not (a failed one is also
+    # reported as invalid blocks in the same output).
+    sync_loads_done: frozenset[str] = frozenset()
+
+    def merge(self, other: "WorkerReport") -> "WorkerReport":
+        return WorkerReport(sync_loads_done=self.sync_loads_done | other.sync_loads_done)
+
+    def is_empty(self) -> bool:
+        return not self.sync_loads_done

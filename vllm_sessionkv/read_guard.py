@@ -148,6 +148,10 @@ class ReadGuard:
         if ok:
             out.confirmed.append(read.request_id)
         else:
+            if reason == "timeout":
+                # The read is done and will not be used: end the claim now rather
+                # than pin the holder's blocks until it lapses.
+                self._send(read, GuardOp.RELEASE, now_s, await_answer=False)
             out.refuted.append((read, reason))
 
     def _send(self, read: GuardedRead, op: GuardOp, now_s: float,

@@ -25,7 +25,14 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm_sessionkv._vllm import engine_state, nixl_state, pacing, side_channel, version
+from vllm_sessionkv._vllm import (
+    engine_state,
+    nixl_state,
+    pacing,
+    prefix_cache,
+    side_channel,
+    version,
+)
 from vllm_sessionkv._vllm import first_token as vllm_first_token
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.early_decode import EarlyDecodeInbox
@@ -78,6 +85,10 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         self.config = config
         nixl_state.disable_stock_recompute_threshold(self)
         self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+        # Tokens per Request.block_hashes entry (the connector refuses engines where
+        # it differs from the block size; verification still counts in it).
+        self.hash_tokens = engine_state.kv_hash_tokens(kv_cache_config, self.block_size)
+        self.model_id = engine_state.model_identity(vllm_config)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.stats = SessionKVStats()
         self._requests = RequestStates()
@@ -110,6 +121,11 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             if config.first_token_handoff else None)
         self._early = EarlyDecode(self._early_decode_inbox(vllm_config, config),
                                   config.side_port_secret)
+        # vLLM's KV cache manager (bound after construction) and the requests whose
+        # synchronous read has not been seen good yet: their blocks are kept out of
+        # the prefix cache until it is (``_vllm/prefix_cache.py``).
+        self._kv_cache_manager = None
+        self._unproven_sync_reads: dict[str, Request] = {}
         # This runs in the engine-core process, whose loop the pacing changes.
         pacing.pace_holding_steps(config.holding_step_interval(version.is_cpu_platform()))
 
@@ -129,6 +145,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         pacing.wait_for_prefill_params(lambda: inbox.waiting, inbox.wait,
                                        max_wait_s=_HELD_STEP_INTERVAL_S)
         return inbox
+
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        self._kv_cache_manager = kv_cache_manager
 
     def set_xfer_handshake_metadata(self, metadata) -> None:
         super().set_xfer_handshake_metadata(metadata)
@@ -192,7 +211,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         local = LocalPrompt(prompt_token_ids=prompt, block_hashes=request.block_hashes,
                             block_size=self.block_size, hash_algo=self.hash_algo,
                             tenant=engine_state.request_cache_salt(request),
-                            max_loadable_tokens=max_loadable)
+                            max_loadable_tokens=max_loadable, hash_tokens=self.hash_tokens,
+                            model_id=self.model_id,
+                            tail_verifiable=not engine_state.request_has_extra_keys(request))
         return remote_plan.judge(params, read.payload, claim, refusal, way, local,
                                  request.num_prompt_tokens, time.time(),
                                  self.config.expiry_margin_s, self.config.pull_guard)
@@ -327,6 +348,12 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         load_blocks = -(-plan.verdict.verified_tokens // self.block_size) - hit_blocks
         plan.sync_block_ids = frozenset(nixl_state.set_sync_recv_blocks(
             self, request.request_id, blocks.get_block_ids(), hit_blocks, load_blocks))
+        # vLLM hashed these blocks (and the ones after them) at allocation: until the
+        # read is seen good no other request may find them.
+        if self.config.sync_read_quarantine:
+            prefix_cache.hide(self._kv_cache_manager, request.request_id,
+                              list(blocks.get_block_ids()[0][hit_blocks:]), hit_blocks)
+            self._unproven_sync_reads[request.request_id] = request
         # The read is done within the step: nothing left to keep alive on the peer.
         nixl_state.stop_heartbeat(self, request.request_id)
         self._sync_reads.queued(request.request_id)
@@ -373,14 +400,25 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         plans = dict(self._requests.planned())
         self._sync_reads.finished_step(received, failed, plans, time.perf_counter())
         invalid = getattr(connector_output, "invalid_block_ids", None)
-        if invalid:
-            for req_id in SyncReads.failed_by_blocks(plans, invalid):
-                self._pull_failed(req_id, plans[req_id])
+        failed_sync = SyncReads.failed_by_blocks(plans, invalid) if invalid else []
+        for req_id in failed_sync:
+            self._pull_failed(req_id, plans[req_id])
+        self._settle_sync_reads(nixl_state.worker_report(connector_output).sync_loads_done,
+                                set(failed_sync))
         self._holds.released(getattr(connector_output, "finished_sending", None) or (),
                              self.stats)
         for req_id in failed:
             self._pull_failed(req_id, plans.get(req_id))
         super().update_connector_output(connector_output)
+
+    def _settle_sync_reads(self, done: set[str] | frozenset[str], failed: set[str]) -> None:
+        """The synchronous reads a step ran: a good one's blocks go back into the
+        prefix cache; a failed one's stay out (vLLM recomputes them, and caches them
+        as it schedules that)."""
+        for req_id in done:
+            request = self._unproven_sync_reads.pop(req_id, None)
+            if request is not None and req_id not in failed:
+                prefix_cache.restore(self._kv_cache_manager, request)
 
     def _pull_failed(self, req_id: str, plan: RemotePlan | None) -> None:
         self.stats.record("pull_failed")
@@ -393,6 +431,12 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     # ------------------------------------------------------------------ end of turn
     def request_finished(self, request: Request, block_ids):
         self.pricing.finished(request.request_id)
+        if self._unproven_sync_reads.pop(request.request_id, None) is not None and \
+                engine_state.request_finished_with_output(request):
+            # It finished on an output, so the step of its read did not fail (vLLM
+            # skips a failed read's request in that step's output); the step's report
+            # is still on its way.  An aborted request's blocks stay out.
+            prefix_cache.restore(self._kv_cache_manager, request)
         params = request.kv_transfer_params
         state = self._requests.of(request.request_id, params)
         self._requests.pop(request.request_id)
@@ -462,15 +506,19 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:
         """Hash chain + partial-block tokens of the first ``num_tokens`` tokens, as
         ``SessionPayload`` fields."""
-        n_full = full_blocks(num_tokens, self.block_size)
+        n_full = full_blocks(num_tokens, self.hash_tokens)
         hashes = list(request.block_hashes[:n_full])
-        # A hash may not exist yet for a block whose tokens all arrived this step.
+        # A hash may not exist yet for a unit whose tokens all arrived this step.
         n_full = len(hashes)
-        all_tokens = request.all_token_ids
-        tail = list(all_tokens[n_full * self.block_size:num_tokens])
+        # The partial unit's KV depends on keys beyond its tokens when the request has
+        # any (LoRA, multimodal inputs, prompt embeddings): claim full units only.
+        tail = [] if engine_state.request_has_extra_keys(request) else list(
+            request.all_token_ids[n_full * self.hash_tokens:num_tokens])
         return {"hash_chain": encode_chain(hashes), "tail_token_ids": tail,
                 "block_size": self.block_size, "hash_algo": self.hash_algo,
-                "tenant": engine_state.request_cache_salt(request), "num_tokens": num_tokens}
+                "hash_tokens": self.hash_tokens, "model_id": self.model_id,
+                "tenant": engine_state.request_cache_salt(request),
+                "num_tokens": n_full * self.hash_tokens + len(tail)}
 
     # ------------------------------------------------------------------ engine-wide
     def reset_cache(self) -> bool:

@@ -13,7 +13,7 @@ import time
 from vllm_sessionkv._vllm import engine_state, metrics, nixl_agent, nixl_state, pacing, version
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.host_tier import HostBlockPool
-from vllm_sessionkv.metadata import HostCopyKind
+from vllm_sessionkv.metadata import HostCopyKind, WorkerReport
 from vllm_sessionkv.read_guard import GuardedRead, ReadGuard
 from vllm_sessionkv.stats import SessionKVStats
 
@@ -48,6 +48,9 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         self._early_results = None
         # Synchronous loads given up on: their reads may still land; never report them.
         self._abandoned_sync: set[str] = set()
+        # Synchronous reads run since the last step report, good or not (the
+        # scheduler puts a good one's blocks back into the prefix cache).
+        self._sync_loads_done: set[str] = set()
         # Session holds the scheduler ended (lease, superseded, reset), released here
         # and reported sent with this step's results.
         self._released_holds: set[str] = set()
@@ -124,13 +127,36 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
             if self._held_back.pop(req_id, None) is not None:
                 # Its claim was not answered in time: no read will be posted.
                 nixl_state.fail_read(self, req_id)
+            else:
+                self._cancel_overdue_read(req_id)
+            if self._guard is not None:
+                self._guard.release(req_id, time.perf_counter())
             self._abandoned_sync.add(req_id)
             nixl_state.report_invalid_blocks(self, blocks[req_id])
             self.xfer_stats.record("sync_load_timeouts", 1)
+        self._sync_loads_done |= blocks.keys()
         # (Stock code has queued the invalid blocks of reads that failed.)
         results.finished_recving -= blocks.keys()
         results.failed_recving -= blocks.keys()
         self.xfer_stats.record("sync_load_wait_s", time.perf_counter() - started)
+
+    def _cancel_overdue_read(self, req_id: str) -> None:
+        """A synchronous read past its timeout is aborted before the step goes on:
+        vLLM recomputes into its destination blocks, and may free and reuse them,
+        so no late write may land there.  A transfer NIXL cannot abort yet is waited
+        for (it ends, done or failed, when the transport does)."""
+        warned_s = time.perf_counter()
+        while not nixl_state.cancel_read(self, req_id):
+            if time.perf_counter() - warned_s >= 1.0:
+                warned_s = time.perf_counter()
+                logger.warning("sessionkv: waiting for NIXL to end the overdue "
+                               "synchronous read of request %s", req_id)
+            time.sleep(_READ_POLL_S)
+
+    def build_connector_worker_meta(self):
+        report = WorkerReport(sync_loads_done=frozenset(self._sync_loads_done))
+        self._sync_loads_done = set()
+        return nixl_state.worker_metadata(report)
 
     def _merge_early(self, results):
         if self._early_results is None:
@@ -179,6 +205,10 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         self._confirmed.update(polled.confirmed)
         for read, reason in polled.refuted:
             self._count_guard_fallback("confirm", reason, read.request_id)
+            if read.request_id in self._abandoned_sync:
+                # Given up on and already reported invalid: its blocks may be
+                # another request's by now.
+                continue
             # The read may have seen another request's KV: never attach or cache it.
             nixl_state.report_invalid_blocks(self, set(read.local_blocks))
             self._refuted.add(read.request_id)

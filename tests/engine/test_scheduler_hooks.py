@@ -82,6 +82,7 @@ class Engine:
             model=str(model_dir), enable_prefix_caching=True, prefix_caching_hash_algo="sha256",
             block_size=BLOCK, max_model_len=1024,
             kv_transfer_config={"kv_connector": "SessionKVConnector", "kv_role": "kv_both",
+                                "kv_load_failure_policy": "recompute",
                                 "kv_connector_extra_config": {"sessionkv": sessionkv}},
         ).create_engine_config()
         layer = "model.layers.0.self_attn.attn"

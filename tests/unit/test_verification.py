@@ -129,3 +129,67 @@ def test_a_later_matching_hash_after_a_mismatch_is_never_used():
     remote = RemoteKV(num_tokens=160, block_size=B, hash_algo="sha256", chain=chain)
     v = verify_remote_kv(_local(seq + [1]), remote)
     assert v.verified_tokens == 32
+
+
+# ---------------------------------------------------------------- hash granularity
+UNIT, BLOCK = 16, 64    # vLLM's hash_block_size finer than the KV block (issue 46)
+
+
+def _unit_remote(seq: list[int]) -> RemoteKV:
+    full = len(seq) // UNIT
+    return RemoteKV(num_tokens=len(seq), block_size=BLOCK, hash_algo="sha256",
+                    chain=engine_block_hashes(seq[:full * UNIT], UNIT),
+                    tail_token_ids=seq[full * UNIT:], hash_tokens=UNIT)
+
+
+def _unit_local(prompt: list[int], **kw) -> LocalPrompt:
+    return LocalPrompt(prompt_token_ids=prompt, block_hashes=engine_block_hashes(prompt, UNIT),
+                       block_size=BLOCK, hash_algo="sha256", hash_tokens=UNIT, **kw)
+
+
+def test_each_hash_counts_its_unit_not_a_block():
+    """History edited at token 100: six 16-token hashes match, so 96 tokens are
+    verified (counting each hash as a 64-token block said 384)."""
+    seq = _tokens(400)
+    prompt = list(seq) + _tokens(20, seed=4)
+    prompt[100] += 1
+    v = verify_remote_kv(_unit_local(prompt), _unit_remote(seq))
+    assert (v.verified_tokens, v.reason) == (96, "prefix_mismatch")
+    assert v.refused_tokens == 400 - 96
+
+
+def test_whole_history_at_unit_granularity_with_its_tail():
+    seq = _tokens(200)      # 12 units of 16 and 8 tokens
+    v = verify_remote_kv(_unit_local(seq + _tokens(30, seed=5)), _unit_remote(seq))
+    assert (v.verified_tokens, v.refused_tokens, v.reason) == (200, 0, "ok")
+
+
+def test_a_claim_at_another_granularity_is_refused_whole():
+    seq = _tokens(200)
+    v = verify_remote_kv(_local(seq + _tokens(10, seed=6)),
+                         RemoteKV(num_tokens=200, block_size=B, hash_algo="sha256",
+                                  chain=engine_block_hashes(seq[:192], 16),
+                                  tail_token_ids=seq[192:], hash_tokens=16))
+    assert (v.verified_tokens, v.reason) == (0, "hash_unit_mismatch")
+
+
+# --------------------------------------------------- keys beyond the tokens, model
+def test_a_partial_block_is_not_proven_by_token_ids_when_the_request_has_other_keys():
+    """LoRA, multimodal inputs and prompt embeddings live only in full-block hashes."""
+    seq = _tokens(200)                    # 6 full blocks + 8 tokens
+    prompt = seq + _tokens(50, seed=9)
+    local = LocalPrompt(prompt_token_ids=prompt, block_hashes=engine_block_hashes(prompt, B),
+                        block_size=B, hash_algo="sha256", tail_verifiable=False)
+    v = verify_remote_kv(local, _remote(seq))
+    assert (v.verified_tokens, v.refused_tokens, v.reason) == (192, 8,
+                                                               "partial_block_unverifiable")
+
+
+def test_another_model_is_refused_and_an_unstated_one_is_not():
+    seq = _tokens(100)
+    prompt = seq + _tokens(5, seed=2)
+    local = LocalPrompt(prompt_token_ids=prompt, block_hashes=engine_block_hashes(prompt, B),
+                        block_size=B, hash_algo="sha256", model_id="a")
+    assert verify_remote_kv(local, _remote(seq, model_id="b")).reason == "model_mismatch"
+    assert verify_remote_kv(local, _remote(seq, model_id="a")).reason == "ok"
+    assert verify_remote_kv(local, _remote(seq)).reason == "ok"

@@ -42,6 +42,7 @@ EXPECTED_0_33 = [
     "attributes _handle_client_request: code changed",
     "attributes _process_input_queue: code changed",
     "attributes _read_blocks_for_req: code changed",
+    "attributes hash_block_size: added ... 4 more; removed ... 3 more",
     "attributes use_v2_model_runner: code changed",
     f"inherited_methods {_NIXL}connector:NixlPullConnector: added restore_kv_caches, "
     "supports_sleep_mode, unregister_kv_caches",

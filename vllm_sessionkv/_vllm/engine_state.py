@@ -12,7 +12,12 @@ __all__ = [
     "host_tier_events",
     "kv_bytes_per_block",
     "kv_bytes_per_token",
+    "kv_cache_group_count",
+    "kv_hash_tokens",
     "kv_num_blocks",
+    "model_identity",
+    "request_has_extra_keys",
+    "request_finished_with_output",
     "request_cache_salt",
     "request_session_id",
     "scheduled_requests",
@@ -25,6 +30,16 @@ def request_session_id(request: Request) -> str | None:
 
 def request_cache_salt(request: Request) -> str | None:
     return getattr(request, "cache_salt", None) or None
+
+
+def request_finished_with_output(request: Request) -> bool:
+    """Whether the request ended on an output of its own (a stop, its length, a
+    repetition), not by an abort, an error or being ignored."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (RequestStatus.FINISHED_STOPPED,
+                              RequestStatus.FINISHED_LENGTH_CAPPED,
+                              RequestStatus.FINISHED_REPETITION)
 
 
 def scheduled_requests(scheduler_output: Any) -> int:
@@ -71,3 +86,51 @@ def host_tier_events(events: list[tuple[str, list[bytes]]]) -> list[Any]:
         else:
             out.append(BlockRemoved(block_hashes=converted, medium="CPU"))
     return out
+
+
+def kv_cache_group_count(kv_cache_config: Any) -> int:
+    """KV cache groups (more than one: a hybrid model, e.g. sliding-window layers)."""
+    return len(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+
+
+def kv_hash_tokens(kv_cache_config: Any, block_size: int) -> int:
+    """Tokens per prefix-cache block hash (``Request.block_hashes``): vLLM sets
+    ``hash_block_size`` on the KV cache config before the scheduler is built; the
+    block size where it is not set (a single group hashes per block)."""
+    return getattr(kv_cache_config, "hash_block_size", None) or block_size
+
+
+def request_has_extra_keys(request: Request) -> bool:
+    """Whether vLLM's block hashes for this request carry keys beyond its tokens
+    (``generate_block_hash_extra_keys``: a LoRA adapter, multimodal inputs, prompt
+    embeddings; the cache salt is our tenant, checked on its own)."""
+    return bool(getattr(request, "lora_request", None) or getattr(request, "mm_features", None)
+                or getattr(request, "prompt_embeds", None) is not None)
+
+
+def model_identity(vllm_config: Any) -> str:
+    """What two engines must agree on for one's KV to stand for the other's: the
+    model and its revision, tokenizer, quantization, dtypes, config overrides and
+    RoPE settings (NIXL's handshake hash covers the model name, dtypes and shapes,
+    not these).  "" where the operator turned NIXL's compatibility check off
+    (``enforce_handshake_compat: false``), which tests do on purpose."""
+    import hashlib
+    import json
+
+    transfer = vllm_config.kv_transfer_config
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    if extra.get("enforce_handshake_compat", True) is False:
+        return ""
+    model = vllm_config.model_config
+    hf_config = getattr(model, "hf_config", None)
+    factors = {
+        "model": model.model, "revision": model.revision,
+        "tokenizer": model.tokenizer, "tokenizer_revision": model.tokenizer_revision,
+        "quantization": model.quantization, "dtype": str(model.dtype),
+        "hf_overrides": getattr(model, "hf_overrides", None),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        **{key: getattr(hf_config, key, None)
+           for key in ("rope_scaling", "rope_theta", "rope_parameters")},
+    }
+    text = json.dumps(factors, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -19,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
     NixlPullConnectorWorker,
 )
 
-from vllm_sessionkv.metadata import StepInstructions
+from vllm_sessionkv.metadata import StepInstructions, WorkerReport
 
 __all__ = [
     "NixlBaseConnector",
@@ -27,6 +28,7 @@ __all__ = [
     "NixlPullConnectorScheduler",
     "NixlPullConnectorWorker",
     "attach_step_instructions",
+    "cancel_read",
     "cancel_pending_send",
     "disable_stock_recompute_threshold",
     "fail_read",
@@ -46,6 +48,8 @@ __all__ = [
     "start_ready_reads",
     "step_instructions",
     "stop_heartbeat",
+    "worker_metadata",
+    "worker_report",
 ]
 
 
@@ -169,6 +173,23 @@ def fail_read(worker: NixlPullConnectorWorker, request_id: str) -> None:
                                    record_failed_transfer=False)
 
 
+def cancel_read(worker: NixlPullConnectorWorker, request_id: str) -> bool:
+    """Abort a posted read given up on: release each of its NIXL transfer handles
+    (NIXL aborts a transfer still in progress when its handle is released; a handle
+    it cannot release stays, with the DMA possibly still running).  True when no
+    handle is left: nothing can write the read's destinations any more, and stock
+    code forgets the read (it will report it neither done nor failed)."""
+    kept = [handle for handle in worker._recving_transfers.get(request_id, ())
+            if not worker._try_release_xfer_handle(request_id, handle)]
+    if kept:
+        worker._recving_transfers[request_id] = kept
+        return False
+    worker._recving_transfers.pop(request_id, None)
+    worker._recving_metadata.pop(request_id, None)
+    worker._pending_recv_notifs.pop(request_id, None)
+    return True
+
+
 def pending_send_deadline_unix_s(deadline_perf_counter: float) -> float:
     """Convert a perf_counter deadline to wall-clock time for publishing."""
     return time.time() + (deadline_perf_counter - time.perf_counter())
@@ -208,3 +229,27 @@ def remote_prefill_token_count(scheduler: NixlPullConnectorScheduler,
     """Prompt tokens a P->D load may cover (stock keeps the last one, or more for
     some models, for D to compute)."""
     return scheduler._get_remote_prefill_token_count(num_prompt_tokens)
+
+
+class _WorkerMetadata(KVConnectorWorkerMetadata):
+    """Our ``WorkerReport`` as vLLM's worker->scheduler metadata (merged across
+    workers by ``aggregate``)."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, _WorkerMetadata):
+            return _WorkerMetadata(self.report.merge(other.report))
+        return self
+
+
+def worker_metadata(report: WorkerReport) -> KVConnectorWorkerMetadata | None:
+    """What the worker's ``build_connector_worker_meta`` returns for this report."""
+    return None if report.is_empty() else _WorkerMetadata(report)
+
+
+def worker_report(connector_output: Any) -> WorkerReport:
+    """The workers' merged report in a step's ``KVConnectorOutput`` (empty if none)."""
+    meta = getattr(connector_output, "kv_connector_worker_meta", None)
+    return meta.report if isinstance(meta, _WorkerMetadata) else WorkerReport()

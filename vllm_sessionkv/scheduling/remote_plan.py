@@ -82,7 +82,8 @@ def remote_claim(params: dict[str, Any], payload: SessionPayload, refusal: str |
                 num_tokens=int(params.get("remote_num_tokens") or 0),
                 block_size=payload.block_size, hash_algo=payload.hash_algo,
                 chain=decode_chain(payload.hash_chain),
-                tail_token_ids=payload.tail_token_ids, tenant=payload.tenant), None
+                tail_token_ids=payload.tail_token_ids, tenant=payload.tenant,
+                hash_tokens=payload.hash_tokens, model_id=payload.model_id), None
     except (TypeError, ValueError) as exc:
         refusal, error = "malformed_handle", str(exc)
     if refusal == "unsupported_version":

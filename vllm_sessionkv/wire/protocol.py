@@ -195,6 +195,11 @@ class SessionPayload(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Tenant: vLLM's cache_salt.  A claim is never used across tenants.
     tenant: str | None = None
     num_tokens: int = 0
+    # Tokens per chain hash (vLLM's hash_block_size); 0: block_size (older writers).
+    hash_tokens: int = 0
+    # The holder's model identity (_vllm.engine_state.model_identity); a reader
+    # serving another model refuses the claim.  "": not stated.
+    model_id: str = ""
     # D only: wall-clock (unix seconds) end of its lease on the blocks; 0: none.
     expires_at_unix_s: float = 0.0
     # The holder's token for these blocks (guard.py): a reader claims the blocks
