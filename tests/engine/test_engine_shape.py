@@ -28,15 +28,8 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _process_state_restored(monkeypatch):
-    """The constructor caps vLLM's busy poll for its process; put it back."""
-    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-    from vllm_sessionkv._vllm import pacing
-
-    monkeypatch.setattr(SpinCondition, "wait", SpinCondition.wait)
-    for name in ("_busy_poll_cap_s", "_spin_while_busy"):
-        monkeypatch.setattr(pacing, name, getattr(pacing, name))
+def _restored(connector_process_state_restored):
+    """The constructor patches vLLM for its process; put back after each test."""
 
 
 def _kv_cache_config(groups: int, hash_block_size: int | None = None):

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-from vllm_sessionkv._vllm import nixl_state
+from vllm_sessionkv._vllm import nixl_state, pacing
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.metadata import StepInstructions
 from vllm_sessionkv.worker import SessionKVWorker
@@ -38,7 +38,9 @@ class _StockNixl:
         self._recv_failures: set[str] = set()
         self._invalid_block_ids: queue.Queue = queue.Queue()
         self._ready_requests: queue.Queue = queue.Queue()
+        self._pending_recv_notifs: dict = {}
         self.posted: list[str] = []
+        self.released: list[tuple[str, str]] = []    # handles released (a read aborted)
         self.landed: dict[str, bool] = {}             # read done -> ok
         self.auto_land = False                        # a read lands as it is posted
 
@@ -52,6 +54,10 @@ class _StockNixl:
         self.posted.append(req_id)
         if self.auto_land:
             self.landed[req_id] = True
+
+    def _try_release_xfer_handle(self, req_id, handle):
+        self.released.append((req_id, handle))
+        return True
 
     def _handle_failed_transfer(self, req_id, handle, failed_req_ids=None,
                                 record_failed_transfer=True):
@@ -82,9 +88,12 @@ class _StockNixl:
 
 @pytest.fixture
 def make_worker(monkeypatch):
+    # The worker marks its engine busy or idle for the process (pacing); put it back.
+    monkeypatch.setattr(pacing, "_engine_busy", pacing._engine_busy)
     base = nixl_state.NixlPullConnectorWorker
     for name in ("__init__", "start_load_kv", "_read_blocks_for_req",
-                 "_handle_failed_transfer", "get_transfer_results", "shutdown"):
+                 "_try_release_xfer_handle", "_handle_failed_transfer",
+                 "get_transfer_results", "shutdown"):
         monkeypatch.setattr(base, name, getattr(_StockNixl, name))
     workers = []
 
@@ -239,6 +248,9 @@ def test_a_synchronous_read_given_up_is_never_reported_later(make_worker, guard_
     assert _count(worker, "sync_load_timeouts") == 1
     assert _invalid(worker) == set(BLOCKS)
     assert worker.posted == ([] if stalls == "claim" else ["r1"])
+    # A posted read is aborted before the step goes on (its handle released): vLLM
+    # recomputes into its destination blocks and may reuse them.
+    assert worker.released == ([] if stalls == "claim" else [("r1", "xfer")])
     if stalls == "claim":
         guard_holder.resume()
     if stalls == "read":
