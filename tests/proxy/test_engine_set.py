@@ -153,6 +153,14 @@ async def test_added_engine_gets_traffic_removed_one_none_in_flight_finishes(
             async with http.get(f"{url}/metrics") as resp:
                 assert 'sessionkv_proxy_engine_set_changes_total{outcome="invalid"} 2.0' \
                     in await resp.text()
+            # So does a file that does not parse, or lists no decode engine.
+            invalid = proxy.services.metrics.engine_set_changes.labels("invalid")
+            for content in ("[{not json", json.dumps([p_cfg])):
+                seen = invalid._value.get()
+                engines_file.write_text(content)
+                await _wait(lambda: invalid._value.get() > seen, "the file refused")
+            assert [c.url for c in proxy.services.engine_set.configs] == \
+                [p_cfg["url"], d1_cfg["url"]]
     finally:
         await proxy.stop(1.0)
         for runner in runners:
