@@ -61,7 +61,7 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         self._confirmed: set[str] = set()
         self._refuted: set[str] = set()
         if config.pull_guard:
-            self._guard = ReadGuard(engine_id, member=f"tp{self.tp_rank}",
+            self._guard = ReadGuard(engine_id, member=nixl_state.worker_member(self),
                                     timeout_s=config.pull_guard_timeout_s)
             self._post_read = nixl_state.gate_reads(self, self._before_read)
 

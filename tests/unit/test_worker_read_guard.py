@@ -32,6 +32,7 @@ class _StockNixl:
 
     def __init__(self, vllm_config, engine_id, kv_cache_config):
         self.tp_rank = 0
+        self.pp_size = 1
         self._remote_agents = {"D": "agent"}         # handshaken with the holder
         self._recving_metadata: dict = {}
         self._recving_transfers: dict = {}

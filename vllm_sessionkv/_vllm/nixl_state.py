@@ -48,6 +48,7 @@ __all__ = [
     "start_ready_reads",
     "step_instructions",
     "stop_heartbeat",
+    "worker_member",
     "worker_metadata",
     "worker_report",
 ]
@@ -253,3 +254,14 @@ def worker_report(connector_output: Any) -> WorkerReport:
     """The workers' merged report in a step's ``KVConnectorOutput`` (empty if none)."""
     meta = getattr(connector_output, "kv_connector_worker_meta", None)
     return meta.report if isinstance(meta, _WorkerMetadata) else WorkerReport()
+
+
+def worker_member(worker: NixlPullConnectorWorker) -> str:
+    """This worker's name among its engine's workers, for the pull guard's claims:
+    its tensor-parallel rank, and its pipeline stage where there are several (each
+    stage reads its own layers, so each claims and confirms on its own)."""
+    if worker.pp_size > 1:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return f"pp{get_pp_group().rank_in_group}tp{worker.tp_rank}"
+    return f"tp{worker.tp_rank}"
