@@ -40,11 +40,23 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Parameters of the pull-versus-recompute decision (see ``cost.decide_pull``).
 
     Defaults are sized for the tiny CPU model on this project's CI machine; operators
-    set them from ``sessionkv-plan`` or from measured prefill throughput.
+    set them from ``sessionkv-plan`` or from measured prefill throughput.  The
+    recompute price per token and the link's bandwidth calibrate themselves from the
+    engine's own step timings and NIXL's telemetry; a value set here for
+    ``recompute_s_per_token`` pins it.
     """
 
-    # Prefill cost of one new token on an idle engine, excluding attention.
-    recompute_s_per_token: float = DEFAULT_RECOMPUTE.s_per_token
+    # Prefill cost of one new token on an idle engine, excluding attention.  Unset:
+    # calibrated from the engine's prefill steps, starting from
+    # ``recompute_prior_s_per_token``; set: pinned to this value.
+    recompute_s_per_token: float | None = None
+    # Where the calibration starts, until the engine has timed a prefill step.
+    recompute_prior_s_per_token: float = DEFAULT_RECOMPUTE.s_per_token
+    # Weight of each timed prefill step in the calibrated recompute price.
+    recompute_ewma_alpha: float = 0.3
+    # Only steps computing at least this many tokens calibrate it (smaller steps are
+    # decode steps, which time the step's fixed cost rather than prefill).
+    recompute_min_sample_tokens: int = 64
     # Attention cost: per new token, per token of context before it.
     recompute_s_per_token_per_context_token: float = \
         DEFAULT_RECOMPUTE.s_per_token_per_context_token
@@ -71,6 +83,10 @@ class CostConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def __post_init__(self):
         _check_not_negative(self, "cost.")
+        for name in ("recompute_ewma_alpha", "load_ewma_alpha", "bandwidth_ewma_alpha"):
+            if not 0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"cost.{name} must be within (0, 1], got "
+                                 f"{getattr(self, name)}")
         if not 0 <= self.sync_load_max_stall_s <= 1.0:
             raise ValueError("cost.sync_load_max_stall_s must be within [0, 1], got "
                              f"{self.sync_load_max_stall_s}")

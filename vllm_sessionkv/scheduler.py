@@ -96,6 +96,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             config.cost, engine_state.kv_bytes_per_token(kv_cache_config, self.block_size),
             host_link=LinkModel(bytes_per_s=config.host_copy_bytes_per_s,
                                 per_transfer_s=config.host_copy_per_transfer_s))
+        # The gauges start at the prices in force (prior or pinned).
+        self.stats.record("recompute_s_per_token", self.pricing.recompute_model.s_per_token)
+        self.stats.record("link_bytes_per_s", self.pricing.link_bytes_per_s)
         num_blocks = engine_state.kv_num_blocks(kv_cache_config)
         self._holds = SessionHolds(
             int(config.session_hold_max_kv_fraction * num_blocks) if num_blocks else 1 << 62,
@@ -192,12 +195,13 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             "sessionkv plan request_id=%s session_id=%s direction=%s decision=%s "
             "verify=%s verified_tokens=%d refused_tokens=%d local_hit_tokens=%d "
             "load_tokens=%d read=%s first_token=%s prompt_tokens=%d pull_s=%.6f "
-            "recompute_s=%.6f load=%.2f link_bytes_per_s=%.3g",
+            "recompute_s=%.6f load=%.2f link_bytes_per_s=%.3g recompute_s_per_token=%.3g",
             request.request_id, engine_state.request_session_id(request), plan.direction,
             decision, verdict.reason, verdict.verified_tokens, verdict.refused_tokens,
             num_computed_tokens, plan.load_tokens, "sync" if plan.sync else "async",
             first_token, request.num_prompt_tokens, pull_s, recompute_s,
-            self.pricing.engine_load, self.pricing.link_bytes_per_s)
+            self.pricing.engine_load, self.pricing.link_bytes_per_s,
+            self.pricing.recompute_model.s_per_token)
         return plan
 
     def _verdict(self, request: Request, params: dict[str, Any], way: str,
@@ -379,6 +383,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             read_guards=self._guard.take_reads(),
             report_sent=self._guard.take_sent(now))
         nixl_state.attach_step_instructions(meta, instructions)
+        # Timed for the recompute price unless the step also waits on reads or copies.
+        self.pricing.step_built(now, engine_state.scheduled_work(scheduler_output),
+                                timed=not (instructions.sync_loads or instructions.host_copies))
         # This process and the worker spin on their queues only when it has a model
         # to run (the worker learns it from ``idle_step``).
         pacing.set_engine_busy(running > 0)
@@ -391,10 +398,15 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         free_now = self._guard.gate(sending or (), time.perf_counter())
         if free_now is not None:
             connector_output.finished_sending = free_now
+        if self.pricing.step_finished(time.perf_counter()):
+            self.stats.record("recompute_s_per_token", self.pricing.recompute_model.s_per_token)
         stats = getattr(connector_output, "kv_connector_stats", None)
         data = getattr(stats, "data", None) or {}
+        link_before = self.pricing.link_bytes_per_s
         self.pricing.observe_transfers(data.get("bytes_transferred", ()),
                                        data.get("transfer_duration", ()))
+        if self.pricing.link_bytes_per_s != link_before:
+            self.stats.record("link_bytes_per_s", self.pricing.link_bytes_per_s)
         failed = getattr(connector_output, "failed_recving", None) or set()
         received = getattr(connector_output, "finished_recving", None) or set()
         plans = dict(self._requests.planned())

@@ -55,6 +55,8 @@ _SESSION_KEYS = (
     "host_evicted_blocks",
     "host_resident_bytes",
     "session_holds",
+    "recompute_s_per_token",
+    "link_bytes_per_s",
     *(f"session_holds_released_{r}" for r in RELEASE_REASONS),
     "host_store_s",
     "host_restore_s",
@@ -187,6 +189,15 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "sessionkv_session_holds",
             "Sessions whose last turn's KV this engine holds for the next turn's pull "
             "(until it is read, superseded or its lease ends).")
+        self._recompute_price = self._gauge(
+            "sessionkv_recompute_seconds_per_token",
+            "The recompute price per new token the pull-or-recompute decision uses: "
+            "calibrated from this engine's prefill steps, or cost.recompute_s_per_token "
+            "where set (reported when it changes).")
+        self._link_price = self._gauge(
+            "sessionkv_link_bytes_per_second",
+            "The peer link's bandwidth the pull-or-recompute decision uses, refined "
+            "from NIXL's transfer telemetry (reported when it changes).")
         self._holds_released = self._by_label(
             "sessionkv_session_holds_released",
             "Session holds ended, by reason, each a normal outcome: pulled (the next "
@@ -315,7 +326,9 @@ class SessionKVPromMetrics(NixlPromMetrics):
                 metric[engine_idx].observe(seconds)
         # Gauges: the last value the scheduler reported (it reports on change).
         for key, gauge in (("host_resident_bytes", self._host_resident),
-                           ("session_holds", self._session_holds)):
+                           ("session_holds", self._session_holds),
+                           ("recompute_s_per_token", self._recompute_price),
+                           ("link_bytes_per_s", self._link_price)):
             values = transfer_stats_data.get(key) or ()
             if values:
                 gauge[engine_idx].set(values[-1])

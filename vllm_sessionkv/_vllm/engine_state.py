@@ -21,6 +21,7 @@ __all__ = [
     "request_cache_salt",
     "request_session_id",
     "scheduled_requests",
+    "scheduled_work",
 ]
 
 
@@ -45,6 +46,20 @@ def request_finished_with_output(request: Request) -> bool:
 def scheduled_requests(scheduler_output: Any) -> int:
     """Number of requests that ran in a scheduler step: our engine-load signal."""
     return len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
+
+
+def scheduled_work(scheduler_output: Any) -> list[tuple[int, int]]:
+    """(new tokens, tokens computed before them) for each request a scheduler step
+    runs: what the step's forward computes, for timing the engine's recompute speed."""
+    num_scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    computed: dict[str, int] = {}
+    for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        computed[new.req_id] = getattr(new, "num_computed_tokens", 0)
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    computed.update(zip(getattr(cached, "req_ids", None) or (),
+                        getattr(cached, "num_computed_tokens", None) or ()))
+    return [(int(tokens), int(computed.get(req_id, 0)))
+            for req_id, tokens in num_scheduled.items()]
 
 
 def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float:

@@ -1,13 +1,16 @@
 """The scheduler's prices: pull from a peer or restore from host against recompute,
 and whether a read may run inside the step that computes its request.
 
-It keeps the engine's live inputs, both smoothed: the load (requests per step) and
-the link's measured bandwidth.  Every decision goes through ``decide`` (one
+It keeps the engine's live inputs, all smoothed: the load (requests per step), the
+link's measured bandwidth (NIXL's telemetry) and the recompute price per token (the
+engine's own prefill steps, timed by the scheduler; ``cost.recompute_s_per_token``
+pins it).  Every decision goes through ``decide`` (one
 ``PullQuote`` construction); ``wire/cost.py`` holds the arithmetic.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from vllm_sessionkv.config import CostConfig
@@ -16,10 +19,16 @@ from vllm_sessionkv.wire.cost import (
     PullDecision,
     PullQuote,
     RecomputeModel,
+    calibrate_s_per_token,
     decide_pull,
     decide_sync_load,
+    attention_pairs,
     transfer_time_s,
 )
+
+# Steps scheduled and not yet seen finished (vLLM's async scheduling keeps one more in
+# flight): more than this means outputs were lost, and the oldest are dropped.
+_MAX_STEPS_IN_FLIGHT = 4
 
 __all__ = ["Pricing"]
 
@@ -29,8 +38,11 @@ class Pricing:
                  host_link: LinkModel) -> None:
         self.cost = cost
         self.kv_bytes_per_token = kv_bytes_per_token
+        # Configured: pinned; unset: calibrated from the prior on.
+        self.recompute_pinned = cost.recompute_s_per_token is not None
         self.recompute_model = RecomputeModel(
-            s_per_token=cost.recompute_s_per_token,
+            s_per_token=(cost.recompute_s_per_token if self.recompute_pinned
+                         else cost.recompute_prior_s_per_token),
             s_per_token_per_context_token=cost.recompute_s_per_token_per_context_token,
             load_slowdown_per_unit=cost.load_slowdown_per_unit)
         self.host_link = host_link
@@ -39,6 +51,9 @@ class Pricing:
         # Requests vLLM has asked about and not yet finished: when a request finds
         # none, the engine was idle, whatever its last busy steps left in the estimate.
         self._live_requests: set[str] = set()
+        # Steps built and not yet finished: (built at, new tokens, attention pairs).
+        self._steps: deque[tuple[float, int, float]] = deque(maxlen=_MAX_STEPS_IN_FLIGHT)
+        self._last_step_end = 0.0
 
     @property
     def peer_link(self) -> LinkModel:
@@ -76,6 +91,45 @@ class Pricing:
         # busy the engine is.
         alpha = self.cost.load_ewma_alpha
         self.engine_load = (1 - alpha) * self.engine_load + alpha * running
+
+    def step_built(self, now: float, work: Iterable[tuple[int, int]],
+                   timed: bool = True) -> None:
+        """A step was scheduled at ``now`` that computes, per request, (new tokens,
+        tokens before them).  ``timed=False``: the step also waits for something
+        else (a synchronous read, host copies), so its time says nothing of recompute."""
+        work = list(work)
+        tokens = sum(n for n, _ in work) if timed else 0
+        pairs = sum(attention_pairs(n, c) for n, c in work) if timed else 0.0
+        self._steps.append((now, tokens, pairs))
+
+    def step_finished(self, now: float) -> bool:
+        """The oldest step in flight has its output at ``now``: time it from when it
+        could start (built, and the step before it finished).  Whether the recompute
+        price moved."""
+        if not self._steps:
+            return False
+        built, tokens, pairs = self._steps.popleft()
+        started = max(built, self._last_step_end)
+        self._last_step_end = now
+        return self.observe_step_timing(tokens, pairs, now - started)
+
+    def observe_step_timing(self, tokens: int, pairs: float, step_s: float) -> bool:
+        """One engine step computed ``tokens`` new tokens over ``pairs`` attention
+        pairs in ``step_s``: refine the recompute price unless it is pinned.  Whether
+        the price moved."""
+        if self.recompute_pinned:
+            return False
+        model = self.recompute_model
+        s_per_token = calibrate_s_per_token(
+            model.s_per_token, tokens, pairs, step_s, model.s_per_token_per_context_token,
+            self.cost.recompute_ewma_alpha, self.cost.recompute_min_sample_tokens)
+        if s_per_token == model.s_per_token:
+            return False
+        self.recompute_model = RecomputeModel(
+            s_per_token=s_per_token,
+            s_per_token_per_context_token=model.s_per_token_per_context_token,
+            load_slowdown_per_unit=model.load_slowdown_per_unit)
+        return True
 
     def observe_transfers(self, num_bytes: Iterable[float],
                           durations_s: Iterable[float]) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "PullQuote",
     "RecomputeModel",
     "attention_pairs",
+    "calibrate_s_per_token",
     "decide_pull",
     "decide_restore_for_pull",
     "decide_sync_load",
@@ -109,6 +110,25 @@ def recompute_time_s(
         tokens, context_tokens
     )
     return idle_s * (1.0 + model.load_slowdown_per_unit * engine_load)
+
+
+def calibrate_s_per_token(estimate: float, tokens: int, pairs: float, step_s: float,
+                          s_per_token_per_context_token: float, alpha: float,
+                          min_tokens: int) -> float:
+    """The recompute price ``s_per_token`` refined by one engine step's timing.
+
+    A step that computed ``tokens`` new tokens over ``pairs`` attention pairs
+    (:func:`attention_pairs`, summed over its requests) in ``step_s`` is one sample:
+    ``(step_s - s_per_token_per_context_token * pairs) / tokens``, folded into
+    ``estimate`` with weight ``alpha``.  Steps of fewer than ``min_tokens`` tokens
+    (decode steps) measure the step's fixed cost, not prefill, and leave the estimate
+    as it was.  The fixed cost of the steps that count stays in the sample: it prices
+    recompute a little high, which a recompute does cost the step.
+    """
+    if tokens < max(1, min_tokens) or step_s <= 0:
+        return estimate
+    sample = max(0.0, step_s - s_per_token_per_context_token * max(0.0, pairs)) / tokens
+    return (1.0 - alpha) * estimate + alpha * sample
 
 
 class PullQuote(msgspec.Struct, frozen=True):
