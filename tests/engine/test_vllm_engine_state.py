@@ -39,6 +39,23 @@ def test_a_step_counts_the_requests_it_scheduled():
     assert engine_state.scheduled_requests(SimpleNamespace(num_scheduled_tokens=None)) == 0
 
 
+def test_a_step_names_each_requests_new_tokens_and_the_tokens_before_them():
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert {"scheduled_new_reqs", "scheduled_cached_reqs"} <= fields
+    assert "num_computed_tokens" in {f.name for f in dataclasses.fields(NewRequestData)}
+    assert {"req_ids", "num_computed_tokens"} <= {
+        f.name for f in dataclasses.fields(CachedRequestData)}
+    step = SimpleNamespace(
+        num_scheduled_tokens={"new": 512, "chunk": 256, "decode": 1},
+        scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=64)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["chunk", "decode"],
+                                              num_computed_tokens=[512, 900]))
+    assert sorted(engine_state.scheduled_work(step)) == [(1, 900), (256, 512), (512, 64)]
+    assert engine_state.scheduled_work(SimpleNamespace(num_scheduled_tokens=None)) == []
+
+
 def test_kv_sizes_come_from_the_kv_cache_config():
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
 
