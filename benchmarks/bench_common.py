@@ -1,7 +1,7 @@
 """Helpers shared by the benchmarks that start engines and routers (``router_bench.py``,
 ``agent_workload.py``): the side venv with vllm-router and the toy proxy's stack, port
-allocation, waiting for other vLLM servers, router command lines, percentiles and
-Prometheus scraping.
+allocation, waiting for other vLLM servers, router command lines and Prometheus
+scraping (percentiles: sessionkv_bench.stats).
 
 Top-level imports are the standard library only: the side venv's python (which has
 matplotlib) imports the benchmarks to draw their figures.
@@ -254,12 +254,6 @@ def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | Non
         out[arm] = RouterProc(arm, f"http://127.0.0.1:{port}", proc, argv)
     wait_healthy([(r.proc, r.url) for r in out.values()], timeout_s=120)
     return out
-
-
-def pct(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile."""
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def _med(xs: list) -> float | None:

@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_common import sse_chunks  # noqa: E402
+from sessionkv_bench.stats import pct  # noqa: E402
 
 from vllm_sessionkv.dev.launch import (  # noqa: E402
     EngineSpec,
@@ -146,13 +147,6 @@ def completion_bodies(model: str, n: int, prompt_len: int, max_tokens: int, seed
     return bodies
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
-
-
 # ---------------------------------------------------------------- engine side
 
 def histogram_sums(url: str) -> dict[str, float]:
@@ -247,8 +241,8 @@ def measure_engine(variant: Variant, model: str, args, log_dir: Path,
                 "tpot_s": histogram_mean(before, after,
                                          "vllm:request_time_per_output_token_seconds"),
                 "prefill_s": histogram_mean(before, after, "vllm:request_prefill_time_seconds"),
-                "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-                "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
+                "itl_p50_s": pct(itl, 0.50), "itl_p99_s": pct(itl, 0.99),
+                "latency_p50_s": pct(lat, 0.50), "latency_p99_s": pct(lat, 0.99),
                 "busy_cpu": busy, "requests": len(samples),
                 "chunks": sum(s.chunks for s in samples),
             }
@@ -299,7 +293,7 @@ def _x(x) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _pct(x) -> str:
+def _share(x) -> str:
     return "-" if x is None else f"{x * 100:.0f}%"
 
 
@@ -320,7 +314,7 @@ def render_table(rows: list[dict], concurrencies: list[int]) -> str:
                       _ms(r[p + "latency_p99_s"]),
                       f"{_ms(r[p + 'itl_p50_s'])}/{_ms(r[p + 'itl_p99_s'])}",
                       _ms(r[p + "prefill_s"])]
-        cells += [_pct(r["idle_cpu"]), _pct(r[f"c{last}.busy_cpu"]), r["model_thread_cores"]]
+        cells += [_share(r["idle_cpu"]), _share(r[f"c{last}.busy_cpu"]), r["model_thread_cores"]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -627,7 +621,7 @@ def main(argv=None) -> int:
             print("   " + "  ".join(f"c{c}: tpot {_ms(r[f'c{c}']['tpot_s'])} ms, "
                                     f"lat p50 {_ms(r[f'c{c}']['latency_p50_s'])} ms"
                                     for c in args.concurrency)
-                  + f"  idle {_pct(r['idle_cpu'])}", flush=True)
+                  + f"  idle {_share(r['idle_cpu'])}", flush=True)
         runs.append(sorted(results, key=lambda r: names.index(r["name"])))
     rows = summarize(runs, args.concurrency)
     verdicts = verdict(rows, args.concurrency)

@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 
+from sessionkv_bench.stats import pct
 from sessionkv_proxy.index import TIER_DEVICE, MemoryIndex
 from sessionkv_proxy.index.redis import RedisIndex
 from vllm_sessionkv.wire.hashing import request_keys
@@ -73,11 +74,6 @@ def start_redis() -> tuple[subprocess.Popen, str, str]:
             time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     raise SystemExit("redis-server did not start")
-
-
-def percentile_us(samples_s: list[float], q: float) -> float:
-    ordered = sorted(samples_s)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
 
 
 async def populate(index, total_blocks: int, args, rng: random.Random) -> list[list[int]]:
@@ -129,8 +125,8 @@ async def bench_backend(name: str, index, total_blocks: int, args) -> dict:
             answer = await index.lookup(q)
             samples.append(time.perf_counter() - t)
             matched = max([matched] + [b for tiers in answer.values() for b in tiers.values()])
-        result[f"{kind}_p50_us"] = percentile_us(samples, 0.50)
-        result[f"{kind}_p99_us"] = percentile_us(samples, 0.99)
+        result[f"{kind}_p50_us"] = pct(samples, 0.50) * 1e6
+        result[f"{kind}_p99_us"] = pct(samples, 0.99) * 1e6
         result[f"{kind}_mean_us"] = statistics.fmean(samples) * 1e6
         result[f"{kind}_max_matched"] = matched
     return result

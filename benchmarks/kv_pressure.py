@@ -76,6 +76,7 @@ from bench_common import (  # noqa: E402
     log,
     machine_line,
 )
+from sessionkv_bench.stats import pct  # noqa: E402
 
 SESSION_HEADER = "X-Session-ID"
 LOGPROB_TOLERANCE = 2e-3     # tests/helpers.py: two runs on the same KV agree exactly
@@ -405,14 +406,9 @@ def summarize(turns: list[Turn], counters: dict, poisoned: dict) -> dict:
         "poisoned_checked": poisoned.get("checked", 0),
         "poisoned_p": len(poisoned.get("P", [])), "poisoned_d": len(poisoned.get("D", [])),
         "poisoned_errors": len(poisoned.get("errors", [])),
-        "latency_p50_s": _pct([t.latency_s for t in ok], 0.5),
+        "latency_p50_s": round(pct([t.latency_s for t in ok], 0.5), 3) if ok else None,
         "latency_max_s": max((t.latency_s for t in ok), default=None),
     }
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3) if xs else None
 
 
 # =========================================================================== report

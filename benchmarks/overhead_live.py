@@ -38,11 +38,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_common import metric_sum, sse_chunks  # noqa: E402
+from sessionkv_bench.stats import pct  # noqa: E402
 from engine_overhead import (  # noqa: E402
     completion_bodies,
     histogram_mean,
     histogram_sums,
-    pct,
 )
 
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster, process_tree  # noqa: E402
@@ -252,9 +252,9 @@ def run_block(engines: Engines, name: str, bodies: list[dict], concurrency: int)
     ttft = [s.ttft_s for s in samples if s.ttft_s is not None]
     return {"engine": name, "concurrency": concurrency,
             "tpot_s": statistics.median(tpot) if tpot else None,
-            "ttft_p50_s": pct(ttft, 50),
+            "ttft_p50_s": pct(ttft, 0.50),
             "engine_tpot_s": histogram_mean(hist0, hist1, TPOT),
-            "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
+            "latency_p50_s": pct(lat, 0.50), "latency_p99_s": pct(lat, 0.99),
             "requests": len(samples), "wall_s": wall_s,
             "cpu": {n: round(c["cores"], 4) for n, c in cpu.items()},
             "busy_threads": cpu[name]["top"]}

@@ -101,13 +101,13 @@ from bench_common import (
     log,
     machine_line,
     metric_sums,
-    pct,
     python_build,
     python_line,
     reset_prefix_caches,
     start_routers,
     wait_for_no_other_vllm,
 )
+from sessionkv_bench.stats import pct
 
 STUB_MODEL = "stub"
 # Marks the arms that run on --alt-python.

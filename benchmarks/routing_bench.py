@@ -55,6 +55,7 @@ sys.path[:0] = [str(REPO), str(REPO / "proxy"), str(REPO / "benchmarks")]
 
 from sessionkv_proxy import policy  # noqa: E402
 from sessionkv_proxy.index import MemoryIndex  # noqa: E402
+from sessionkv_bench.stats import pct  # noqa: E402
 from sessionkv_proxy.index.redis import RedisIndex  # noqa: E402
 from vllm_sessionkv.wire.hashing import request_keys  # noqa: E402
 from vllm_sessionkv.dev.launch import (  # noqa: E402
@@ -196,11 +197,6 @@ def latency(proxy: str, model: str, decode: list[str], pairs: int, kind: str) ->
     return {"kind": kind, "via": via, "direct": direct, "routes": routes}
 
 
-def pct_ms(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
-
-
 # --------------------------------------------------------------------------- decisions
 async def decision_bench(backend: str, size: int, redis_url: str | None, n: int,
                          seed: int) -> dict:
@@ -251,8 +247,8 @@ async def decision_bench(backend: str, size: int, redis_url: str | None, n: int,
         # clear of 1M entries outlasts the client's read timeout.
         await index.close()
     return {"backend": backend, "blocks": blocks, "populate_s": populate_s,
-            "p50_us": pct_ms(samples, 0.5) * 1e3, "p99_us": pct_ms(samples, 0.99) * 1e3,
-            "lookup_p50_us": pct_ms(lookups, 0.5) * 1e3}
+            "p50_us": pct(samples, 0.5) * 1e6, "p99_us": pct(samples, 0.99) * 1e6,
+            "lookup_p50_us": pct(lookups, 0.5) * 1e6}
 
 
 def index_decisions(args) -> None:
@@ -366,12 +362,12 @@ def main() -> int:
             lat = latency(cluster.proxy_url, model, [e.url for e in cluster.decode],
                           args.latency_pairs, kind)
             added = [v - d for v, d in zip(lat["via"], lat["direct"])]
-            print(f"{kind:9}: direct p50 {pct_ms(lat['direct'], .5):6.2f} ms p99 "
-                  f"{pct_ms(lat['direct'], .99):6.2f} | via proxy p50 "
-                  f"{pct_ms(lat['via'], .5):6.2f} ms p99 {pct_ms(lat['via'], .99):6.2f} | "
-                  f"added p50 {pct_ms(lat['via'], .5) - pct_ms(lat['direct'], .5):5.2f} ms "
-                  f"(per-pair difference p50 {pct_ms(added, .5):.2f} ms, p90 "
-                  f"{pct_ms(added, .9):.2f} ms)  routes {lat['routes']}",
+            print(f"{kind:9}: direct p50 {pct(lat['direct'], .5) * 1e3:6.2f} ms p99 "
+                  f"{pct(lat['direct'], .99) * 1e3:6.2f} | via proxy p50 "
+                  f"{pct(lat['via'], .5) * 1e3:6.2f} ms p99 {pct(lat['via'], .99) * 1e3:6.2f} | "
+                  f"added p50 {pct(lat['via'], .5) * 1e3 - pct(lat['direct'], .5) * 1e3:5.2f} ms "
+                  f"(per-pair difference p50 {pct(added, .5) * 1e3:.2f} ms, p90 "
+                  f"{pct(added, .9) * 1e3:.2f} ms)  routes {lat['routes']}",
                   flush=True)
 
     finally:

@@ -94,6 +94,7 @@ from bench_common import (  # noqa: E402
     engine_counters,
     machine_line,
 )
+from sessionkv_bench.stats import pct  # noqa: E402
 
 OUT_DIR = REPO / "docs" / "benchmarks"
 SESSION_HEADER = "X-Session-ID"
@@ -464,9 +465,8 @@ class Soak:
 
 
 # =========================================================================== report
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+def _secs(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f} s"
 
 
 def _turn_line(o: Outcome) -> str:
@@ -517,7 +517,7 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
         "fault_phase": {"requests": len(faults),
                         "errors": sum(id(o) in error_ids for o in faults),
                         "wrong": sum(o.mismatch for o in faults),
-                        "latency_p50_s": _pct(lf, 0.5), "latency_p99_s": _pct(lf, 0.99),
+                        "latency_p50_s": pct(lf, 0.5), "latency_p99_s": pct(lf, 0.99),
                         "latency_mean_s": statistics.fmean(lf) if lf else None},
         "peak_proxy_rss_mib": round(soak.peak_rss / 2**20),
     }
@@ -536,7 +536,7 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
         f"| client errors outside the D-down window | {len(outside)} |",
         f"| client errors inside the D-down window | {len(inside)} |",
         f"| wrong answers (token ids differ from the co-located server's) | {len(wrong)} |",
-        f"| fault phase latency p50 / p99 | {_pct(lf, 0.5):.2f} s / {_pct(lf, 0.99):.2f} s |",
+        f"| fault phase latency p50 / p99 | {_secs(pct(lf, 0.5))} / {_secs(pct(lf, 0.99))} |",
         f"| fault phase latency mean | {statistics.fmean(lf) if lf else float('nan'):.2f} s |",
         f"| peak proxy RSS | {soak.peak_rss / 2**20:.0f} MiB |",
         "", "Seconds from the first request. A session whose D was killed sends its "
@@ -592,7 +592,7 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
                 + counter_sum(d_sum, "nixl_num_notifications_after_expiry"),
             "host_restored_blocks": counter_sum(d_sum, "sessionkv_host_restored_blocks")
             + counter_sum(p_sum, "sessionkv_host_restored_blocks"),
-            "latency_p50_s": _pct(lp, 0.5), "latency_p99_s": _pct(lp, 0.99),
+            "latency_p50_s": pct(lp, 0.5), "latency_p99_s": pct(lp, 0.99),
             "wall_s": round(pr.get("end_s", 0) - pr.get("start_s", 0), 1),
             "negative_deltas": pr.get("negative", []),
         }

@@ -22,6 +22,7 @@ from agentload import arms as armlib
 from agentload.chat import ChatConfig, ChatWorkload, chat_workload, retokenization_loss, \
     text_ceiling
 from agentload.workload import pin_sessions, without_waits
+from sessionkv_bench.stats import pct
 
 # Arms of the chat mode.  4-nixl-bidi and 6-ours-nopull are left out of the chat mode:
 # each is a cluster start of its own (a minute or more of the 30-minute budget), arm 4
@@ -216,8 +217,8 @@ def run_arm(run, arm, wname: str, workload: ChatWorkload, model: str, reference:
     # Every round keeps its samples, so --rounds can pool them (chat_report.pooled).
     summary["ttft_samples_s"] = sorted(r.ttft_s for r in ok.values() if r.ttft_s is not None)
     summary["e2e_samples_s"] = e2e
-    summary["e2e_p50_s"] = measure._p(e2e, 0.5)
-    summary["e2e_p99_s"] = measure._p(e2e, 0.99)
+    summary["e2e_p50_s"] = pct(e2e, 0.5)
+    summary["e2e_p99_s"] = pct(e2e, 0.99)
     summary["not_finished"] = sum(r.error == NOT_FINISHED for r in res.values())
     routes: dict[str, int] = {}
     for r in res.values():

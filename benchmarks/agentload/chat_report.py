@@ -88,7 +88,7 @@ def workload_table(runs: dict) -> list[str]:
 def pooled(results: dict, wname: str, arm: str) -> dict | None:
     """An arm's TTFT and e2e samples over every round of a workload (the first run and
     ``--rounds``' later ones), with their p50 and p99; None when it ran once."""
-    from bench_common import pct
+    from sessionkv_bench.stats import pct
 
     runs = [results.get("runs", {}).get(wname, {}).get(arm)]
     runs += [r.get(wname, {}).get(arm) for r in results.get("rounds", {}).values()]
@@ -99,8 +99,8 @@ def pooled(results: dict, wname: str, arm: str) -> dict | None:
     for key in ("ttft", "e2e"):
         xs = sorted(x for r in runs for x in r[f"{key}_samples_s"])
         out[f"{key}_n"] = len(xs)
-        out[f"{key}_p50_s"] = pct(xs, 0.5) if xs else None
-        out[f"{key}_p99_s"] = pct(xs, 0.99) if xs else None
+        out[f"{key}_p50_s"] = pct(xs, 0.5)
+        out[f"{key}_p99_s"] = pct(xs, 0.99)
     return out
 
 

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_common import pct
+from sessionkv_bench.stats import pct
 
 from agentload.arms import delta, engine_counters, scrape
 from agentload.client import StepResult
@@ -25,10 +25,6 @@ OUR_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed"
                "refused_by_verification")
 BYTES = "vllm:nixl_bytes_transferred_sum"
 REQUESTS = "vllm:request_success_total"
-
-
-def _p(xs: list[float], q: float) -> float | None:
-    return pct(xs, q) if xs else None
 
 
 def mismatches(workload: Workload, results: dict[OutputKey, StepResult],
@@ -111,9 +107,9 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         "reusable_tokens": reusable,
         "max_reuse_factor": prompt / (prompt - reusable) if prompt > reusable else None,
         "share_of_max": (prompt - computed) / reusable if reusable else None,
-        "ttft_p50_s": _p(ttft, 0.5), "ttft_p99_s": _p(ttft, 0.99),
+        "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
         "ttft_mean_s": statistics.mean(ttft) if ttft else None,
-        "itl_p50_s": _p(itl, 0.5), "itl_p99_s": _p(itl, 0.99),
+        "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
         "wall_s": wall_s, "offered_rps": len(ok) / wall_s if wall_s else None,
         "prompt_tokens_per_s": prompt / wall_s if wall_s else None,
         "bytes": sum(x.get(BYTES, 0.0) for x in d),

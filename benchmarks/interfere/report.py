@@ -10,7 +10,8 @@ import re
 import statistics
 from pathlib import Path
 
-from bench_common import histogram_quantile, pct
+from bench_common import histogram_quantile
+from sessionkv_bench.stats import pct
 
 # Engine counters read around every step (summed over label sets).
 COUNTERS = (
@@ -41,7 +42,7 @@ def engine_itl(before: list[dict[float, float]], after: list[dict[float, float]]
 
 
 def _pcts(xs: list[float], qs=(0.5, 0.95, 0.99)) -> dict[str, float | None]:
-    return {f"p{round(q * 100)}": (pct(xs, q) if xs else None) for q in qs}
+    return {f"p{round(q * 100)}": pct(xs, q) for q in qs}
 
 
 def _ratio(a: float, b: float) -> float | None:

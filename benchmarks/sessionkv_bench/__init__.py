@@ -1,0 +1,1 @@
+"""What the benchmarks share: statistics (one percentile definition), ..."""
