@@ -84,7 +84,6 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-sys.path[:0] = [str(BENCH_DIR), str(REPO), str(REPO / "proxy")]
 
 from agentload import arms as armlib  # noqa: E402
 from agentload import chat_mode, chat_report, client, measure, report  # noqa: E402

@@ -59,12 +59,12 @@ def ensure_side_venv() -> None:
 
 def call_in_side_venv(module: str, func: str, *args: str) -> str | None:
     """``module.func(*args)`` (a benchmark's plot: matplotlib lives in the side venv)
-    run by the side venv's python with benchmarks/ on its path; the error output when
+    run by the side venv's python with benchmarks/ as its PYTHONPATH; the error output when
     it failed, else None."""
     out = subprocess.run([str(SIDE_PY), "-c",
-                          "import importlib, sys; sys.path.insert(0, sys.argv[1]); "
-                          "getattr(importlib.import_module(sys.argv[2]), sys.argv[3])"
-                          "(*sys.argv[4:])", str(BENCH_DIR), module, func, *args],
+                          "import importlib, sys; getattr(importlib.import_module(sys.argv[1]), "
+                          "sys.argv[2])(*sys.argv[3:])", module, func, *args],
+                         env={**os.environ, "PYTHONPATH": str(BENCH_DIR)},
                          capture_output=True, text=True, check=False)
     return out.stderr[-1500:] if out.returncode else None
 
@@ -284,15 +284,26 @@ def metric_sum(url: str, name: str) -> float:
     return metric_sums(url, (name,)).get(name, 0.0)
 
 
-async def sse_chunks(resp):
-    """The JSON chunks of an OpenAI streamed answer (an aiohttp response), in order."""
-    import json
+def histogram_sums(url: str) -> dict[str, float]:
+    """Sum and count of the histograms we read, summed over label sets."""
+    wanted = ("vllm:request_time_per_output_token_seconds", "vllm:request_prefill_time_seconds")
+    out: dict[str, float] = {}
+    import requests
 
-    async for raw in resp.content:
-        line = raw.strip()
-        if not line.startswith(b"data:") or line == b"data: [DONE]":
-            continue
-        yield json.loads(line[5:])
+    text = requests.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        for name in wanted:
+            for suffix in ("_sum", "_count"):
+                if line.startswith(name + suffix):
+                    out[name + suffix] = out.get(name + suffix, 0.0) + float(line.split()[-1])
+    return out
+
+
+def histogram_mean(before: dict, after: dict, name: str) -> float | None:
+    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    if count <= 0:
+        return None
+    return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / count
 
 
 def histogram_buckets(url: str, name: str) -> dict[float, float]:

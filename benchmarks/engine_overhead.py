@@ -43,13 +43,12 @@ from pathlib import Path
 
 import aiohttp
 import psutil
-import requests
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import sse_chunks  # noqa: E402
+from bench_common import histogram_mean, histogram_sums  # noqa: E402
+from sessionkv_bench import report  # noqa: E402
+from sessionkv_bench.client import closed_loop, completion_bodies, sse_chunks  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 
 from vllm_sessionkv.dev.launch import (  # noqa: E402
@@ -122,52 +121,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict) -> Sample:
                   [b - a for a, b in zip(stamps, stamps[1:])], len(stamps))
 
 
-async def _closed_loop(url: str, bodies: list[dict], concurrency: int) -> list[Sample]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    samples: list[Sample] = []
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        async def worker():
-            while not queue.empty():
-                samples.append(await _one(session, url, queue.get_nowait()))
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return samples
-
-
-def completion_bodies(model: str, n: int, prompt_len: int, max_tokens: int, seed: int
-                      ) -> list[dict]:
-    """``n`` distinct prompts of token ids (no prefix shared between them)."""
-    bodies = []
-    for i in range(n):
-        ids = [(seed * 7919 + i * 131 + j * 17) % 900 + 20 for j in range(prompt_len)]
-        bodies.append({"model": model, "prompt": ids, "max_tokens": max_tokens,
-                       "temperature": 0.0, "ignore_eos": True, "stream": True})
-    return bodies
-
-
 # ---------------------------------------------------------------- engine side
-
-def histogram_sums(url: str) -> dict[str, float]:
-    """Sum and count of the histograms we read, summed over label sets."""
-    wanted = ("vllm:request_time_per_output_token_seconds", "vllm:request_prefill_time_seconds")
-    out: dict[str, float] = {}
-    text = requests.get(url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        for name in wanted:
-            for suffix in ("_sum", "_count"):
-                if line.startswith(name + suffix):
-                    out[name + suffix] = out.get(name + suffix, 0.0) + float(line.split()[-1])
-    return out
-
-
-def histogram_mean(before: dict, after: dict, name: str) -> float | None:
-    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
-    if count <= 0:
-        return None
-    return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / count
-
 
 def thread_cores(procs: list[psutil.Process]) -> str:
     """Each process's threads' allowed cores, e.g. ``api:0-1 EngineCore:0-1
@@ -220,7 +174,7 @@ def measure_engine(variant: Variant, model: str, args, log_dir: Path,
     proc = start_engine(spec, variant.name.replace(" ", "_").replace(":", ""), log_dir)
     try:
         wait_healthy([(proc, spec.url)], timeout_s=600)
-        asyncio.run(_closed_loop(spec.url, warm, 2))
+        asyncio.run(closed_loop(_one, spec.url, warm, 2))
         procs = process_tree([proc.pid])
         # Idle: nothing running and nothing held (no request of ours holds a lease).
         time.sleep(args.settle_s)
@@ -232,7 +186,7 @@ def measure_engine(variant: Variant, model: str, args, log_dir: Path,
         for conc, phase_bodies in bodies.items():
             before = histogram_sums(spec.url)
             c0, t0 = cpu_seconds(procs), time.monotonic()
-            samples = asyncio.run(_closed_loop(spec.url, phase_bodies, conc))
+            samples = asyncio.run(closed_loop(_one, spec.url, phase_bodies, conc))
             busy = (cpu_seconds(procs) - c0) / (time.monotonic() - t0)
             after = histogram_sums(spec.url)
             itl = [x for s in samples for x in s.itl_s]
@@ -489,7 +443,7 @@ def main_live(args, argv) -> int:
                             f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
                             f"{platform.system()} {platform.release()}",
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "commit": _commit(), "command": command}
+                 "commit": report.commit(), "command": command}
     all_verdicts = [v for run in runs for v in overhead_live.verdicts(run, args.concurrency)]
     if args.out:
         out = Path(args.out)
@@ -514,24 +468,8 @@ REAL_MODEL_CACHE = ".cache/vllm-sessionkv/smollm2-135m-instruct"
 
 
 def public_command(argv: list[str]) -> str:
-    """The command line as a report states it: each path-valued flag's value replaced
-    by what it stands for (``--model MODEL_DIR``), so no local path is published."""
-    out, hide = [], None
-    for a in argv:
-        if hide is not None:
-            out.append(hide)
-            hide = None
-            continue
-        flag, eq, _ = a.partition("=")
-        if flag in _PATH_FLAGS:
-            if eq:
-                out.append(f"{flag}={_PATH_FLAGS[flag]}")
-            else:
-                out.append(a)
-                hide = _PATH_FLAGS[flag]
-            continue
-        out.append(a)
-    return " ".join(["python benchmarks/engine_overhead.py", *out])
+    """The command line as a report states it (``--model MODEL_DIR``, no local path)."""
+    return report.public_command("engine_overhead.py", argv, _PATH_FLAGS)
 
 
 def real_model_dir() -> str:
@@ -541,15 +479,6 @@ def real_model_dir() -> str:
     where = os.environ.get("SESSIONKV_REAL_MODEL_DIR") or str(Path.home() / REAL_MODEL_CACHE)
     path, _ = build_real_model(Path(where))
     return str(path)
-
-
-def _commit() -> str:
-    import subprocess
-
-    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True)
-    # A copy of the tree outside git (``git archive``) names its commit here.
-    return out.stdout.strip() or os.environ.get("SESSIONKV_COMMIT", "?")
 
 
 LIVE_HEADER = """# Engine overhead in the cluster users start

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import metric_sum  # noqa: E402
 
 from vllm_sessionkv.dev.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy  # noqa: E402

@@ -57,7 +57,6 @@ import os
 import random
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -67,7 +66,6 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-sys.path[:0] = [str(BENCH_DIR), str(REPO)]
 
 from bench_common import (  # noqa: E402
     counter_deltas,
@@ -76,6 +74,7 @@ from bench_common import (  # noqa: E402
     log,
     machine_line,
 )
+from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 
 SESSION_HEADER = "X-Session-ID"
@@ -412,17 +411,6 @@ def summarize(turns: list[Turn], counters: dict, poisoned: dict) -> dict:
 
 
 # =========================================================================== report
-def _git_commit() -> str:
-    def git(*argv: str) -> str:
-        out = subprocess.run(["git", *argv], cwd=REPO, capture_output=True, text=True)
-        return out.stdout.strip() if out.returncode == 0 else ""
-
-    commit = git("rev-parse", "--short=12", "HEAD") or "?"
-    mine = ["vllm_sessionkv", "proxy", "benchmarks/kv_pressure.py"]
-    return commit + (" (with uncommitted changes)" if git("status", "--porcelain", "--",
-                                                          *mine) else "")
-
-
 def _public_argv(argv: list[str]) -> str:
     """The command as typed from the repository root, without this machine's paths."""
     out = []
@@ -604,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:  # noqa: BLE001 - informational only
         vllm_version = "?"
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": _git_commit(), "machine": machine_line(),
+            "commit": report.commit(("vllm_sessionkv", "proxy", "benchmarks/kv_pressure.py")), "machine": machine_line(),
             "command": _public_argv(raw_argv), "quick": args.quick,
             "shape": dataclasses.asdict(args.shape), "arms": {a: ARMS[a] for a in
                                                             args.arm_names},

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -34,16 +33,10 @@ import psutil
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_common import metric_sum, sse_chunks  # noqa: E402
+from bench_common import histogram_mean, histogram_sums, metric_sum  # noqa: E402
+from sessionkv_bench.client import closed_loop, completion_bodies, sse_chunks  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
-from engine_overhead import (  # noqa: E402
-    completion_bodies,
-    histogram_mean,
-    histogram_sums,
-)
 
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster, process_tree  # noqa: E402
 
@@ -86,19 +79,6 @@ async def _stream_one(session: aiohttp.ClientSession, url: str, body: dict) -> S
     if first and last and last[1] > first[1]:
         tpot = (last[0] - first[0]) / (last[1] - first[1])
     return Stream(ended - started, first[0] - started if first else None, tpot)
-
-
-async def closed_loop(url: str, bodies: list[dict], concurrency: int) -> list[Stream]:
-    queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    out: list[Stream] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        async def worker():
-            while not queue.empty():
-                out.append(await _stream_one(session, url, queue.get_nowait()))
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return out
 
 
 # ---------------------------------------------------------------- threads
@@ -243,7 +223,7 @@ def run_block(engines: Engines, name: str, bodies: list[dict], concurrency: int)
     url = engines.urls[name]
     hist0 = histogram_sums(url)
     before, t0 = engines.sample(), time.monotonic()
-    samples = asyncio.run(closed_loop(url, bodies, concurrency))
+    samples = asyncio.run(closed_loop(_stream_one, url, bodies, concurrency))
     wall_s = time.monotonic() - t0
     cpu = cpu_by_engine(engines, before, engines.sample(), wall_s)
     hist1 = histogram_sums(url)
@@ -321,7 +301,7 @@ def run_live(args) -> dict:
         warm = completion_bodies(request_model, args.warmup, args.prompt_len,
                                  args.max_tokens, seed=99)
         for n in names:
-            asyncio.run(closed_loop(engines.urls[n], warm, 2))
+            asyncio.run(closed_loop(_stream_one, engines.urls[n], warm, 2))
         time.sleep(args.settle_s)
         idle = measure_quiet(engines, args.idle_s)
         print("idle: " + ", ".join(f"{n} {c['cores'] * 100:.1f}%" for n, c in idle.items()),

@@ -38,18 +38,11 @@ import aiohttp
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
-from engine_overhead import (  # noqa: E402
-    VARIANTS,
-    Variant,
-    _commit,
-    completion_bodies,
-    histogram_mean,
-    histogram_sums,
-    spec_for,
-)
+from bench_common import histogram_mean, histogram_sums  # noqa: E402
+from engine_overhead import VARIANTS, Variant, spec_for  # noqa: E402
+from sessionkv_bench import report  # noqa: E402
+from sessionkv_bench.client import completion_bodies  # noqa: E402
 from overhead_live import _stream_one  # noqa: E402
 
 from vllm_sessionkv.dev.launch import start_engine, stop_all, wait_healthy  # noqa: E402
@@ -198,7 +191,7 @@ def main(argv=None) -> int:
         argv if argv is not None else sys.argv[1:])
     result = run(args)
     rows = summary(result)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(),
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": report.commit(),
             "machine": f"{psutil.cpu_count()} cores, "
                        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
                        f"{platform.system()} {platform.release()}",

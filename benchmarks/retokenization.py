@@ -37,14 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import REPO, log, machine_line  # noqa: E402
+from sessionkv_bench import report  # noqa: E402
 
 from vllm_sessionkv.wire.hashing import common_prefix_len  # noqa: E402
 
@@ -210,11 +209,6 @@ def summarize(results: list[TurnLoss]) -> dict:
             "lost_share_of_answer_tokens": lost / answers if answers else 0.0}
 
 
-def _git_commit() -> str:
-    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip() or "?"
-
-
 def _table(results: list[TurnLoss]) -> str:
     rows = ["| session | turn | answer tokens | EOS | ideal | kept | lost | first differing answer token | spliced |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -259,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                f"--block-size {args.block_size}")
     out = Path(args.out)
     meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-            "commit": _git_commit(), "machine": machine, "command": command,
+            "commit": report.commit(), "machine": machine, "command": command,
             "model": json.loads((Path(args.model) / "sessionkv_real_model.json").read_text())
             if (Path(args.model) / "sessionkv_real_model.json").is_file() else args.model,
             "duration_s": round(time.time() - started, 1)}

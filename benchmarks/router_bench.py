@@ -97,6 +97,7 @@ from bench_common import (
     Backend,
     PortPool,
     _med,
+    call_in_side_venv,
     ensure_side_venv,
     log,
     machine_line,
@@ -1203,7 +1204,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     # A SIGTERM must run the finally blocks that stop our processes.
     signal.signal(signal.SIGTERM, _interrupt)
-    sys.path[:0] = [str(REPO), str(REPO / "proxy")]
     try:
         import uvloop
 
@@ -1269,13 +1269,9 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(results, indent=1, default=str))
     log(f"results in {json_path}")
     if args.png and rows:
-        out = subprocess.run([str(SIDE_PY), "-c",
-                              "import sys; sys.path.insert(0, sys.argv[1]); import router_bench;"
-                              " router_bench.plot_results(sys.argv[2], sys.argv[3])",
-                              str(BENCH_DIR), str(json_path), args.png],
-                             capture_output=True, text=True)
-        if out.returncode:
-            log(f"plot failed: {out.stderr[-1000:]}")
+        err = call_in_side_venv("router_bench", "plot_results", str(json_path), args.png)
+        if err:
+            log(f"plot failed: {err[-1000:]}")
         else:
             log(f"figure in {args.png}")
     return 1 if failures else 0

@@ -51,7 +51,6 @@ from types import SimpleNamespace
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "proxy"), str(REPO / "benchmarks")]
 
 from sessionkv_proxy import policy  # noqa: E402
 from sessionkv_proxy.index import MemoryIndex  # noqa: E402

@@ -70,7 +70,6 @@ import random
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -84,7 +83,6 @@ import requests
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-sys.path.insert(0, str(BENCH_DIR))
 
 from bench_common import (  # noqa: E402
     PortPool,
@@ -94,6 +92,7 @@ from bench_common import (  # noqa: E402
     engine_counters,
     machine_line,
 )
+from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 
 OUT_DIR = REPO / "docs" / "benchmarks"
@@ -650,14 +649,6 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
     return "\n".join(lines), summary, ok
 
 
-def _git(*argv: str) -> str:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def _public_argv(argv: list[str]) -> str:
     """The command line, a local path reduced to its name."""
     return " ".join(shlex.quote(Path(a).name if a.startswith("/") else a) for a in argv)
@@ -773,9 +764,9 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.monotonic()
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": _git("rev-parse", "--short=12", "HEAD"),
+            "commit": report.git("rev-parse", "--short=12", "HEAD"),
             # Files the run loads that differed from that commit (others' edits).
-            "uncommitted": _git("status", "--porcelain", "--", "vllm_sessionkv",
+            "uncommitted": report.git("status", "--porcelain", "--", "vllm_sessionkv",
                                 "proxy").splitlines(),
             "machine": machine_line(),
             "command": "python benchmarks/soak.py" + (

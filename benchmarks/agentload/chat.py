@@ -30,14 +30,10 @@ answer came back as those ids, less the ones it shares as rendered
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from agentload.workload import Ceiling, OutputKey, Session, Workload, ceiling
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from retokenization import measure_turn  # noqa: E402  (the loss's one definition)
+from retokenization import measure_turn  # (the loss's one definition)
 
 __all__ = ["ChatConfig", "ChatTurn", "ChatWorkload", "Retokenization", "chat_workload",
            "edit_answer", "retokenization_loss", "text_ceiling"]

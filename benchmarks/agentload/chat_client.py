@@ -16,7 +16,6 @@ In the reference run the answers build the history; in an arm the reference's do
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ from agentload.chat import ChatWorkload
 from agentload.client import ROUTE_HEADERS, SESSION_HEADER, StepResult, run_sessions, \
     wait_for_turn
 from agentload.workload import OutputKey
+from sessionkv_bench.client import sse_chunks
 
 
 def request_body(workload: ChatWorkload, model: str, messages: list[dict], max_tokens: int,
@@ -70,11 +70,7 @@ async def _send(http, url: str, body: dict, headers: dict, res: StepResult,
                 return
             last = None
             text: list[str] = []
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if chunk.get("prompt_token_ids") is not None:
                     res.prompt_token_ids = chunk["prompt_token_ids"]
                 _usage(res, chunk.get("usage"))

@@ -22,6 +22,7 @@ from agentload import arms as armlib
 from agentload.chat import ChatConfig, ChatWorkload, chat_workload, retokenization_loss, \
     text_ceiling
 from agentload.workload import pin_sessions, without_waits
+from sessionkv_bench import report
 from sessionkv_bench.stats import pct
 
 # Arms of the chat mode.  4-nixl-bidi and 6-ours-nopull are left out of the chat mode:
@@ -87,12 +88,9 @@ def real_model_dir(model_dir: str | None) -> str:
 def meta(args, model: str) -> dict:
     """What the report states besides the token-id mode's meta: commit, the command
     (no local paths), the model."""
-    import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[2]
-    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip() or "?"
+    commit = report.commit()
     argv, skip = [], False
     for a in sys.argv[1:]:
         if skip:

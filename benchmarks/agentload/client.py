@@ -13,12 +13,12 @@ from the reference's answers, so every arm sends the same prompts.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentload.workload import OutputKey, Workload
+from sessionkv_bench.client import sse_chunks
 
 SESSION_HEADER = "X-Session-ID"
 NOT_FINISHED = "not finished within the run's time cap"
@@ -61,11 +61,7 @@ async def _send(session, url: str, body: dict, headers: dict, res: StepResult,
                 res.error = f"{resp.status}: {(await resp.text())[:300]}"
                 return
             last = None
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 usage = chunk.get("usage")
                 if usage:
                     details = usage.get("prompt_tokens_details") or {}

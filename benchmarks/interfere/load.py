@@ -15,13 +15,14 @@ Prompts are token ids, so no arm tokenizes and the prefix cache sees the same bl
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+
+from sessionkv_bench.client import sse_chunks
 
 # Token ids drawn for synthetic prompts: above the tiny tokenizer's specials and
 # inside any real vocabulary.
@@ -139,11 +140,7 @@ async def _stream(http, url: str, body: dict, s: Stream, t0: float) -> None:
             if resp.status != 200:
                 s.error = f"{resp.status}: {(await resp.text())[:300]}"
                 return
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_chunks(resp):
                 if any(c.get("token_ids") for c in chunk.get("choices") or []):
                     s.chunk_s.append(time.perf_counter() - t0)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:

@@ -3,12 +3,9 @@ text ceiling and the re-tokenization loss (pure; no engines)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from agentload.chat import (  # noqa: E402
+from agentload.chat import (
     ChatConfig,
     ChatTurn,
     ChatWorkload,
@@ -17,7 +14,7 @@ from agentload.chat import (  # noqa: E402
     retokenization_loss,
     text_ceiling,
 )
-from agentload.workload import Session  # noqa: E402
+from agentload.workload import Session
 
 ANSWER = "Here is the fix.\n```python\ndef f(x):\n    return x\n```\nDone."
 

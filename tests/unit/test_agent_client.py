@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
-from pathlib import Path
 
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from agentload.client import NOT_FINISHED, run_workload  # noqa: E402
-from agentload.workload import AgentConfig, agent_workload  # noqa: E402
-from conversation_proxy import create_app  # noqa: E402
+from agentload.client import NOT_FINISHED, run_workload
+from agentload.workload import AgentConfig, agent_workload
+from conversation_proxy import create_app
 
 
 def fake_engine(seen: list, answer_offset: int = 0) -> web.Application:

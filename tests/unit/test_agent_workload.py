@@ -4,12 +4,9 @@ replays, and the reuse ceiling (pure; no engines)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from agentload.workload import (
     AgentConfig,

@@ -6,15 +6,13 @@ round(q * (n - 1))-th) give different values on these inputs, which is the contr
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-from sessionkv_bench.stats import pct  # noqa: E402
+from sessionkv_bench.stats import pct
 
 TEN = [10, 1, 9, 2, 8, 3, 7, 4, 6, 5]          # 1..10, shuffled
 HUNDRED = list(range(100, 0, -1))                # 1..100, reversed

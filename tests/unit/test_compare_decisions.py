@@ -4,12 +4,9 @@ a changed pull (and a step one run lacks) count, timings never do."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from compare_decisions import compare_runs, main  # noqa: E402
+from compare_decisions import compare_runs, main
 
 
 def _step(route: str, pulled: int, computed: int, ttft: float, load: float = 0.0) -> dict:

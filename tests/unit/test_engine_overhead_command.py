@@ -3,12 +3,9 @@ each path-valued flag's value is named, not given.  Pure string work, millisecon
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import engine_overhead  # noqa: E402
+import engine_overhead
 
 
 def test_path_values_are_named_not_given():

@@ -4,14 +4,11 @@ goodput and the verdict."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from interfere import fairness, load, report  # noqa: E402
+from interfere import fairness, load, report
 
 
 def server_info(**over) -> dict:
