@@ -38,6 +38,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from sessionkv_bench.report import commit as git_commit
 from sessionkv_proxy.index import TIER_DEVICE
 from sessionkv_proxy.index.redis import RedisIndex
 from sessionkv_proxy.sessions import SessionRecord, encode_record
@@ -203,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     version = subprocess.run(["redis-server", "--version"], capture_output=True,
                              text=True).stdout.split()[2]
-    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO,
-                            capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     meta = {"command": "python benchmarks/redis_memory.py" + (" --quick" if args.quick else ""),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
             "redis": f"redis-server {version.removeprefix('v=')}",
