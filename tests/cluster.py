@@ -275,6 +275,24 @@ def wait_engine_restarted(cluster: Cluster, name: str, url: str, old_pid: int, s
     assert resp.status_code == 200, resp.text
 
 
+def start_proxy_process(argv: list[str], port: int, timeout_s: float = 120.0
+                        ) -> tuple[subprocess.Popen, str]:
+    """Start a proxy (``argv`` serving on 127.0.0.1:``port``) beside a cluster and wait
+    for its /health; its stderr is in the assertion if it exits first."""
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        try:
+            if requests.get(url + "/health", timeout=5).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        assert time.monotonic() < deadline, f"the proxy's /health after {timeout_s} s"
+        time.sleep(0.1)
+
+
 def wait_proxy_sees(proxy_url: str, decode: int, timeout_s: float = 60.0) -> None:
     """Wait until the proxy's /health counts ``decode`` healthy D engines."""
     deadline = time.monotonic() + timeout_s

@@ -203,6 +203,11 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # oldest end early (holds.py, ``kv_pressure``).  Their KV stays reachable on the
     # host tier when there is one (written through at the end of each turn).
     session_hold_max_kv_fraction: float = 0.5
+    # Withdraw a session's handle where the proxies find it (Redis, the handle
+    # channel) when a hold ends before its lease, and carry this process's start-up
+    # epoch in every handle, so no proxy replica attaches a dead hold or a restarted
+    # engine's handle.  False only for a negative control.
+    withdraw_handles: bool = True
     # Host-DRAM tier for idle session KV: bytes of DRAM per engine (0 = off).
     host_tier_bytes: int = 0
     host_tier_policy: str = "lru"

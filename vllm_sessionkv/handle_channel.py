@@ -27,8 +27,14 @@ from typing import Any
 import zmq
 
 from vllm_sessionkv.config import SessionKVConfig
-from vllm_sessionkv.wire.handle_channel import encode_frames
-from vllm_sessionkv.wire.protocol import PayloadError, encode_handle, handle_from_params
+from vllm_sessionkv.wire.handle_channel import WITHDRAW_TOPIC, encode_frames
+from vllm_sessionkv.wire.protocol import (
+    HandleWithdrawal,
+    PayloadError,
+    encode_handle,
+    encode_withdrawal,
+    handle_from_params,
+)
 from vllm_sessionkv.zmq_bind import bind_socket
 
 __all__ = ["HandleChannel"]
@@ -75,8 +81,16 @@ class HandleChannel:
         except PayloadError as exc:
             logger.warning("sessionkv: handle not sent on the channel: %r", exc)
             return False
+        return self._send(encode_frames(self._seq, raw, self._secret))
+
+    def withdraw(self, withdrawal: HandleWithdrawal) -> bool:
+        """Send a withdrawal (D ended the hold a handle names).  Never blocks."""
+        return self._send(encode_frames(self._seq, encode_withdrawal(withdrawal),
+                                        self._secret, WITHDRAW_TOPIC))
+
+    def _send(self, frames: list[bytes]) -> bool:
         try:
-            self._socket.send_multipart(encode_frames(self._seq, raw, self._secret), zmq.NOBLOCK)
+            self._socket.send_multipart(frames, zmq.NOBLOCK)
         except zmq.ZMQError as exc:   # not expected of PUB (it drops); never raise here
             logger.warning("sessionkv: handle channel send failed: %r", exc)
             return False

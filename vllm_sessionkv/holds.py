@@ -26,9 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RELEASE_REASONS", "HoldTable"]
+__all__ = ["RELEASE_REASONS", "WITHDRAW_REASONS", "HoldTable"]
 
 RELEASE_REASONS = ("pulled", "lease_ended", "superseded", "reset", "kv_pressure")
+# Ends for which D withdraws the hold's handle (session_holds.py): all but the lease's,
+# which the handle's own expiry announces.
+WITHDRAW_REASONS = tuple(r for r in RELEASE_REASONS if r != "lease_ended")
 
 
 @dataclass

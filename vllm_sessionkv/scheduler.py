@@ -105,7 +105,12 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             config.session_hold_max_kv_fraction,
             HandlePublisher(config.redis_url, config.redis_namespace),
             # And on a ZMQ channel, for proxies without Redis (handle_channel.py).
-            HandleChannel.from_config(config, vllm_config.parallel_config.data_parallel_size))
+            HandleChannel.from_config(config, vllm_config.parallel_config.data_parallel_size),
+            withdraw=config.withdraw_handles)
+        # This process's start (unix ns), in every handle: a proxy that has seen a
+        # later start of this engine's URL drops older handles (session_holds.py).
+        self._epoch = time.time_ns() if config.withdraw_handles else 0
+        self._holds.announce(config.advertise_url or "", self._epoch)
         self._guard = GuardLedger(engine_id, config.pull_guard, config.pull_claim_ttl_s)
         self._side_channel_failure = lambda: None
         if self._guard.enabled:
@@ -497,9 +502,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             **self._chain_export(request, out["remote_num_tokens"]),
             session_id=session_id, accounting=acct,
             expires_at_unix_s=nixl_state.pending_send_deadline_unix_s(deadline),
-            engine_url=self.config.advertise_url or None,
+            engine_url=self.config.advertise_url or None, engine_epoch=self._epoch,
             hold_token=self._guard.hold_token(request.request_id)))
-        self._holds.publish(session_id, out, lease_s, self.stats)
+        self._holds.publish(session_id, out, lease_s, self.stats, request.request_id)
 
     def _finish_prefill(self, request: Request, payload: SessionPayload,
                         session_id: str | None, acct, delay_free: bool,

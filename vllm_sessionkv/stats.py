@@ -19,7 +19,7 @@ from vllm_sessionkv._vllm.metrics import (
 )
 from vllm_sessionkv.early_decode import REFUSED_REASONS as EARLY_DECODE_REFUSED
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
-from vllm_sessionkv.holds import RELEASE_REASONS
+from vllm_sessionkv.holds import RELEASE_REASONS, WITHDRAW_REASONS
 
 __all__ = ["EARLY_DECODE_OUTCOMES", "GUARD_CLAIM_OUTCOMES", "GUARD_FALLBACKS", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
@@ -58,6 +58,7 @@ _SESSION_KEYS = (
     "recompute_s_per_token",
     "link_bytes_per_s",
     *(f"session_holds_released_{r}" for r in RELEASE_REASONS),
+    *(f"handles_withdrawn_{r}" for r in WITHDRAW_REASONS),
     "host_store_s",
     "host_restore_s",
     "idle_step_recv_wait_s",
@@ -206,6 +207,12 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "reset (reset_prefix_cache with reset_external), kv_pressure (holds pinned "
             "more than session_hold_max_kv_fraction of the KV; the oldest ended).",
             "reason", RELEASE_REASONS)
+        self._handles_withdrawn = self._by_label(
+            "sessionkv_handles_withdrawn",
+            "Session handles withdrawn where the proxies find them (Redis, the handle "
+            "channel) because their hold ended before its lease, by the hold's end: "
+            "kv_pressure, superseded, reset, pulled (read, or NIXL's expiry).",
+            "reason", WITHDRAW_REASONS)
         self._host_restore_s = self._histogram(
             "sessionkv_host_restore_seconds",
             "Time to restore one request's blocks from "
@@ -297,6 +304,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "session_handles_publish_failed": self._publish_failed,
             **self._host_counters,
             **{f"session_holds_released_{r}": m for r, m in self._holds_released.items()},
+            **{f"handles_withdrawn_{r}": m for r, m in self._handles_withdrawn.items()},
             **{f"load_{mode}": m for mode, m in self._loads.items()},
             "sync_load_timeouts": self._sync_load_timeouts,
             **{f"early_decode_{o}": m for o, m in self._early_decode.items()},

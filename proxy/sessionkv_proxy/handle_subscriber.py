@@ -13,6 +13,13 @@ show the gap), late (the next turn was already routed) or stale costs that turn'
 reuse only: P verifies every block it pulls against the prompt and claims it under
 the pull guard.  The table is bounded (``index.max_published_handles``) and handles
 expire with D's lease.
+
+D also sends a withdrawal when a hold ends before its lease
+(``protocol.HandleWithdrawal``): the kept handle is dropped, and the hold's token is
+kept so that no copy of the handle (a session record) is attached either.  Every
+message carries the engine's start-up epoch; the latest per engine URL is kept, so a
+handle of a process that has since restarted is not attached (``route_read``'s
+``epochs``).
 """
 
 from __future__ import annotations
@@ -27,8 +34,18 @@ import zmq
 import zmq.asyncio
 from prometheus_client.core import CounterMetricFamily
 
-from vllm_sessionkv.wire.handle_channel import HANDLE_TOPIC, Unauthenticated, decode_frames
-from vllm_sessionkv.wire.protocol import PayloadError, decode_handle, session_store_key
+from vllm_sessionkv.wire.handle_channel import (
+    HANDLE_TOPIC,
+    WITHDRAW_TOPIC,
+    Unauthenticated,
+    decode_frames,
+)
+from vllm_sessionkv.wire.protocol import (
+    PayloadError,
+    decode_handle,
+    decode_withdrawal,
+    session_store_key,
+)
 
 from sessionkv_proxy.index.base import PublishedHandles
 
@@ -37,8 +54,8 @@ __all__ = ["CHANNEL_OUTCOMES", "HandleChannelStats", "HandleSubscriber", "Handle
 logger = logging.getLogger("sessionkv_proxy.handle_subscriber")
 
 # What became of the handles an engine sent (``sessionkv_proxy_channel_handles``).
-CHANNEL_OUTCOMES = ("stored", "lost", "undecodable", "unsupported_version", "no_session",
-                    "expired", "evicted", "store_error", "unauthenticated")
+CHANNEL_OUTCOMES = ("stored", "withdrawn", "lost", "undecodable", "unsupported_version",
+                    "no_session", "expired", "evicted", "store_error", "unauthenticated")
 # Messages buffered per engine before ZMQ drops new ones (then counted as lost).
 _RECEIVE_HWM = 10_000
 
@@ -95,13 +112,15 @@ class HandleSubscriber:
             return self._outcome("unauthenticated")
         if decoded is None:
             return self._outcome("undecodable")
-        seq, raw = decoded
+        topic, seq, raw = decoded
         if self._last_seq is not None:
             if seq > self._last_seq + 1:
                 self.stats.count("lost", seq - self._last_seq - 1)
             elif seq <= self._last_seq:
                 self.stats.publisher_restarts += 1
         self._last_seq = seq
+        if topic == WITHDRAW_TOPIC:
+            return self._withdrawn(raw)
         try:
             handle = decode_handle(raw)
         except PayloadError:   # UnsupportedVersion
@@ -117,15 +136,38 @@ class HandleSubscriber:
                 return self._outcome("expired")
         key = session_store_key(handle.session_id, handle.tenant)
         try:
+            self._note_epoch(handle.engine_url, handle.payload.engine_epoch)
             self.stats.count("evicted", self._handles.put_handle(key, raw, ttl_ms))
         except Exception:   # a bug; the channel keeps going, the turn loses reuse only
             logger.exception("keeping a channel handle failed", extra={"pod": self.engine})
             return self._outcome("store_error")
         return self._outcome("stored")
 
+    def _withdrawn(self, raw: bytes) -> str:
+        try:
+            withdrawal = decode_withdrawal(raw)
+        except PayloadError:   # UnsupportedVersion
+            return self._outcome("unsupported_version")
+        except msgspec.DecodeError:
+            return self._outcome("undecodable")
+        key = session_store_key(withdrawal.session_id, withdrawal.tenant)
+        try:
+            self._note_epoch(withdrawal.engine_url, withdrawal.engine_epoch)
+            self._handles.withdraw_handle(key, withdrawal.hold_token,
+                                          max(1, int(withdrawal.ttl_s * 1000))
+                                          if withdrawal.ttl_s else -1)
+        except Exception:   # a bug, as above
+            logger.exception("a channel withdrawal failed", extra={"pod": self.engine})
+            return self._outcome("store_error")
+        return self._outcome("withdrawn")
+
+    def _note_epoch(self, engine_url: str | None, epoch: int) -> None:
+        if engine_url and epoch:
+            self._handles.note_epoch(engine_url, epoch)
+
     def _outcome(self, outcome: str) -> str:
         self.stats.count(outcome)
-        if outcome != "stored":
+        if outcome not in ("stored", "withdrawn"):
             logger.debug("channel handle %s", outcome, extra={"pod": self.engine})
         return outcome
 
@@ -199,7 +241,8 @@ class HandleSubscribers:
 
 _METRIC = ("sessionkv_proxy_channel_handles",
            "Session handles from the decode engines' handle channel, per engine, by "
-           "outcome: stored (kept for the session's next turn), lost (sent by the "
+           "outcome: stored (kept for the session's next turn), withdrawn (a "
+           "withdrawal: D ended the hold before its lease), lost (sent by the "
            "engine and never received), undecodable, unsupported_version, no_session, "
            "expired (its lease had ended), evicted (an older kept handle dropped for "
            "index.max_published_handles), store_error, unauthenticated (no valid HMAC "

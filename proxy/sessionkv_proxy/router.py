@@ -137,7 +137,8 @@ class Router:
         self.sessions = SessionStore(index, config.session_ttl_s, on_error)
 
     def usable_handle(self, record: SessionRecord | None, session_id: str | None,
-                      tenant: str | None, published: bytes | None = None
+                      tenant: str | None, published: bytes | None = None,
+                      read: RouteRead | None = None
                       ) -> tuple[SessionHandle | None, str, str]:
         """The session's live handle (``session_store.usable_handle``)."""
         if not session_id:
@@ -147,9 +148,11 @@ class Router:
             holder = self.pool.get(url)
             return holder.lost_at_unix_s if holder is not None else None
 
-        handle, outcome, source = usable_handle(record, published, tenant, lost_at,
-                                                time.time(),
-                                                self.params.handle_expiry_margin_s)
+        handle, outcome, source = usable_handle(
+            record, published, tenant, lost_at, time.time(),
+            self.params.handle_expiry_margin_s,
+            read.withdrawn if read is not None else (),
+            read.epochs if read is not None else None)
         if handle is not None and handle.engine_url in self.pool.removed:
             # Its D left the engine set: no pull from it (it may be shutting down).
             return None, "engine_removed", ""
@@ -237,7 +240,7 @@ class Router:
         record = (self.sessions.record(session_key, read.record, tenant)
                   if session_key else None)
         handle, outcome, source = self.usable_handle(record, session_id, tenant,
-                                                     read.handle)
+                                                     read.handle, read)
         degraded = bool(getattr(self.index, "degraded", False))
         now_s = time.time()
         for engine, depth in self.recent.overlaps(keys, now_s).items():
@@ -317,7 +320,7 @@ class Router:
             g.record.handle = None
             self.sessions.save_later(g.record)
         if not used:
-            self.sessions.give_back(g.read, g.session_id, g.tenant)
+            self.sessions.give_back(g.read, g.session_id, g.tenant, g.outcome)
         return RoutePlan(
             mode, self.pool.get(decision.prefill_url) if decision.prefill_url else None,
             self.pool.get(decision.decode_url), decision.label,

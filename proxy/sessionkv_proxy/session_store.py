@@ -14,9 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection, Mapping
 
-from vllm_sessionkv.wire.protocol import SessionHandle, handle_expired, session_store_key
+from vllm_sessionkv.wire.protocol import (
+    SessionHandle,
+    handle_expired,
+    handle_is_dead,
+    session_store_key,
+)
 
 from sessionkv_proxy.index.base import KVIndex, RouteRead
 from sessionkv_proxy.sessions import (
@@ -27,7 +32,7 @@ from sessionkv_proxy.sessions import (
     encode_record,
 )
 
-__all__ = ["SessionStore", "usable_handle"]
+__all__ = ["DEAD_HANDLE_OUTCOMES", "SessionStore", "usable_handle"]
 
 logger = logging.getLogger("sessionkv_proxy.session_store")
 
@@ -90,11 +95,13 @@ class SessionStore:
         finally:
             self._writers.pop(key, None)
 
-    def give_back(self, read: RouteRead, session_id: str | None, tenant: str | None
-                  ) -> None:
+    def give_back(self, read: RouteRead, session_id: str | None, tenant: str | None,
+                  outcome: str = "") -> None:
         """A published handle ``route_read`` took and no P request will use goes back,
-        behind the request (unless a newer one was published meanwhile)."""
-        if read.handle_taken and read.handle is not None and session_id:
+        behind the request (unless a newer one was published meanwhile); a dead one
+        (``outcome`` in ``DEAD_HANDLE_OUTCOMES``) does not."""
+        if read.handle_taken and read.handle is not None and session_id \
+                and outcome not in DEAD_HANDLE_OUTCOMES:
             self._spawn(self._return_handle(session_store_key(session_id, tenant),
                                             read.handle, read.handle_ttl_ms))
 
@@ -120,23 +127,36 @@ class SessionStore:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
 
+# Outcomes of a handle D no longer holds: not given back to the store when taken.
+DEAD_HANDLE_OUTCOMES = ("withdrawn", "engine_restarted")
+
+
 def usable_handle(record: SessionRecord | None, published: bytes | None,
                   tenant: str | None, holder_lost_at_unix_s: Callable[[str], float | None],
-                  now_unix_s: float, expiry_margin_s: float
+                  now_unix_s: float, expiry_margin_s: float,
+                  withdrawn: Collection[int] = (), epochs: Mapping[str, int] | None = None
                   ) -> tuple[SessionHandle | None, str, str]:
     """(handle, outcome, source): the session's live handle, if any, and whether it
     came from the session record or from the engines' published copy (its bytes,
     ``published``, as ``route_read`` returned them).  ``holder_lost_at_unix_s``: when
-    the engine at a URL last refused connections (None: not one of ours)."""
+    the engine at a URL last refused connections (None: not one of ours).
+    ``withdrawn`` and ``epochs`` (``RouteRead``'s): a handle D withdrew, or one of an
+    engine process that has restarted since, is dead (``protocol.handle_is_dead``)."""
     handle, source = (record.handle if record else None), "record"
-    if handle is None:
+    dead = handle_is_dead(handle, withdrawn, epochs or {}) if handle is not None else None
+    if handle is None or dead is not None:
+        # The engines' copy may be a newer turn's (a streamed one) where the
+        # record's is dead.
         handle, source = decode_published_handle(published), "published"
     if isinstance(handle, HandleUnreadable):
         return None, handle.reason, ""
     if handle is None:
-        return None, "none", ""
+        return None, dead or "none", ""
     if handle.tenant != tenant:
         return None, "other_tenant", ""
+    dead = handle_is_dead(handle, withdrawn, epochs or {})
+    if dead is not None:
+        return None, dead, ""
     lost_at = holder_lost_at_unix_s(handle.engine_url or "")
     if lost_at is not None and record is not None and lost_at > record.updated_at_unix_s:
         # The D that held it refused connections since this turn: if it is back, it

@@ -21,7 +21,7 @@ import sys
 import pytest
 import requests
 
-from cluster import TEST_KV_CACHE_GB, free_port_block
+from cluster import TEST_KV_CACHE_GB, free_port_block, start_proxy_process
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
 
 from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
@@ -57,18 +57,7 @@ def start_proxy(engines: dict[str, EngineSpec], *flags: str) -> tuple[subprocess
     for spec in engines.values():
         argv += ["--decode", f"url={spec.url},events={spec.kv_events_endpoint},"
                              f"replay={spec.kv_events_replay_endpoint}"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, proc.stderr.read().decode()
-        try:
-            return requests.get(url + "/health", timeout=5).status_code == 200
-        except requests.ConnectionError:
-            return False
-
-    wait_until(healthy, 60, "the proxy's /health")
-    return proc, url
+    return start_proxy_process(argv, port, timeout_s=60)
 
 
 def health(url: str) -> dict:

@@ -129,6 +129,13 @@ def test_with_a_secret_only_handles_with_a_valid_mac_are_kept():
     assert sub.receive(signed[:2] + [raw_handle("b")] + signed[3:]) == "unauthenticated"
     assert sub.receive(signed) == "stored"
     assert sub.stats.outcomes["unauthenticated"] == 3
+    # A withdrawal's MAC covers its topic: a handle's MAC does not pass for one.
+    from vllm_sessionkv.wire.handle_channel import WITHDRAW_TOPIC
+    from vllm_sessionkv.wire.protocol import HandleWithdrawal, encode_withdrawal
+    body = encode_withdrawal(HandleWithdrawal(session_id="a", hold_token=7, ttl_s=60.0))
+    forged = encode_frames(3, body, secret)
+    assert sub.receive([WITHDRAW_TOPIC] + forged[1:]) == "unauthenticated"
+    assert sub.receive(encode_frames(4, body, secret, WITHDRAW_TOPIC)) == "withdrawn"
     # No secret: a signed message is read as before (its MAC ignored).
     plain = HandleSubscriber("d0", "tcp://127.0.0.1:1", MemoryIndex(), clock=lambda: now)
     assert plain.receive(encode_frames(0, raw_handle("a"), secret)) == "stored"
@@ -180,3 +187,57 @@ def test_a_taken_port_stops_the_engine_naming_the_address():
 def test_bad_channel_settings_stop_the_engine_at_start_up(raw, key):
     with pytest.raises(ConfigError, match=key):
         parse_config({"sessionkv": raw})
+
+
+async def test_a_withdrawal_from_d_drops_the_handle_and_no_copy_of_it_is_attached():
+    """D ends a hold before its lease and withdraws the handle on its channel (real
+    ZMQ): the channel's copy goes, and the routing read names the hold's token, so a
+    copy elsewhere (a session record) is judged dead too.  A later start of the same
+    engine (its epoch in a handle) kills every older handle of it.  Control: a handle
+    neither withdrawn nor outlived is usable."""
+    from vllm_sessionkv.wire.protocol import HandleWithdrawal, decode_handle, handle_is_dead
+
+    channel = HandleChannel("tcp://127.0.0.1:*")
+    index = MemoryIndex()
+    subscribers = HandleSubscribers({"http://d0": channel.endpoint}, index)
+    subscribers.start()
+    sub = subscribers.subscribers["http://d0"]
+    key = session_store_key("s1", None)
+    try:
+        def params(session_id: str, token: int, epoch: int) -> dict:
+            out = d_params(session_id)
+            out["sessionkv"].update(hold_token=token, engine_url="http://d0",
+                                    engine_epoch=epoch)
+            return out
+
+        # A subscriber misses what is sent before it joined: send until one lands.
+        while sub.stats.outcomes.get("stored", 0) == 0:
+            channel.publish(params("s1", 11, 100))
+            await asyncio.sleep(0.05)
+        read = await index.route_read(key, [])
+        handle = decode_handle(read.handle)
+        assert handle_is_dead(handle, read.withdrawn, read.epochs) is None   # control
+        assert read.epochs == {"http://d0": 100}
+
+        assert channel.withdraw(HandleWithdrawal(
+            session_id="s1", hold_token=11, reason="kv_pressure", engine_url="http://d0",
+            engine_epoch=100, ttl_s=60.0))
+        await wait_for(lambda: sub.stats.outcomes.get("withdrawn") == 1, "the withdrawal")
+        read = await index.route_read(key, [], take_handle=True)
+        assert read.handle is None and read.withdrawn == {11}
+        assert handle_is_dead(handle, read.withdrawn, read.epochs) == "withdrawn"
+
+        # Another session's handle from a restarted D (a later epoch).
+        other = decode_handle(encode_handle(handle_from_params(params("s2", 12, 100))))
+        channel.publish(params("s3", 13, 200))
+        await wait_for(lambda: sub.stats.outcomes.get("stored") == 2, "the new handle")
+        read = await index.route_read(session_store_key("s2", None), [])
+        assert read.epochs == {"http://d0": 200}
+        assert handle_is_dead(other, read.withdrawn, read.epochs) == "engine_restarted"
+        fresh = decode_handle((await index.route_read(session_store_key("s3", None),
+                                                      [])).handle)
+        assert handle_is_dead(fresh, read.withdrawn, read.epochs) is None
+        assert sub.stats.outcomes.get("lost", 0) == 0
+    finally:
+        await subscribers.stop()
+        channel.close()

@@ -135,6 +135,47 @@ async def test_a_handle_from_before_its_d_was_lost_is_not_used() -> None:
 
 
 
+async def test_a_withdrawn_or_outlived_handle_is_not_attached_nor_given_back() -> None:
+    """D withdrew the session's hold (its channel told this replica), or D has
+    started again since the handle (a later epoch of its URL): the router does not
+    send P the handle, the turn goes without it, and a channel copy it took is not
+    handed back.  Control: the same handle, neither withdrawn nor outlived, is
+    attached."""
+    from sessionkv_proxy.sessions import SessionRecord
+    from vllm_sessionkv.wire.protocol import encode_handle, handle_from_params
+
+    def handle(token: int, epoch: int):
+        return handle_from_params({
+            "do_remote_decode": True, "remote_engine_id": "d1",
+            "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + 60,
+                          "hold_token": token, "engine_epoch": epoch}})
+
+    prompt = _body(list(range(2000, 2160)))
+    for case in ("control", "withdrawn", "engine_restarted"):
+        router, pool, upstream = _one_p_one_d(
+            routing={"params": {"decode_only_max_uncached_tokens": -1}})
+        index = router.index
+        try:
+            await router.sessions.save(SessionRecord(session_id="s", last_decode=D1,
+                                                    handle=handle(7, 100)))
+            index.put_handle("-:s", encode_handle(handle(7, 100)), 60_000)
+            if case == "withdrawn":
+                index.withdraw_handle("-:s", 7, 60_000)
+                index.put_handle("-:s", encode_handle(handle(7, 100)), 60_000)  # a copy
+            elif case == "engine_restarted":
+                index.note_epoch(D1, 200)
+            plan = await router.plan(prompt, False, "s")
+            expected = "attached" if case == "control" else case
+            assert plan.handle_outcome == expected
+            assert plan.mode == "disaggregated"
+            assert plan.prefill_params.get("remote_engine_id") == (
+                "d1" if case == "control" else None)
+            await router.sessions.flush()
+            assert index.take_handle("-:s", take=False)[0] is None   # taken, not back
+        finally:
+            await upstream.close()
+
+
 @pytest.mark.parametrize("left_s, outcome", [(3.0, "expired"), (9.0, "expired"),
                                              (30.0, "attached")])
 async def test_a_handle_in_its_last_seconds_is_not_consumed(left_s, outcome) -> None:

@@ -103,3 +103,73 @@ def test_a_handle_goes_to_the_handle_channel_too_and_a_failed_send_is_counted():
         assert channel.sent == [{"remote_num_tokens": 16}] and stats.data == {key: [1]}
         table.close()
         assert channel.closed
+
+
+class Recorder:
+    """Publisher and channel stand-in: what was published and withdrawn."""
+
+    def __init__(self) -> None:
+        self.withdrawn: list = []
+
+    def publish(self, *args) -> bool:
+        return True
+
+    def withdraw(self, withdrawal) -> bool:
+        self.withdrawn.append(withdrawal)
+        return True
+
+    def take_failures(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _published(table: SessionHolds, request_id: str, session_id: str, token: int) -> None:
+    table.publish(session_id, {"remote_num_tokens": 16, "sessionkv": {
+        "session_id": session_id, "hold_token": token, "engine_url": "http://d",
+        "engine_epoch": 5}}, 60.0, Stats(), request_id)
+
+
+def test_a_hold_that_ends_before_its_lease_withdraws_its_handle_once():
+    """kv_pressure withdraws when the cap drops the hold, superseded when its grace
+    ends, a reset at once, a read when it is released; an ended lease does not (the
+    handle's expiry says it).  Each hold once, counted by reason.  Control: with
+    ``withdraw`` off nothing is withdrawn."""
+    for enabled in (True, False):
+        redis, channel, stats = Recorder(), Recorder(), Stats()
+        table = SessionHolds(6, 0.5, redis, channel, withdraw=enabled)
+        ledger = guard(enabled=False)
+        table.hold("a", "ta", 0.0, 100.0, 1.0, num_blocks=4)
+        _published(table, "ta", "a", 1)
+        table.hold("b", "tb", 1.0, 100.0, 1.0, num_blocks=4)      # "a" over the cap
+        _published(table, "tb", "b", 2)
+        assert [w.hold_token for w in redis.withdrawn] == ([1] if enabled else [])
+        table.hold("b", "tb2", 2.0, 100.0, 1.0, num_blocks=1)     # supersedes "tb"
+        _published(table, "tb2", "b", 3)
+        table.hold("c", "tc", 3.0, 5.0, 1.0, num_blocks=0)
+        _published(table, "tc", "c", 4)
+        table.hold("d", "td", 3.0, 100.0, 1.0, num_blocks=0)
+        _published(table, "td", "d", 5)
+        assert table.take_releases(3.5, ledger) == {"ta", "tb"}
+        assert table.take_releases(9.0, ledger) == {"tc"}         # lease: no withdrawal
+        table.released(["ta", "tb", "tc", "tb2"], stats)          # tb2: read by P
+        assert table.end_all() == 1                               # "td"
+        table.released(["td"], stats)
+        table.record_stats(stats)
+        withdrawn = {(w.hold_token, w.reason) for w in redis.withdrawn}
+        assert {(w.hold_token, w.reason) for w in channel.withdrawn} == withdrawn
+        if not enabled:
+            assert withdrawn == set() and not any(k.startswith("handles_withdrawn")
+                                                  for k in stats.data)
+            continue
+        assert len(redis.withdrawn) == 4
+        assert withdrawn == {(1, "kv_pressure"), (2, "superseded"), (3, "pulled"),
+                             (5, "reset")}
+        w = redis.withdrawn[0]
+        assert (w.session_id, w.engine_url, w.engine_epoch, w.ttl_s) == ("a", "http://d",
+                                                                          5, 60.0)
+        assert {k: sum(v) for k, v in stats.data.items()
+                if k.startswith("handles_withdrawn")} == {
+            "handles_withdrawn_kv_pressure": 1, "handles_withdrawn_superseded": 1,
+            "handles_withdrawn_pulled": 1, "handles_withdrawn_reset": 1}

@@ -20,7 +20,7 @@ handle (verdict ``unsupported_version``), the proxy does not use it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
@@ -33,6 +33,7 @@ __all__ = [
     "FIRST_TOKEN_KEY",
     "FIRST_TOKEN_WANTED_KEY",
     "HANDLE_EXPIRY_MARGIN_S",
+    "HandleWithdrawal",
     "PROTOCOL_VERSION",
     "PayloadError",
     "PrefillDone",
@@ -46,11 +47,14 @@ __all__ = [
     "decode_handle",
     "decode_payload",
     "decode_prefill_done",
+    "decode_withdrawal",
     "encode_handle",
     "encode_payload",
     "encode_prefill_done",
+    "encode_withdrawal",
     "handle_expired",
     "handle_from_params",
+    "handle_is_dead",
     "payload_from_params",
     "session_store_key",
     "with_payload",
@@ -208,6 +212,10 @@ class SessionPayload(msgspec.Struct, omit_defaults=True, kw_only=True):
     hold_token: int = 0
     # D only: HTTP URL of the engine holding the blocks, when it advertises one.
     engine_url: str | None = None
+    # D only: when the engine process holding the blocks started (unix ns), so a
+    # proxy that has seen a later start of the same ``engine_url`` knows the handle
+    # names a dead process's blocks (``HandleWithdrawal``).  0: unknown.
+    engine_epoch: int = 0
     # How this request's prompt tokens were obtained, on the engine that answered.
     accounting: TokenAccounting | None = None
     # P only: the token P sampled after the prompt (first_token.py), for D.
@@ -268,7 +276,27 @@ class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):
         return params
 
 
+class HandleWithdrawal(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """D ended a hold before its lease: the handle naming it (``hold_token``) is dead.
+
+    Sent on D's handle channel and written to Redis (``redis_keys.withdrawn``) so that
+    no proxy replica attaches it; a lost one costs the next turn a refused claim and a
+    recompute, never correctness (D's pull guard refuses the claim).  ``reason`` is the
+    hold's end (``holds.RELEASE_REASONS``)."""
+
+    session_id: str
+    hold_token: int
+    tenant: str | None = None
+    reason: str = ""
+    engine_url: str | None = None
+    engine_epoch: int = 0
+    # How long a handle of this hold could still be live (its lease), seconds.
+    ttl_s: float = 0.0
+    version: int = PROTOCOL_VERSION
+
+
 _encoder = msgspec.json.Encoder()
+_withdrawal_decoder = msgspec.json.Decoder(HandleWithdrawal)
 _handle_decoder = msgspec.json.Decoder(SessionHandle)
 _prefill_done_decoder = msgspec.json.Decoder(PrefillDone)
 
@@ -340,6 +368,31 @@ def decode_handle(raw: bytes | str) -> SessionHandle:
     handle = _handle_decoder.decode(raw)
     check_version("session payload", handle.payload.version)
     return handle
+
+
+def encode_withdrawal(message: HandleWithdrawal) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_withdrawal(raw: bytes | str) -> HandleWithdrawal:
+    """Decode a withdrawal: :class:`UnsupportedVersion` or ``msgspec.DecodeError``."""
+    check_version("handle withdrawal", _versioned_decoder.decode(raw).version)
+    return _withdrawal_decoder.decode(raw)
+
+
+def handle_is_dead(handle: SessionHandle, withdrawn: Collection[int],
+                   epochs: Mapping[str, int]) -> str | None:
+    """Why a handle names blocks its engine no longer holds for it, or None: its hold
+    was withdrawn (``withdrawn``: the session's withdrawn hold tokens), or its engine
+    has started since (``epochs``: the latest known start of each engine URL).  The
+    one rule for the proxy's routing read and its channel table."""
+    payload = handle.payload
+    if payload.hold_token and payload.hold_token in withdrawn:
+        return "withdrawn"
+    latest = epochs.get(payload.engine_url or "") if payload.engine_epoch else None
+    if latest is not None and latest > payload.engine_epoch:
+        return "engine_restarted"
+    return None
 
 
 def encode_prefill_done(message: PrefillDone) -> bytes:

@@ -18,6 +18,10 @@ Layout (``P = "{<namespace>}:"``; a *session key* is ``protocol.session_store_ke
 
 * ``P handle:<session key>``: the engines' published handle (``SET PX``, single use);
 * ``P sess:<session key>``: the proxy's session record (``SET PX``);
+* ``P wd:<session key>``: ZSET of the hold tokens of the session's holds D ended
+  before their lease (``protocol.HandleWithdrawal``), scored by when each stops
+  mattering (unix ms), trimmed on write and expiring with the lease;
+* ``P epochs``: HASH engine URL -> when that engine process started (unix ns);
 * ``P rk:<request key hex>``: HASH ``<engine>\\0<tier>`` -> how many of that engine
   and tier's engine hashes map to the request key (lookups read only these);
 * ``P eh:<tier>:<engine>``: HASH engine hash -> request key hex;
@@ -68,6 +72,13 @@ class RedisKeys:
 
     def session(self, session_key: str) -> str:
         return f"{self.prefix}sess:{session_key}"
+
+    def withdrawn(self, session_key: str) -> str:
+        return f"{self.prefix}wd:{session_key}"
+
+    @property
+    def epochs(self) -> str:
+        return self.prefix + "epochs"
 
     @property
     def handles_pattern(self) -> str:

@@ -64,6 +64,11 @@ class RouteRead:
     handle_taken: bool = False
     handle_ttl_ms: int = -1       # its remaining time when taken; -1: no expiry
     matches: PrefixMatch = field(default_factory=dict)
+    # Hold tokens of the session's holds D ended before their lease (withdrawn
+    # handles), and the latest known start (unix ns) of each engine URL: a handle
+    # either names is dead (``protocol.handle_is_dead``).  Empty: none known.
+    withdrawn: set[int] = field(default_factory=set)
+    epochs: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -156,4 +161,16 @@ class PublishedHandles(Protocol):
         """Keep ``handle`` for ``session_key`` for ``ttl_ms`` (-1: until evicted),
         replacing an older one (the newest turn's wins); returns how many handles the
         backend's bound evicted to make room."""
+        ...
+
+    def withdraw_handle(self, session_key: str, hold_token: int, ttl_ms: int) -> None:
+        """D ended the hold ``hold_token`` names (``protocol.HandleWithdrawal``): drop
+        the kept handle if it is that one, and answer the token in ``route_read``'s
+        ``withdrawn`` for ``ttl_ms``, so a copy held elsewhere (a session record) is
+        not attached either."""
+        ...
+
+    def note_epoch(self, engine_url: str, epoch: int) -> None:
+        """An engine's handle or withdrawal names its process's start ``epoch``: keep
+        the latest per URL for ``route_read``'s ``epochs``."""
         ...

@@ -146,6 +146,11 @@ class FallbackIndex:
                 local, ttl_ms = self.local.take_handle(session_key)
                 if read.handle is None and local is not None:
                     read.handle, read.handle_taken, read.handle_ttl_ms = local, True, ttl_ms
+            # What the channel told this replica adds to what Redis says.
+            read.withdrawn |= self.local.withdrawn_tokens(session_key)
+            for url, epoch in self.local.epochs().items():
+                if epoch > read.epochs.get(url, 0):
+                    read.epochs[url] = epoch
         return read
 
     def put_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> int:
@@ -154,6 +159,14 @@ class FallbackIndex:
         receives the channel's copy (written to Redis by each, a handle one replica
         took would come back for another)."""
         return self.local.put_handle(session_key, handle, ttl_ms)
+
+    def withdraw_handle(self, session_key: str, hold_token: int, ttl_ms: int) -> None:
+        """A withdrawal from the engines' channel, kept in this replica's copy (as
+        ``put_handle``): an engine with Redis withdraws there itself."""
+        self.local.withdraw_handle(session_key, hold_token, ttl_ms)
+
+    def note_epoch(self, engine_url: str, epoch: int) -> None:
+        self.local.note_epoch(engine_url, epoch)
 
     async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
         # Not a write of ours to re-publish: a handle lost to an outage costs one

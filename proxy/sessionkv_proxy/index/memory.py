@@ -19,11 +19,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from vllm_sessionkv.wire.hashing import RequestKey
+from vllm_sessionkv.wire.protocol import decode_handle
 
 from .base import EngineHash, PrefixMatch, RouteRead
 
 __all__ = ["MemoryIndex"]
+
+
+def _hold_token(raw: bytes) -> int | None:
+    try:
+        return decode_handle(raw).payload.hold_token
+    except (ValueError, msgspec.DecodeError):
+        return None
 
 
 class MemoryIndex:
@@ -55,6 +65,10 @@ class MemoryIndex:
         # session key -> (monotonic expiry or inf, handle bytes), oldest first.
         self._max_handles = max_handles
         self._handles: dict[str, tuple[float, bytes]] = {}
+        # session key -> {withdrawn hold token: monotonic expiry}, oldest first, bounded
+        # like the handles; engine URL -> latest start epoch.
+        self._withdrawn: dict[str, dict[int, float]] = {}
+        self._epochs: dict[str, int] = {}
 
     # -- slots ---------------------------------------------------------------------
 
@@ -155,7 +169,35 @@ class MemoryIndex:
             read.handle, ttl_ms = self.take_handle(session_key, take_handle)
             if take_handle and read.handle is not None:
                 read.handle_taken, read.handle_ttl_ms = True, ttl_ms
+            read.withdrawn = self.withdrawn_tokens(session_key)
+            read.epochs = self.epochs()
         return read
+
+    def withdrawn_tokens(self, session_key: str) -> set[int]:
+        tokens = self._withdrawn.get(session_key)
+        if not tokens:
+            return set()
+        now = self._clock()
+        return {t for t, expires_at in tokens.items() if expires_at > now}
+
+    def withdraw_handle(self, session_key: str, hold_token: int, ttl_ms: int) -> None:
+        item = self._handles.get(session_key)
+        if item is not None and _hold_token(item[1]) == hold_token:
+            del self._handles[session_key]
+        now = self._clock()
+        tokens = {t: e for t, e in self._withdrawn.pop(session_key, {}).items() if e > now}
+        tokens[hold_token] = float("inf") if ttl_ms < 0 else now + ttl_ms / 1000
+        self._withdrawn[session_key] = tokens      # re-inserted last: oldest first
+        while len(self._withdrawn) > self._max_handles:
+            del self._withdrawn[next(iter(self._withdrawn))]
+
+    def epochs(self) -> dict[str, int]:
+        """The latest known start of each engine URL (``note_epoch``)."""
+        return dict(self._epochs)
+
+    def note_epoch(self, engine_url: str, epoch: int) -> None:
+        if epoch > self._epochs.get(engine_url, 0):
+            self._epochs[engine_url] = epoch
 
     def take_handle(self, session_key: str, take: bool = True) -> tuple[bytes | None, int]:
         """(the published handle of ``session_key`` or None, its remaining ms or -1
@@ -253,6 +295,8 @@ class MemoryIndex:
         dropped = len(self._sessions)
         self._sessions.clear()
         self._handles.clear()
+        self._withdrawn.clear()
+        self._withdrawn.clear()
         return dropped
 
     def snapshot(self) -> tuple[list[tuple[str, str, list[tuple[EngineHash, RequestKey]]]],
@@ -274,3 +318,4 @@ class MemoryIndex:
         self._extra_refs.clear()
         self._sessions.clear()
         self._handles.clear()
+        self._withdrawn.clear()

@@ -160,24 +160,30 @@ _LOOKUP = _PREFIX_MATCH + """
 return prefix_match(KEYS, 1)
 """
 
-# A routing decision's whole read, one round trip.  KEYS: the session record and the
-# engines' published handle (both, or neither), then the request keys.  ARGV:
-# number of session keys (2 or 0), take ('1': delete the handle as it is read).
-# Returns {record|nil, handle|nil, handle's PTTL when taken (-2: not taken),
-# {slot, blocks, ...}}.  The handle key is in the index's hash tag (redis_keys.py),
-# so on a cluster this is one script on one node, as on one Redis.
+# A routing decision's whole read, one round trip.  KEYS: the session record, the
+# engines' published handle, the session's withdrawn hold tokens and the engines'
+# epochs (all four, or none), then the request keys.  ARGV: number of session keys
+# (4 or 0), take ('1': delete the handle as it is read).  Returns {record|nil,
+# handle|nil, handle's PTTL when taken (-2: not taken), {slot, blocks, ...},
+# {withdrawn token, ...}, {engine url, epoch, ...}}.  Every key is in the index's
+# hash tag (redis_keys.py), so on a cluster this is one script on one node, as on one
+# Redis.
 _ROUTE_READ = _PREFIX_MATCH + """
-local record, handle, ttl = false, false, -2
+local record, handle, ttl, withdrawn, epochs = false, false, -2, {}, {}
 local n = tonumber(ARGV[1])
-if n == 2 then
+if n == 4 then
   record = redis.call('GET', KEYS[1])
   handle = redis.call('GET', KEYS[2])
   if handle and ARGV[2] == '1' then
     ttl = redis.call('PTTL', KEYS[2])
     redis.call('DEL', KEYS[2])
   end
+  if record or handle then
+    withdrawn = redis.call('ZRANGE', KEYS[3], 0, -1)
+    epochs = redis.call('HGETALL', KEYS[4])
+  end
 end
-return {record, handle, ttl, prefix_match(KEYS, n + 1)}
+return {record, handle, ttl, prefix_match(KEYS, n + 1), withdrawn, epochs}
 """
 
 # KEYS: engines.  ARGV: prefix
@@ -309,15 +315,18 @@ class RedisIndex:
                          take_handle: bool = False) -> RouteRead:
         """One script, so one round trip: the record, the handle (taken atomically
         with ``take_handle``) and the lookup."""
-        keys = [self.keys.session(session_key), self.keys.handle(session_key)] \
-            if session_key else []
+        keys = [self.keys.session(session_key), self.keys.handle(session_key),
+                self.keys.withdrawn(session_key), self.keys.epochs] if session_key else []
         keys += [self.keys.request_key(_rk_str(k)) for k in request_keys]
-        record, handle, ttl_ms, flat = await self._route_read(
-            keys=keys, args=[2 if session_key else 0, "1" if take_handle else "0"])
+        record, handle, ttl_ms, flat, withdrawn, epochs = await self._route_read(
+            keys=keys, args=[4 if session_key else 0, "1" if take_handle else "0"])
         taken = handle is not None and int(ttl_ms) != -2
         return RouteRead(record=record, handle=handle, handle_taken=taken,
                          handle_ttl_ms=int(ttl_ms) if taken else -1,
-                         matches=_prefix_match(flat))
+                         matches=_prefix_match(flat),
+                         withdrawn={int(t) for t in withdrawn},
+                         epochs={epochs[i].decode(): int(epochs[i + 1])
+                                 for i in range(0, len(epochs), 2)})
 
     async def return_handle(self, session_key: str, handle: bytes, ttl_ms: int) -> None:
         # NX: a handle published since (a newer turn) is not overwritten.  A ttl of
