@@ -70,6 +70,7 @@ REPO = BENCH_DIR.parent
 from bench_common import (  # noqa: E402
     counter_deltas,
     counter_sum,
+    counters_by_label,
     engine_counters,
     log,
     machine_line,
@@ -398,6 +399,7 @@ def summarize(turns: list[Turn], counters: dict, poisoned: dict) -> dict:
                            and "reason=" in k},
         "pull_failures": counter_sum(p, "sessionkv_pull_failures"),
         "guard": {k: v for k, v in both.items() if "guard" in k},
+        "digest": _digest_summary(both),
         "nixl_failed_transfers": counter_sum(both, "vllm:nixl_num_failed_transfers"),
         "nixl_expired": counter_sum(both, "vllm:nixl_num_kv_expired_reqs"),
         "watched": {role: {k: v for k, v in c.items() if any(w in k for w in WATCHED)}
@@ -424,6 +426,16 @@ def _public_argv(argv: list[str]) -> str:
         out.append(a)
     return "python benchmarks/kv_pressure.py " + shlex.join(out) if out else \
         "python benchmarks/kv_pressure.py"
+
+
+def _digest_summary(counters: dict[str, float]) -> dict:
+    """The content digest over P and D: checks by outcome, blocks digested (held and
+    read), and the worker time per block."""
+    blocks = counter_sum(counters, "sessionkv_kv_digest_blocks")
+    seconds = counter_sum(counters, "sessionkv_kv_digest_seconds")
+    return {"checks": counters_by_label(counters, "sessionkv_kv_digest_checks_total"),
+            "blocks": blocks, "seconds": seconds,
+            "us_per_block": seconds / blocks * 1e6 if blocks else None}
 
 
 def render(data: dict) -> str:
@@ -490,6 +502,11 @@ def render(data: dict) -> str:
                      f"{s['wrong_by_turn'] or '-'}; P decisions {s['prefill_decisions']}; "
                      f"holds released {s['holds_released'] or '-'}; watched "
                      f"{ {k: v for k, v in s['watched'].items() if v} or '-'}")
+        digest = s.get("digest") or {}
+        if digest.get("blocks"):
+            lines.append(f"  content digest: checks {digest['checks'] or '-'}; "
+                         f"{digest['blocks']:g} blocks digested (held and read), "
+                         f"{digest['us_per_block']:.1f} us a block")
         if r["failures"]:
             lines.append(f"  failures: {'; '.join(r['failures'])[:400]}")
     if data["failures"]:

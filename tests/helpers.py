@@ -185,6 +185,11 @@ def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def token_ids(seed: int, n: int) -> list[int]:
+    """Deterministic 'text' token ids away from the tiny model's special tokens."""
+    return [(seed * 7919 + i * 104729 + (i * i) % 13) % 990 + 20 for i in range(n)]
+
+
 def fresh_prefill_params() -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -120,6 +120,11 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # A reader gives up on an unanswered claim or confirm after this long, and
     # recomputes.
     pull_guard_timeout_s: float = 5.0
+    # The content digest (kv_digest.py), with the pull guard only: a holder digests
+    # each hold's blocks as it begins, a reader digests what its read wrote and
+    # compares before the blocks count as computed; a mismatch fails the read (vLLM
+    # recomputes).  Off on either side: reads go unchecked.  Needs one KV cache group.
+    kv_digest: bool = True
     # Start under a vLLM release the connector was not tested with (_vllm/version.py,
     # VLLM_VERSIONS_TESTED); by default the engine refuses to start.
     allow_untested_vllm: bool = False
@@ -273,6 +278,10 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"{self.pull_guard_timeout_s}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
+
+    def kv_digest_active(self, kv_cache_groups: int) -> bool:
+        """Whether this engine digests holds and reads (kv_digest.py)."""
+        return self.kv_digest and self.pull_guard and kv_cache_groups == 1
 
     def nixl_agent_options(self, cpu_platform: bool) -> tuple[bool, str | None]:
         """(progress thread on, UCX error-handling mode) for this platform."""

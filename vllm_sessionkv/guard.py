@@ -23,6 +23,11 @@ claim, answered by the holder over its NIXL side channel:
    reader recomputes: a read that lost the race never becomes attached KV, nor a
    prefix-cache hit.
 
+With the content digest (``kv_digest.py``), the confirm also carries the holder's
+block ids the read wrote, and a valid answer the holder's digests of them, taken as
+the hold began; a confirm that comes before those digests is answered
+``DIGEST_PENDING`` with the claim left standing, and the reader asks again.
+
 Correctness rests only on this order (grant, read, confirm, then free), never on
 clocks agreeing between engines.  Pure: standard library and msgspec; the caller
 passes the clock.  Thread-safe: the side channel answers on its own thread.
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 __all__ = [
+    "DIGEST_PENDING",
     "GUARD_TAG",
     "GuardAnswer",
     "GuardCall",
@@ -71,12 +77,25 @@ class GuardCall(msgspec.Struct, array_like=True, tag=GUARD_TAG, frozen=True):
     reader: str          # who reads: one reader request (all its workers share it)
     member: str          # which worker of that reader (tensor-parallel rank)
     seq: int             # echoed in the answer
+    # CONFIRM only: the holder's blocks the read wrote, whose digests the reader
+    # checks its own against (kv_digest.py); empty: no digest wanted.
+    blocks: tuple[int, ...] = ()
 
 
 class GuardAnswer(msgspec.Struct, array_like=True, frozen=True):
     seq: int
     ok: bool
     reason: str = ""     # why not: gone, ending, claimed, lapsed, wrong_engine, ...
+    # A valid CONFIRM's answer: the digests of the call's blocks as the holder took
+    # them when the hold began, in the call's order; None when the holder has none
+    # for that reader's rank (its digest is off, or the ranks' layouts differ).
+    digests: tuple[int, ...] | None = None
+
+
+# A CONFIRM answered with this reason was neither valid nor refused: the holder's
+# digests of the hold have not reached its ledger yet (its worker takes them the step
+# after the request finished).  The claim still stands; the reader asks again.
+DIGEST_PENDING = "digest_pending"
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -122,6 +141,8 @@ class _Held:
     ending: bool = False                   # asked to end: no new claims
     sent: bool = False                     # its send is done, the free deferred
     freeing: bool = False                  # handed back for vLLM to free
+    # Per worker rank, block id -> digest, taken when the hold began (kv_digest.py).
+    digests: dict[str, dict[int, int]] | None = None
 
     def claim_live(self, now_s: float) -> bool:
         return any(until > now_s for until in self.members.values())
@@ -132,9 +153,12 @@ class SendLedger:
     the claims on them.  Added when vLLM delays the free (``add``), removed when the
     free goes through (``gate``)."""
 
-    def __init__(self, engine_id: str, claim_ttl_s: float) -> None:
+    def __init__(self, engine_id: str, claim_ttl_s: float, digests: bool = False) -> None:
         self.engine_id = engine_id
         self.claim_ttl_s = claim_ttl_s
+        # This engine's workers digest every hold (kv_digest.py): a confirm that
+        # asks for digests not yet here waits for them (DIGEST_PENDING).
+        self.digests = digests
         self._held: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self.claims_granted = 0
@@ -148,16 +172,32 @@ class SendLedger:
         with self._lock:
             self._held[request_id] = _Held(token=token)
 
+    def set_digests(self, request_id: str, digests: dict[str, dict[int, int]]) -> None:
+        """The workers' digests of a hold's blocks (per rank), taken as it began."""
+        with self._lock:
+            held = self._held.get(request_id)
+            if held is not None:
+                held.digests = digests
+
     def answer(self, call: GuardCall, now_s: float) -> GuardAnswer:
         """The side channel's answer to one call."""
         with self._lock:
             reason = self._answer(call, now_s)
+            digests = (self._digests(call) if call.op is GuardOp.CONFIRM and not reason
+                       and call.blocks else None)
         if call.op is GuardOp.CLAIM:
             if reason:
                 self.claims_refused += 1
             else:
                 self.claims_granted += 1
-        return GuardAnswer(seq=call.seq, ok=not reason, reason=reason)
+        return GuardAnswer(seq=call.seq, ok=not reason, reason=reason, digests=digests)
+
+    def _digests(self, call: GuardCall) -> tuple[int, ...] | None:
+        held = self._held.get(call.request_id)
+        mine = (held.digests or {}).get(call.member) if held is not None else None
+        if mine is None or any(b not in mine for b in call.blocks):
+            return None
+        return tuple(mine[b] for b in call.blocks)
 
     def _answer(self, call: GuardCall, now_s: float) -> str:
         if call.engine_id != self.engine_id:
@@ -175,6 +215,10 @@ class SendLedger:
             held.reader = call.reader
             held.members[call.member] = now_s + self.claim_ttl_s
             return ""
+        if (call.op is GuardOp.CONFIRM and call.blocks and self.digests
+                and held.digests is None and held.reader == call.reader
+                and held.members.get(call.member, 0.0) > now_s):
+            return DIGEST_PENDING   # the claim stands until the digests are here
         # CONFIRM or RELEASE: the member's claim ends either way.
         until = held.members.pop(call.member, None) if held.reader == call.reader else None
         if not held.members:

@@ -38,6 +38,7 @@ __all__ = [
     "HostBlockPool",
     "HostTierManager",
     "find_block_dim",
+    "unique_caches",
 ]
 
 logger = logging.getLogger("vllm.sessionkv.host_tier")
@@ -263,7 +264,7 @@ def find_block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
         f"num_blocks={num_blocks} at both dim 0 and dim 1; cannot tell which indexes blocks")
 
 
-def _unique_caches(kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unique_caches(kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop layers that alias another layer's exact view (KV sharing across layers):
     copying them twice would double the bytes and the buffer, and vLLM's
     ``kv_cache_tensors`` count such a tensor once."""
@@ -302,7 +303,7 @@ class HostBlockPool:
                                  "are not supported)")
         self.num_blocks = num_blocks
         self.capacity_blocks = capacity_blocks
-        self._caches = _unique_caches(kv_caches)
+        self._caches = unique_caches(kv_caches)
         self._block_dim_by_layer = {name: find_block_dim(cache, num_blocks)
                                     for name, cache in self._caches.items()}
         self.device = next(iter(self._caches.values())).device
@@ -336,7 +337,7 @@ class HostBlockPool:
         ``capacity_blocks`` rather than from two byte counts.
         """
         total_bytes = 0
-        for cache in _unique_caches(kv_caches).values():
+        for cache in unique_caches(kv_caches).values():
             block_dim = find_block_dim(cache, num_blocks)
             total_bytes += cache.numel() // cache.shape[block_dim] * cache.element_size()
         return total_bytes

@@ -47,6 +47,9 @@ class StepInstructions(msgspec.Struct, kw_only=True):
     # Sends whose free the scheduler deferred while a reader's claim stood: report
     # them sent again (once), so vLLM frees them now.
     report_sent: set[str] = msgspec.field(default_factory=set)
+    # Holds that began (request id -> the blocks its handle names), for the worker
+    # to digest (kv_digest.py); with the pull guard on only.
+    holds_started: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,9 +60,16 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     # Synchronous reads this step ran, succeeded or not (a failed one is also
     # reported as invalid blocks in the same output).
     sync_loads_done: frozenset[str] = frozenset()
+    # Digests of the holds this step began (kv_digest.py): request id -> worker
+    # ("tp0", ...) -> block id -> digest.
+    held_digests: dict[str, dict[str, dict[int, int]]] = msgspec.field(default_factory=dict)
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
-        return WorkerReport(sync_loads_done=self.sync_loads_done | other.sync_loads_done)
+        digests = {r: dict(ranks) for r, ranks in self.held_digests.items()}
+        for request_id, ranks in other.held_digests.items():
+            digests.setdefault(request_id, {}).update(ranks)
+        return WorkerReport(sync_loads_done=self.sync_loads_done | other.sync_loads_done,
+                            held_digests=digests)
 
     def is_empty(self) -> bool:
-        return not self.sync_loads_done
+        return not self.sync_loads_done and not self.held_digests

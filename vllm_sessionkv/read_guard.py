@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from vllm_sessionkv.guard import (
+    DIGEST_PENDING,
     GuardCall,
     GuardOp,
     decode_answer,
@@ -30,6 +31,9 @@ logger = logging.getLogger("vllm.sessionkv.read_guard")
 # Tokens of reads the scheduler asked to guard whose read never came (aborted
 # requests): the oldest are dropped past this many.
 _MAX_EXPECTED = 1 << 16
+# A confirm answered DIGEST_PENDING is asked again this much later (within its
+# original deadline).
+_DIGEST_REASK_S = 2e-3
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,9 @@ class GuardedRead:
     host: str
     port: int
     local_blocks: frozenset[int]
+    # (local block, holder's block) in read order, for the content digest
+    # (kv_digest.py); empty: the read is not digested.
+    digest_pairs: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -53,6 +60,9 @@ class GuardPoll:
     refused: list[tuple[str, str]] = field(default_factory=list)   # (request, reason)
     confirmed: list[str] = field(default_factory=list)        # report received
     refuted: list[tuple[GuardedRead, str]] = field(default_factory=list)   # recompute
+    # Content digest checks of confirmed reads: matched, mismatched (refuted with
+    # reason "digest_mismatch"), unchecked (the holder had no digests to give).
+    digest_checks: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +70,7 @@ class _Pending:
     read: GuardedRead
     op: GuardOp
     deadline_s: float
+    digests: tuple[int, ...] | None = None   # CONFIRM: the reader's, to compare
 
 
 class ReadGuard:
@@ -76,6 +87,7 @@ class ReadGuard:
         self._pending: dict[int, _Pending] = {}    # seq -> call awaiting its answer
         self._granted: dict[str, GuardedRead] = {}   # claimed; read posted or to post
         self._confirming: set[str] = set()
+        self._reask: list[tuple[float, _Pending]] = []   # (due, confirm) digest pending
 
     # -------------------------------------------------------------- requests
     def expect(self, tokens: dict[str, int]) -> None:
@@ -90,17 +102,23 @@ class ReadGuard:
     def is_granted(self, request_id: str) -> bool:
         return request_id in self._granted
 
+    def granted_read(self, request_id: str) -> GuardedRead | None:
+        return self._granted.get(request_id)
+
     def claim(self, read: GuardedRead, now_s: float) -> None:
         """Ask the holder for the blocks; the read waits for :meth:`poll`'s grant."""
         self._expected.pop(read.request_id, None)
         self._send(read, GuardOp.CLAIM, now_s)
 
-    def confirm(self, request_id: str, now_s: float) -> None:
-        """The read completed: ask whether the claim stood throughout."""
+    def confirm(self, request_id: str, now_s: float,
+                digests: tuple[int, ...] | None = None) -> None:
+        """The read completed: ask whether the claim stood throughout, and, with
+        ``digests`` (of the read's ``digest_pairs``' local blocks), for the holder's
+        digests of the same blocks, to compare."""
         read = self._granted.get(request_id)
         if read is not None and request_id not in self._confirming:
             self._confirming.add(request_id)
-            self._send(read, GuardOp.CONFIRM, now_s)
+            self._send(read, GuardOp.CONFIRM, now_s, digests=digests)
 
     def release(self, request_id: str, now_s: float) -> None:
         """The read failed or was given up: drop the claim so the holder frees sooner."""
@@ -116,6 +134,13 @@ class ReadGuard:
     # -------------------------------------------------------------- answers
     def poll(self, now_s: float) -> GuardPoll:
         out = GuardPoll()
+        due = [p for when, p in self._reask if when <= now_s]
+        self._reask = [(when, p) for when, p in self._reask if when > now_s]
+        for pending in due:
+            if pending.read.request_id not in self._confirming:
+                continue   # released meanwhile
+            self._send(pending.read, GuardOp.CONFIRM, now_s, digests=pending.digests,
+                       deadline_s=pending.deadline_s)
         for sock in self._sockets.values():
             while True:
                 try:
@@ -125,13 +150,14 @@ class ReadGuard:
                 answer = decode_answer(frames[-1])
                 pending = self._pending.pop(answer.seq, None) if answer else None
                 if pending is not None:
-                    self._settle(pending, answer.ok, answer.reason, out, now_s)
+                    self._settle(pending, answer.ok, answer.reason, out, now_s,
+                                 answer.digests)
         for seq in [s for s, p in self._pending.items() if p.deadline_s <= now_s]:
             self._settle(self._pending.pop(seq), False, "timeout", out, now_s)
         return out
 
     def _settle(self, pending: _Pending, ok: bool, reason: str, out: GuardPoll,
-                now_s: float) -> None:
+                now_s: float, answer_digests: tuple[int, ...] | None = None) -> None:
         read = pending.read
         if pending.op is GuardOp.CLAIM:
             if ok:
@@ -143,8 +169,19 @@ class ReadGuard:
                     self._send(read, GuardOp.RELEASE, now_s, await_answer=False)
                 out.refused.append((read.request_id, reason))
             return
+        if reason == DIGEST_PENDING:
+            if now_s < pending.deadline_s:
+                self._reask.append((now_s + _DIGEST_REASK_S, pending))
+                return
+            reason = "timeout"
         self._granted.pop(read.request_id, None)
         self._confirming.discard(read.request_id)
+        if ok and pending.digests is not None:
+            check = ("unchecked" if answer_digests is None else
+                     "matched" if tuple(answer_digests) == pending.digests else "mismatched")
+            out.digest_checks.append(check)
+            if check == "mismatched":
+                ok, reason = False, "digest_mismatch"
         if ok:
             out.confirmed.append(read.request_id)
         else:
@@ -155,15 +192,19 @@ class ReadGuard:
             out.refuted.append((read, reason))
 
     def _send(self, read: GuardedRead, op: GuardOp, now_s: float,
-              await_answer: bool = True) -> None:
+              await_answer: bool = True, digests: tuple[int, ...] | None = None,
+              deadline_s: float | None = None) -> None:
         seq = next(self._seq)
+        blocks = (tuple(remote for _, remote in read.digest_pairs)
+                  if digests is not None else ())
         call = GuardCall(op=op, engine_id=read.holder_engine_id,
                          request_id=read.holder_request_id, token=read.token,
                          reader=f"{self.reader_engine_id}/{read.request_id}",
-                         member=self.member, seq=seq)
+                         member=self.member, seq=seq, blocks=blocks)
         if await_answer:
-            self._pending[seq] = _Pending(read=read, op=op,
-                                          deadline_s=now_s + self.timeout_s)
+            self._pending[seq] = _Pending(
+                read=read, op=op, digests=digests,
+                deadline_s=now_s + self.timeout_s if deadline_s is None else deadline_s)
         try:
             self._socket(read.host, read.port).send_multipart(
                 (b"", encode_call(call)), zmq.NOBLOCK)
@@ -187,8 +228,8 @@ class ReadGuard:
 
     @property
     def waiting(self) -> bool:
-        """Calls still awaiting an answer."""
-        return bool(self._pending)
+        """Calls still awaiting an answer (or to be asked again)."""
+        return bool(self._pending or self._reask)
 
     def close(self) -> None:
         for sock in self._sockets.values():

@@ -79,6 +79,12 @@ _HELD_STEP_INTERVAL_S = 0.02
 _NIXL_EXPIRY_BACKSTOP_S = 5.0
 
 
+def _held_blocks(out: dict[str, Any]) -> list[int]:
+    """The blocks a handle names (first KV cache group): what a reader reads."""
+    groups = out.get("remote_block_ids") or ()
+    return list(groups[0]) if groups else []
+
+
 class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     def __init__(self, vllm_config, engine_id: str, kv_cache_config, config: SessionKVConfig):
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -111,7 +117,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         # later start of this engine's URL drops older handles (session_holds.py).
         self._epoch = time.time_ns() if config.withdraw_handles else 0
         self._holds.announce(config.advertise_url or "", self._epoch)
-        self._guard = GuardLedger(engine_id, config.pull_guard, config.pull_claim_ttl_s)
+        self._guard = GuardLedger(
+            engine_id, config.pull_guard, config.pull_claim_ttl_s,
+            digests=config.kv_digest_active(len(kv_cache_config.kv_cache_groups)))
         self._side_channel_failure = lambda: None
         if self._guard.enabled:
             self._side_channel_failure = side_channel.serve_guard_on_side_channel(
@@ -386,6 +394,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             # The worker may wait for its reads only when it has no model to run.
             idle_step=running == 0,
             read_guards=self._guard.take_reads(),
+            holds_started=self._guard.take_holds_started(),
             report_sent=self._guard.take_sent(now))
         nixl_state.attach_step_instructions(meta, instructions)
         # Timed for the recompute price unless the step also waits on reads or copies.
@@ -403,6 +412,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         free_now = self._guard.gate(sending or (), time.perf_counter())
         if free_now is not None:
             connector_output.finished_sending = free_now
+        report = nixl_state.worker_report(connector_output)
+        self._guard.digested(report.held_digests)
         if self.pricing.step_finished(time.perf_counter()):
             self.stats.record("recompute_s_per_token", self.pricing.recompute_model.s_per_token)
         stats = getattr(connector_output, "kv_connector_stats", None)
@@ -420,8 +431,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         failed_sync = SyncReads.failed_by_blocks(plans, invalid) if invalid else []
         for req_id in failed_sync:
             self._pull_failed(req_id, plans[req_id])
-        self._settle_sync_reads(nixl_state.worker_report(connector_output).sync_loads_done,
-                                set(failed_sync))
+        self._settle_sync_reads(report.sync_loads_done, set(failed_sync))
         self._holds.released(getattr(connector_output, "finished_sending", None) or (),
                              self.stats)
         for req_id in failed:
@@ -503,7 +513,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             session_id=session_id, accounting=acct,
             expires_at_unix_s=nixl_state.pending_send_deadline_unix_s(deadline),
             engine_url=self.config.advertise_url or None, engine_epoch=self._epoch,
-            hold_token=self._guard.hold_token(request.request_id)))
+            hold_token=self._guard.hold_token(request.request_id, _held_blocks(out))))
         self._holds.publish(session_id, out, lease_s, self.stats, request.request_id)
 
     def _finish_prefill(self, request: Request, payload: SessionPayload,
@@ -517,7 +527,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             session_id=session_id or None, accounting=acct,
             first_token_id=self._first_token.exported(request.output_token_ids,
                                                        payload.first_token),
-            hold_token=self._guard.hold_token(request.request_id) if delay_free else 0))
+            hold_token=(self._guard.hold_token(request.request_id, _held_blocks(out))
+                        if delay_free else 0)))
         self._early.push(payload, out, self.stats)
 
     def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from vllm_sessionkv.early_decode import REFUSED_REASONS as EARLY_DECODE_REFUSED
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
 from vllm_sessionkv.holds import RELEASE_REASONS, WITHDRAW_REASONS
 
-__all__ = ["EARLY_DECODE_OUTCOMES", "GUARD_CLAIM_OUTCOMES", "GUARD_FALLBACKS", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
+__all__ = ["DIGEST_CHECK_OUTCOMES", "EARLY_DECODE_OUTCOMES", "GUARD_CLAIM_OUTCOMES", "GUARD_FALLBACKS", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
 
 # How a request's prompt tokens were obtained.  Keys of TokenAccounting, per source.
@@ -40,6 +40,10 @@ LOAD_MODES = ("sync", "async")
 GUARD_FALLBACKS = ("claim_refused", "claim_timeout", "confirm_refused", "confirm_timeout")
 # What this engine, as holder, answered to readers' claims.
 GUARD_CLAIM_OUTCOMES = ("granted", "refused")
+# How a guarded read's content digest compared with the holder's (kv_digest.py):
+# matched, mismatched (the read failed and was recomputed), unchecked (the holder
+# gave no digests: its digest is off, or its ranks' layout differs from ours).
+DIGEST_CHECK_OUTCOMES = ("matched", "mismatched", "unchecked")
 
 _SESSION_KEYS = (
     *(f"prompt_tokens_{s}" for s in PROMPT_TOKEN_SOURCES),
@@ -73,6 +77,9 @@ _SESSION_KEYS = (
     *(f"pull_guard_{r}" for r in GUARD_FALLBACKS),
     *(f"guard_claims_{o}" for o in GUARD_CLAIM_OUTCOMES),
     "guard_frees_deferred",
+    *(f"kv_digest_{o}" for o in DIGEST_CHECK_OUTCOMES),
+    "kv_digest_blocks",
+    "kv_digest_s",
 )
 
 
@@ -291,6 +298,21 @@ class SessionKVPromMetrics(NixlPromMetrics):
             self._counter("sessionkv_guard_deferred_frees",
                     "Held blocks whose free waited for a reader's claim to end."),
             self._per_engine)
+        self._digest_checks = self._by_label(
+            "sessionkv_kv_digest_checks",
+            "Guarded reads whose content digest was compared with the holder's: "
+            "matched; mismatched (the read failed and the blocks were recomputed); "
+            "unchecked (the holder gave no digests: its kv_digest is off, or the ranks' "
+            "block layouts differ).", "outcome", DIGEST_CHECK_OUTCOMES)
+        self._digest_blocks = create_metric_per_engine(
+            self._counter("sessionkv_kv_digest_blocks",
+                    "KV blocks digested: each hold's as it began, each guarded read's "
+                    "after it landed."), self._per_engine)
+        self._digest_seconds = create_metric_per_engine(
+            self._counter("sessionkv_kv_digest_seconds",
+                    "Worker time spent digesting KV blocks (over "
+                    "sessionkv_kv_digest_blocks_total: the cost per block)."),
+            self._per_engine)
 
     def _by_stats_key(self) -> tuple[dict[str, dict[int, Any]], dict[str, dict[int, Any]]]:
         """(counters, histograms) per engine, by the stats key that feeds them."""
@@ -314,6 +336,9 @@ class SessionKVPromMetrics(NixlPromMetrics):
             **{f"pull_guard_{r}": m for r, m in self._guard_fallbacks.items()},
             **{f"guard_claims_{o}": m for o, m in self._guard_claims.items()},
             "guard_frees_deferred": self._guard_deferred,
+            **{f"kv_digest_{o}": m for o, m in self._digest_checks.items()},
+            "kv_digest_blocks": self._digest_blocks,
+            "kv_digest_s": self._digest_seconds,
         }
         histograms = {
             "host_restore_s": self._host_restore_s,

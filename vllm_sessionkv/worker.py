@@ -13,6 +13,7 @@ import time
 from vllm_sessionkv._vllm import engine_state, metrics, nixl_agent, nixl_state, pacing, version
 from vllm_sessionkv.config import SessionKVConfig
 from vllm_sessionkv.host_tier import HostBlockPool
+from vllm_sessionkv.kv_digest import TEST_CORRUPT_HELD_KV_ENV, KVDigester
 from vllm_sessionkv.metadata import HostCopyKind, WorkerReport
 from vllm_sessionkv.read_guard import GuardedRead, ReadGuard
 from vllm_sessionkv.stats import SessionKVStats
@@ -64,9 +65,19 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
             self._guard = ReadGuard(engine_id, member=nixl_state.worker_member(self),
                                     timeout_s=config.pull_guard_timeout_s)
             self._post_read = nixl_state.gate_reads(self, self._before_read)
+        # The content digest (kv_digest.py): of holds as they begin, for the scheduler
+        # (build_connector_worker_meta); of guarded reads, compared at their confirm.
+        self._digest_on = False      # decided with the KV caches (register_kv_caches)
+        self._corrupt_holds = KVDigester.corrupt_for_test()   # tests only
+        self._digester: KVDigester | None = None
+        self._held_digests: dict[str, dict[int, int]] = {}
 
     def register_kv_caches(self, kv_caches):
         super().register_kv_caches(kv_caches)
+        self._digest_on = self.sessionkv_config.kv_digest_active(
+            len(self._kv_cache_config.kv_cache_groups))
+        if self._digest_on or self._corrupt_holds:
+            self._digester = KVDigester(kv_caches, self._kv_cache_config.num_blocks)
         if self.sessionkv_config.host_tier_bytes:
             block_bytes = engine_state.kv_bytes_per_block(self._kv_cache_config)
             self.host_pool = HostBlockPool(
@@ -93,6 +104,7 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         if self._guard is not None:
             self._guard.expect(ours.read_guards)
         super().start_load_kv(metadata)
+        self._digest_holds(ours.holds_started)
         self._poll_guard()
         # After stock code has taken this step's held sends, which a reset in the
         # same step may already release.
@@ -154,8 +166,11 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
             time.sleep(_READ_POLL_S)
 
     def build_connector_worker_meta(self):
-        report = WorkerReport(sync_loads_done=frozenset(self._sync_loads_done))
-        self._sync_loads_done = set()
+        member = nixl_state.worker_member(self)
+        report = WorkerReport(
+            sync_loads_done=frozenset(self._sync_loads_done),
+            held_digests={r: {member: d} for r, d in self._held_digests.items()})
+        self._sync_loads_done, self._held_digests = set(), {}
         return nixl_state.worker_metadata(report)
 
     def _merge_early(self, results):
@@ -163,6 +178,26 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
             self._early_results = results
             return results
         return _merge(self._early_results, results)
+
+    # ------------------------------------------------------------- content digest
+    def _digest(self, block_ids: list[int]) -> tuple[int, ...]:
+        started = time.perf_counter()
+        digests = tuple(self._digester.digest(block_ids))
+        self.xfer_stats.record("kv_digest_s", time.perf_counter() - started)
+        self.xfer_stats.record("kv_digest_blocks", len(block_ids))
+        return digests
+
+    def _digest_holds(self, holds: dict[str, list[int]]) -> None:
+        if self._digester is None:
+            return
+        for req_id, blocks in holds.items():
+            if self._digest_on:
+                self._held_digests[req_id] = dict(zip(blocks, self._digest(blocks)))
+            if self._corrupt_holds:
+                self._digester.corrupt(blocks)
+                logger.warning("sessionkv TEST ONLY (%s=1): overwrote the %d held blocks of "
+                               "request %s after their digest", TEST_CORRUPT_HELD_KV_ENV,
+                               len(blocks), req_id)
 
     # ------------------------------------------------------------- pull guard
     def _before_read(self, req_id: str, meta) -> bool:
@@ -180,7 +215,8 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         guard.claim(GuardedRead(
             request_id=req_id, holder_engine_id=remote.engine_id,
             holder_request_id=remote.request_id, token=token, host=remote.host,
-            port=remote.port, local_blocks=frozenset(meta.local_block_ids[0])),
+            port=remote.port, local_blocks=frozenset(meta.local_block_ids[0]),
+            digest_pairs=nixl_state.read_block_pairs(self, meta) if self._digest_on else ()),
             time.perf_counter())
         self._held_back[req_id] = meta
         return False
@@ -203,8 +239,16 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
             if self._held_back.pop(req_id, None) is not None:
                 nixl_state.fail_read(self, req_id)
         self._confirmed.update(polled.confirmed)
+        for check in polled.digest_checks:
+            self.xfer_stats.record(f"kv_digest_{check}", 1)
         for read, reason in polled.refuted:
-            self._count_guard_fallback("confirm", reason, read.request_id)
+            if reason == "digest_mismatch":
+                logger.warning("sessionkv digest: the KV read for request %s differs from "
+                               "the holder's digest of request %s on engine %s; "
+                               "recomputing", read.request_id, read.holder_request_id,
+                               read.holder_engine_id)
+            else:
+                self._count_guard_fallback("confirm", reason, read.request_id)
             if read.request_id in self._abandoned_sync:
                 # Given up on and already reported invalid: its blocks may be
                 # another request's by now.
@@ -231,8 +275,10 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
                 continue
             if req_id in results.failed_recving:
                 guard.release(req_id, now)
-            else:
-                guard.confirm(req_id, now)
+            elif not guard.confirming(req_id):
+                pairs = guard.granted_read(req_id).digest_pairs
+                guard.confirm(req_id, now, self._digest([local for local, _ in pairs])
+                              if pairs else None)
         results.finished_recving -= {r for r in results.finished_recving
                                      if guard.confirming(r)}
         self._poll_guard()

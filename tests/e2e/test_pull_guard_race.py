@@ -250,6 +250,7 @@ def test_a_read_of_held_blocks_is_granted_and_attached(race_cluster, reads):
     first, handle = _on_d(cluster, prompt, session)
     granted = metric_sum(d_url, "sessionkv_guard_claims_total", outcome="granted")
     fallbacks = _fallbacks(p_url)
+    matched = metric_sum(p_url, "sessionkv_kv_digest_checks_total", outcome="matched")
     final_prompt = prompt + first.token_ids + _ids(seed + 1, 40)
     p_out = post(p_url, "/v1/completions", completion_body(
         model, final_prompt, max_tokens=1, session_id=session,
@@ -264,6 +265,9 @@ def test_a_read_of_held_blocks_is_granted_and_attached(race_cluster, reads):
     assert_same(answer, expected, f"guarded {reads} read")
     assert acct["pulled_from_peer_tokens"] > 0 and acct["decision"] == "d_to_p:pull:ok", acct
     assert _fallbacks(p_url) == fallbacks
+    # The content digest (on by default) compared P's read with D's held blocks: equal.
+    assert metric_sum(p_url, "sessionkv_kv_digest_checks_total",
+                      outcome="matched") > matched
     # D granted P's claim, and P granted D's claim on P's blocks for the turn.
     # (Whether D's free waited for P's confirm depends on which reached D first, the
     # read's notification or the confirm: the unit tests cover both orders.)

@@ -59,7 +59,7 @@ def test_holds_over_the_cap_end_oldest_first_and_a_reset_ends_all():
 
 def test_a_claim_delays_a_release_and_the_free_of_its_send():
     table, ledger, stats = holds(), guard(), Stats()
-    token = ledger.hold_token("t1")
+    token = ledger.hold_token("t1", [3, 4])
     assert token == 7
     table.hold("s", "t1", 0.0, lease_s=10.0, grace_s=1.0, num_blocks=4)
     assert claim(ledger, "t1", token, now=9.0)
@@ -75,7 +75,7 @@ def test_a_claim_delays_a_release_and_the_free_of_its_send():
 
 def test_the_guard_off_gates_nothing_and_gives_no_tokens():
     ledger = guard(enabled=False)
-    assert ledger.hold_token("t1") == 0 and ledger.gate({"t1"}, 0.0) is None
+    assert ledger.hold_token("t1", [3, 4]) == 0 and ledger.gate({"t1"}, 0.0) is None
     ledger.read_next_step("r", 7)
     assert ledger.take_reads() == {} and ledger.answer(b"\x00", 0.0) is None
     on = guard()

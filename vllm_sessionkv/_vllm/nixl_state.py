@@ -37,6 +37,7 @@ __all__ = [
     "mark_in_batch",
     "peer_ready",
     "pending_send_deadline_unix_s",
+    "read_block_pairs",
     "reads_in_flight",
     "recv_local_block_ids",
     "release_pending_send",
@@ -165,6 +166,30 @@ def peer_ready(worker: NixlPullConnectorWorker, engine_id: str) -> bool:
     """Whether the worker has finished its NIXL handshake with the engine (a read
     is posted at once; otherwise stock code handshakes first and comes back)."""
     return engine_id in worker._remote_agents
+
+
+def read_block_pairs(worker: NixlPullConnectorWorker,
+                     meta: Any) -> tuple[tuple[int, int], ...]:
+    """(local block, remote block) of a read about to be posted, first KV cache group,
+    paired as stock code pairs them (the remote list end-trimmed to the local one,
+    ``_apply_prefix_caching``), when each local block receives exactly one remote
+    block of the same rank: same tensor-parallel size, block size and one kernel
+    block a block on both sides.  Otherwise () (no per-block comparison is possible)."""
+    try:
+        info = worker.transfer_topo.get_engine_info(meta.remote.engine_id)
+    except (AttributeError, KeyError):
+        return ()
+    if (info.remote_tp_size != worker.transfer_topo.tp_size
+            or info.remote_block_size != worker.block_size
+            or info.remote_physical_blocks_per_logical != 1
+            or worker._physical_blocks_per_logical_kv_block != 1
+            or len(meta.local_block_ids) != 1):
+        return ()
+    local = list(meta.local_block_ids[0])
+    remote = list(meta.remote.block_ids[0]) if meta.remote.block_ids else []
+    if not local or len(local) > len(remote):
+        return ()
+    return tuple(zip(local, remote[len(remote) - len(local):]))
 
 
 def fail_read(worker: NixlPullConnectorWorker, request_id: str) -> None:

@@ -5,6 +5,10 @@ readers' claims (answered on NIXL's side channel), the sends a claim keeps from
 being freed, and the holds a claim keeps from ending.  As reader: the hold tokens of
 this step's reads, for the worker to claim before it reads.  Off (``pull_guard``
 false): no tokens, nothing gated, nothing deferred.
+
+The content digest (``kv_digest.py``): each hold's blocks go to the worker with the
+next step's instructions; the digests it takes come back in its ``WorkerReport``
+(vLLM's worker metadata) and stay with the hold, for the confirms' answers.
 """
 
 from __future__ import annotations
@@ -24,10 +28,12 @@ _TOTALS = ("guard_claims_granted", "guard_claims_refused", "guard_frees_deferred
 
 class GuardLedger:
     def __init__(self, engine_id: str, enabled: bool, claim_ttl_s: float,
-                 new_token: Callable[[], int] = new_hold_token) -> None:
-        self._ledger = SendLedger(engine_id, claim_ttl_s) if enabled else None
+                 new_token: Callable[[], int] = new_hold_token,
+                 digests: bool = False) -> None:
+        self._ledger = SendLedger(engine_id, claim_ttl_s, digests) if enabled else None
         self._new_token = new_token
         self._reads_next: dict[str, int] = {}
+        self._holds_started: dict[str, list[int]] = {}
         self._counted = (0, 0, 0)
 
     @property
@@ -46,14 +52,29 @@ class GuardLedger:
                         call.op.value, call.request_id, call.reader, answer.reason)
         return encode_answer(answer)
 
-    def hold_token(self, request_id: str) -> int:
+    def hold_token(self, request_id: str, block_ids: list[int]) -> int:
         """A token for the blocks this finished request leaves held for a peer's
-        read, registered with the ledger (0 with the guard off)."""
+        read (``block_ids``, as its handle names them), registered with the ledger
+        (0 with the guard off)."""
         if self._ledger is None:
             return 0
         token = self._new_token()
         self._ledger.add(request_id, token)
+        self._holds_started[request_id] = list(block_ids)
         return token
+
+    def take_holds_started(self) -> dict[str, list[int]]:
+        """Holds that began since the last step, with their blocks: for the worker to
+        digest (and, in tests only, to corrupt after; ``kv_digest.py``)."""
+        started, self._holds_started = self._holds_started, {}
+        return started
+
+    def digested(self, held_digests: dict[str, dict[str, dict[int, int]]]) -> None:
+        """The workers' digests of holds (``WorkerReport.held_digests``: request id ->
+        worker -> block id -> digest), into the ledger."""
+        if self._ledger is not None:
+            for request_id, ranks in held_digests.items():
+                self._ledger.set_digests(request_id, ranks)
 
     def gate(self, finished_sending: Collection[str], now_s: float) -> set[str] | None:
         """The sends vLLM may free now, or None when it may free them all: those a
