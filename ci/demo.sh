@@ -39,14 +39,13 @@ else
     || { tail -20 "$DEMO_DIR/logs/model.log"; exit 1; }
   echo "demo: $(tail -1 "$DEMO_DIR/logs/model.log")"
   NAME=$(python -c 'from vllm_sessionkv.dev.real_model import SERVED_NAME; print(SERVED_NAME)')
-  CONFIG=$(python -c 'import json; from vllm_sessionkv.dev.real_model import CPU_COST
-print(json.dumps({"cost": CPU_COST}))')
-  # Every turn through P then D, so each shows where P's prompt tokens came from.
+  # Every turn through P then D, so each shows where P's prompt tokens came from.  No
+  # prices: P calibrates its recompute price from its own prefill steps.
   python examples/local_cluster.py --prefill 1 --decode 1 --redis --proxy-port "$PROXY_PORT" \
     --base-port "${DEMO_BASE_PORT:-8100}" \
     --model "$MODEL_DIR" --served-model-name "$NAME" --dtype float32 --max-model-len 4096 \
     --log-dir "$DEMO_DIR/logs" \
-    --sessionkv-config "$CONFIG" --decode-only-max-uncached-tokens -1 >"$LOG" 2>&1 &
+    --decode-only-max-uncached-tokens -1 >"$LOG" 2>&1 &
 fi
 CLUSTER=$!
 trap 'kill -TERM $CLUSTER 2>/dev/null; wait $CLUSTER 2>/dev/null || true; echo "demo: logs in $DEMO_DIR"' EXIT
