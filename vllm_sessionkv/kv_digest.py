@@ -35,7 +35,7 @@ __all__ = ["KVDigester", "TEST_CORRUPT_HELD_KV_ENV"]
 
 # Test only (never in production): an engine started with this set to 1 overwrites
 # the blocks of every hold it starts with noise right after it digested them, so a
-# reader reads bytes other than those digested (tests/e2e/test_kv_digest.py).
+# reader reads bytes other than those digested (tests/e2e/test_kv_digest_corrupted_hold.py).
 TEST_CORRUPT_HELD_KV_ENV = "SESSIONKV_TEST_CORRUPT_HELD_KV"
 
 # Blocks digested per pass: bounds the temporary copy of the selected blocks.
