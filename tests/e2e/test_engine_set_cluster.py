@@ -27,6 +27,9 @@ from helpers import completion_body, metric_sum, parse_stream, post, wait_until
 pytestmark = pytest.mark.cluster
 
 PROMPT = "Once upon a time in a land far away, " * 6
+# Long enough that D0 is still streaming when the proxy has read the new engines file
+# (300 tokens of the tiny model, with the file read every 2 s, once finished first).
+STREAM_TOKENS = 2000
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +75,11 @@ def test_engines_added_and_removed_while_the_proxy_runs(engines, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), str(REPO / "proxy"), os.environ.get("PYTHONPATH", "")])}
     log = open(tmp_path / "proxy.log", "wb")
+    # The file read every 0.1 s, so D0 is removed well within its long stream.
+    config_file = tmp_path / "proxy.json"
+    config_file.write_text(json.dumps({"engines_file_poll_s": 0.1}))
     proc = subprocess.Popen([sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+                             "--config", str(config_file),
                              "--engines-file", str(engines_file), "--policy", "round_robin",
                              "--block-size", "32", "--tokenizer", "engine"],
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -97,7 +104,8 @@ def test_engines_added_and_removed_while_the_proxy_runs(engines, tmp_path):
         assert {tuple(g.token_ids) for g in first + after_add} == {tuple(first[0].token_ids)}
 
         # A long streamed request on D0, then D0 removed from the file mid-stream.
-        stream_body = completion_body(cluster.model, PROMPT, max_tokens=300, stream=True)
+        stream_body = completion_body(cluster.model, PROMPT, max_tokens=STREAM_TOKENS,
+                                      stream=True)
         for _ in range(2):
             resp = requests.post(proxy + "/v1/completions", json=stream_body, stream=True,
                                  timeout=300)
@@ -114,7 +122,7 @@ def test_engines_added_and_removed_while_the_proxy_runs(engines, tmp_path):
         after_remove = [post(proxy, "/v1/completions", body) for _ in range(4)]
         assert {g.headers["x-sessionkv-decode-engine"] for g in after_remove} == {d1}
         streamed = parse_stream(resp.text)
-        assert len(streamed.token_ids) == 300, "the in-flight request on D0 was cut"
+        assert len(streamed.token_ids) == STREAM_TOKENS, "the in-flight request on D0 was cut"
         wait_until(lambda: requests.get(proxy + "/health", timeout=10).json()["draining"]
                    == [], 30, "D0 to finish draining")
         # D0 finished the one request it had, and got no other.
