@@ -42,6 +42,7 @@ from sessionkv_proxy.route_types import Role
 from sessionkv_proxy.router import Router
 from sessionkv_proxy.server import HttpServer, Request, Response
 from sessionkv_proxy.startup_checks import ModelCatalog
+from sessionkv_proxy.tasks import cancel_all
 from sessionkv_proxy.turn import TurnRunner
 from sessionkv_proxy.upstream import UpstreamPool
 
@@ -211,7 +212,7 @@ class ProxyApp:
         maintain = getattr(self.index, "maintain", None)
         if maintain is not None:
             tasks.append(asyncio.create_task(maintain(), name="index-upkeep"))
-        self._undo.push_async_callback(functools.partial(_cancel_all, tasks))
+        self._undo.push_async_callback(functools.partial(cancel_all, tasks))
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Stop accepting, finish in-flight requests up to ``grace_s``, close all."""
@@ -288,12 +289,6 @@ async def _flush(router: Router) -> None:
         await asyncio.wait_for(router.sessions.flush(), 10.0)
     except asyncio.TimeoutError:
         logger.warning("writes behind requests not finished at stop")
-
-
-async def _cancel_all(tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def create_app(config: ProxyConfig, index: KVIndex | None = None) -> ProxyApp:

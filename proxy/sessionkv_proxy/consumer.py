@@ -57,6 +57,7 @@ from .events import (
 )
 from .index.base import TIER_DEVICE, KVIndex
 from .keys import chain_request_keys
+from .tasks import cancel_all
 
 __all__ = [
     "ConsumerStats",
@@ -381,13 +382,10 @@ class KVEventConsumer:
         self.subscribers.pop(engine, None)
         task = self._tasks.pop(engine, None)
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_all([task])
 
     async def stop(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await cancel_all(self._tasks.values())
         self._tasks = {}
         self._ctx.term()
 

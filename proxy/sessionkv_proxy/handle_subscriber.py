@@ -48,6 +48,7 @@ from vllm_sessionkv.wire.protocol import (
 )
 
 from sessionkv_proxy.index.base import PublishedHandles
+from sessionkv_proxy.tasks import cancel_all
 
 __all__ = ["CHANNEL_OUTCOMES", "HandleChannelStats", "HandleSubscriber", "HandleSubscribers"]
 
@@ -207,13 +208,10 @@ class HandleSubscribers:
         self.subscribers.pop(engine, None)
         task = self._tasks.pop(engine, None)
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_all([task])
 
     async def stop(self) -> None:
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await cancel_all(self._tasks.values())
         self._tasks = {}
         self._ctx.term()
 

@@ -48,6 +48,7 @@ from sessionkv_proxy.resent_answers import ResentAnswers
 from sessionkv_proxy.router import RoutePlan, Router
 from sessionkv_proxy.server import Request, Response
 from sessionkv_proxy.sessions import SessionRecord
+from sessionkv_proxy.tasks import cancel_all
 
 __all__ = ["TurnRunner"]
 
@@ -284,7 +285,7 @@ class TurnRunner:
                 else None)
         except BaseException:
             if decode_task is not None:
-                await _cancel(decode_task)   # D's engine aborts the held request
+                await cancel_all([decode_task])   # D's engine aborts the held request
             raise
         prefill_s = time.perf_counter() - started
         # D's answer is not relayed before this, so its headers carry them.
@@ -304,7 +305,7 @@ class TurnRunner:
                     at and early.send(at, early_id, p_params)):
                 return await decode_task, prefill_s
             self._metrics.errors.labels("early_decode_push").inc()
-            await _cancel(decode_task)
+            await cancel_all([decode_task])
         payload = _json.encode(handoff.with_params(d_body, p_params))
         return await self._answer(request, client, plan, Role.DECODE, payload,
                                   headers), prefill_s
@@ -391,6 +392,3 @@ class TurnRunner:
             logger.warning("session %s not stored: %r", session_id, exc)
 
 
-async def _cancel(task: asyncio.Future) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
