@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import requests
 
 # Two runs on the same KV agree exactly on CPU; wrong KV differs by >= 1e-2.
@@ -288,3 +289,21 @@ def connection_refused(address: str, port: int) -> bool:
             return False
     except ConnectionRefusedError:
         return True
+
+
+def engine_pid(url: str) -> int:
+    """The pid of the process listening on an engine URL's port (its API server)."""
+    port = int(url.rsplit(":", 1)[1])
+    return next(c.pid for c in psutil.net_connections("tcp")
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send a signal to a process and all its descendants (vLLM's API server and its
+    engine core): SIGSTOP freezes an engine mid-request, SIGCONT resumes it."""
+    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass

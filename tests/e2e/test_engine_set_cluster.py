@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +23,13 @@ from pathlib import Path
 import pytest
 import requests
 from cluster import REPO, free_port_block, launch_cluster, stop_cluster
-from helpers import completion_body, metric_sum, parse_stream, post, wait_until
+from helpers import (completion_body, engine_pid, metric_sum, parse_stream, post, signal_tree,
+                     wait_until)
 
 pytestmark = pytest.mark.cluster
 
 PROMPT = "Once upon a time in a land far away, " * 6
-# Long enough that D0 is still streaming when the proxy has read the new engines file
-# (300 tokens of the tiny model, with the file read every 2 s, once finished first).
+# Long enough that D0 is still decoding when the test freezes it.
 STREAM_TOKENS = 2000
 
 
@@ -103,9 +104,13 @@ def test_engines_added_and_removed_while_the_proxy_runs(engines, tmp_path):
         # The same answer from either D (temperature 0, the same model and prompt).
         assert {tuple(g.token_ids) for g in first + after_add} == {tuple(first[0].token_ids)}
 
-        # A long streamed request on D0, then D0 removed from the file mid-stream.
+        # A streamed request on D0, D0 frozen (SIGSTOP) as soon as its headers are in, then
+        # D0 removed from the file: the request is in flight for as long as the test
+        # needs, whatever the machine's speed or socket buffers.
         stream_body = completion_body(cluster.model, PROMPT, max_tokens=STREAM_TOKENS,
                                       stream=True)
+        d0_pid = engine_pid(d0)   # looked up first: it scans every socket, and is slow
+        d0_before = _served(cluster, d0)
         for _ in range(2):
             resp = requests.post(proxy + "/v1/completions", json=stream_body, stream=True,
                                  timeout=300)
@@ -114,13 +119,21 @@ def test_engines_added_and_removed_while_the_proxy_runs(engines, tmp_path):
                 break
             resp.content   # on D1: read it out, the next one goes to D0
         assert resp.headers["x-sessionkv-decode-engine"] == d0
-        d0_before = _served(cluster, d0)
-        engines_file.write_text(json.dumps([entries[p0], entries[d1]]))
-        wait_until(lambda: _proxy_sees(proxy, [p0, d1]), 30, "D0 out of the proxy's set")
-        health = requests.get(proxy + "/health", timeout=10).json()
-        assert health["draining"] == [{"url": d0, "role": "decode", "in_flight": 1}], health
-        after_remove = [post(proxy, "/v1/completions", body) for _ in range(4)]
-        assert {g.headers["x-sessionkv-decode-engine"] for g in after_remove} == {d1}
+        signal_tree(d0_pid, signal.SIGSTOP)   # D0 has the request (its headers are in)
+        try:
+            # Frozen with the stream under way: the proxy counts it on D0.
+            health = requests.get(proxy + "/health", timeout=10).json()
+            assert [e["in_flight"] for e in health["engines"] if e["url"] == d0] == [1], \
+                health
+            engines_file.write_text(json.dumps([entries[p0], entries[d1]]))
+            wait_until(lambda: _proxy_sees(proxy, [p0, d1]), 30, "D0 out of the proxy's set")
+            health = requests.get(proxy + "/health", timeout=10).json()
+            assert health["draining"] == [{"url": d0, "role": "decode", "in_flight": 1}], \
+                health
+            after_remove = [post(proxy, "/v1/completions", body) for _ in range(4)]
+            assert {g.headers["x-sessionkv-decode-engine"] for g in after_remove} == {d1}
+        finally:
+            signal_tree(d0_pid, signal.SIGCONT)
         streamed = parse_stream(resp.text)
         assert len(streamed.token_ids) == STREAM_TOKENS, "the in-flight request on D0 was cut"
         wait_until(lambda: requests.get(proxy + "/health", timeout=10).json()["draining"]

@@ -26,12 +26,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
-import psutil
 import pytest
 import requests
 
 from cluster import OwnRedis, free_port_block
-from helpers import assert_same, completion_body, metric_sum, parse_generation, post
+from helpers import (assert_same, completion_body, engine_pid, metric_sum, parse_generation,
+                     post, signal_tree)
 
 from vllm_sessionkv.dev.launch import ManagedProcess, start_process, stop_all, wait_healthy
 
@@ -245,15 +245,6 @@ def test_300_concurrent_requests_through_a_redis_backed_proxy(pd_cluster, redis_
     assert metric_sum(redis_proxy, "sessionkv_proxy_requests_total", status="200") >= 300
 
 
-def _stop_tree(pid: int, sig: int) -> None:
-    procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-
-
 def _engine_state(proxy: str, url: str) -> str:
     status, body = health(proxy)
     return next(e["state"] for e in body["engines"] if e["url"] == url)
@@ -263,12 +254,10 @@ def test_a_stopped_prefill_engine_gets_no_new_requests(pd_cluster, tmp_path):
     """The perturbed-model P stands in for a second P: while it is stopped nothing
     may reach it (its KV would change the answers), and the real P serves."""
     stopped = pd_cluster.extras["perturbed_prefill"]
-    port = int(stopped.rsplit(":", 1)[1])
-    pid = next(c.pid for c in psutil.net_connections("tcp")
-               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+    pid = engine_pid(stopped)
     proc, proxy = start_proxy(pd_cluster, tmp_path, prefill=[pd_cluster.prefill[0], stopped])
     try:
-        _stop_tree(pid, signal.SIGSTOP)
+        signal_tree(pid, signal.SIGSTOP)
         try:
             wait_for(lambda: _engine_state(proxy, stopped) == "stalled", 20,
                      "/health to show the stopped P stalled")
@@ -283,7 +272,7 @@ def test_a_stopped_prefill_engine_gets_no_new_requests(pd_cluster, tmp_path):
                 assert got.headers["x-sessionkv-prefill-engine"] == pd_cluster.prefill[0]
                 assert_same(got, post(pd_cluster.colocated, COMPLETIONS, body), f"turn {i}")
         finally:
-            _stop_tree(pid, signal.SIGCONT)
+            signal_tree(pid, signal.SIGCONT)
         wait_for(lambda: _engine_state(proxy, stopped) == "up", 30,
                  "/health to show the P back")
         status, body = health(proxy)
@@ -301,9 +290,7 @@ def test_the_only_prefill_engine_stopped_and_resumed_costs_no_request(pd_cluster
     goes out again on a new connection, and all nine are served through P, with the
     co-located server's answers (before: 502 ``no prefill engine reachable``)."""
     p_url = pd_cluster.prefill[0]
-    port = int(p_url.rsplit(":", 1)[1])
-    pid = next(c.pid for c in psutil.net_connections("tcp")
-               if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+    pid = engine_pid(p_url)
     # The nine reach P before the stall bound would send them to D alone.
     proc, proxy = start_proxy(pd_cluster, tmp_path, prefill=[p_url],
                               extra_config={"engine_stall_s": 10.0})
@@ -322,12 +309,12 @@ def test_the_only_prefill_engine_stopped_and_resumed_costs_no_request(pd_cluster
         with ThreadPoolExecutor(9) as pool:
             six = list(pool.map(lambda i: send("a", i), range(6)))
             assert [s for s, _, _ in six] == [200] * 6, [r.text for _, _, r in six]
-            _stop_tree(pid, signal.SIGSTOP)
+            signal_tree(pid, signal.SIGSTOP)
             try:
                 nine = [pool.submit(send, "b", i) for i in range(9)]
                 time.sleep(8.0)   # past uvicorn's 5 s keep-alive
             finally:
-                _stop_tree(pid, signal.SIGCONT)
+                signal_tree(pid, signal.SIGCONT)
             answers = [f.result() for f in nine]
         assert [(s, route) for s, route, _ in answers] == [(200, "disaggregated")] * 9, \
             [r.text[:200] for _, _, r in answers]
