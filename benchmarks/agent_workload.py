@@ -22,7 +22,7 @@ Each regime also runs one *probe* session
 alone, step after step, reading the engines' counters around every step: KV bytes
 moved and computed prompt tokens against the session's length.
 
-Arms (``agentload/arms.py``), two engines each: 1 co-located + round robin, 2
+Arms (``sessionkv_bench/arms.py``), two engines each: 1 co-located + round robin, 2
 co-located + our proxy, 3 stock NIXL P/D + round robin (the toy proxy), 4 stock
 bidirectional NIXL + a conversation-keyed proxy, 5 vllm-router P/D (round_robin,
 cache_aware) on our engines, 6 ours with D->P pulls off, 7 ours in full; for the
@@ -85,7 +85,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 
-from agentload import arms as armlib  # noqa: E402
+from sessionkv_bench import arms as armlib  # noqa: E402
 from agentload import chat_mode, chat_report, client, measure, report  # noqa: E402
 from agentload.workload import (  # noqa: E402
     AgentConfig,
@@ -98,14 +98,9 @@ from agentload.workload import (  # noqa: E402
     without_waits,
     workload_ceiling,
 )
-from bench_common import (  # noqa: E402
-    SIDE_PY,
-    PortPool,
-    call_in_side_venv,
-    ensure_side_venv,
-    log,
-    machine_line,
-)
+from sessionkv_bench.arms import SIDE_PY, call_in_side_venv, ensure_side_venv
+from sessionkv_bench.report import machine_line
+from sessionkv_bench.runner import PortPool, env_for_bench, log  # noqa: E402
 
 DEFAULT_MOONCAKE = BENCH_DIR / "data" / "mooncake_conversation_5300_60.jsonl"
 
@@ -375,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)
-    armlib.env_for_bench()
+    env_for_bench()
     failures: list[str] = []
     try:
         ensure_side_venv()

@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import log, machine_line
+from sessionkv_bench.report import machine_line
+from sessionkv_bench.runner import log
 from sessionkv_bench import aiperf, report
 
 OUT_DIR = report.REPO / "docs" / "benchmarks"

@@ -46,7 +46,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 
-from bench_common import histogram_mean, histogram_sums  # noqa: E402
+from sessionkv_bench.metrics import histogram_mean, histogram_sums  # noqa: E402
 from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.client import closed_loop, completion_bodies, sse_chunks  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402

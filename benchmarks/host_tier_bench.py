@@ -28,7 +28,7 @@ from pathlib import Path
 
 import requests
 
-from bench_common import metric_sum  # noqa: E402
+from sessionkv_bench.metrics import metric_sum  # noqa: E402
 
 from vllm_sessionkv.dev.launch import EngineSpec, free_port, start_engine, stop_all, wait_healthy  # noqa: E402
 

@@ -64,17 +64,11 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 
-from agentload import arms as armlib  # noqa: E402
-from bench_common import (  # noqa: E402
-    SIDE_PY,
-    PortPool,
-    call_in_side_venv,
-    ensure_side_venv,
-    histogram_buckets,
-    log,
-    machine_line,
-    metric_sums,
-)
+from sessionkv_bench import arms as armlib  # noqa: E402
+from sessionkv_bench.arms import SIDE_PY, call_in_side_venv, ensure_side_venv
+from sessionkv_bench.metrics import histogram_buckets, metric_sums
+from sessionkv_bench.report import machine_line
+from sessionkv_bench.runner import PortPool, env_for_bench, log  # noqa: E402
 from interfere import fairness, load, report  # noqa: E402
 
 # This bench's ports (its own range; UCX's listeners in the last hundred).
@@ -321,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     signal.signal(signal.SIGTERM, _interrupt)
     os.environ.setdefault("UCX_TCP_PORT_RANGE", UCX_PORTS)
-    armlib.env_for_bench()
+    env_for_bench()
     failures: list[str] = []
     if not args.check_only:
         try:

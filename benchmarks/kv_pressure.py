@@ -67,14 +67,9 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 
-from bench_common import (  # noqa: E402
-    counter_deltas,
-    counter_sum,
-    counters_by_label,
-    engine_counters,
-    log,
-    machine_line,
-)
+from sessionkv_bench.metrics import counter_deltas, counter_sum, counters_by_label, engine_counters
+from sessionkv_bench.report import machine_line
+from sessionkv_bench.runner import log
 from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 

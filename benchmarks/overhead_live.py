@@ -34,7 +34,7 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 
-from bench_common import histogram_mean, histogram_sums, metric_sum  # noqa: E402
+from sessionkv_bench.metrics import histogram_mean, histogram_sums, metric_sum  # noqa: E402
 from sessionkv_bench.client import closed_loop, completion_bodies, sse_chunks  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 
@@ -379,7 +379,7 @@ def ratios(run: dict, concurrencies: list[int]) -> dict:
     return out
 
 
-def _med(xs):
+def median(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
@@ -397,7 +397,7 @@ def verdicts(run: dict, concurrencies: list[int]) -> list[str]:
     lines = []
     for n, by_metric in ratios(run, concurrencies).items():
         for key, values in by_metric.items():
-            m = _med(values)
+            m = median(values)
             ok = m is not None and m <= BOUND
             lines.append(f"{'ok  ' if ok else 'OVER'} {n} {key}: median {_x(m)} of "
                          f"{BASELINE} (rounds: {', '.join(_x(v) for v in values)}; "
@@ -451,7 +451,7 @@ def render_neighbours(run: dict, concurrencies: list[int]) -> str:
             blocks = [b for r in run["rounds"] for b in r["blocks"]
                       if b["engine"] == busy and b["concurrency"] == c]
             cells = [busy, str(c)] + [
-                f"{_med([b['cpu'][n] for b in blocks]) * 100:.0f}%" for n in names]
+                f"{median([b['cpu'][n] for b in blocks]) * 100:.0f}%" for n in names]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

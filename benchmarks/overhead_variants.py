@@ -39,7 +39,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 
-from bench_common import histogram_mean, histogram_sums  # noqa: E402
+from sessionkv_bench.metrics import histogram_mean, histogram_sums  # noqa: E402
 from engine_overhead import VARIANTS, Variant, spec_for  # noqa: E402
 from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.client import completion_bodies  # noqa: E402

@@ -42,7 +42,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench_common import REPO, log, machine_line  # noqa: E402
+from sessionkv_bench.report import machine_line  # noqa: E402
+from sessionkv_bench.runner import REPO, log  # noqa: E402
 from sessionkv_bench import report  # noqa: E402
 
 from vllm_sessionkv.wire.hashing import common_prefix_len  # noqa: E402

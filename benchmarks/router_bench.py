@@ -87,25 +87,23 @@ from pathlib import Path
 
 # Top-level imports are the standard library only: the side venv's python (which has
 # matplotlib) imports this module to draw the figure.
-from bench_common import (
-    BENCH_DIR,
+from sessionkv_bench.arms import (
     BLOCK_SIZE,
-    REPO,
+    Backend,
     SESSION_HEADER,
     SIDE_PY,
-    UCX_PORT_RANGE,
-    Backend,
-    PortPool,
-    _med,
     call_in_side_venv,
     ensure_side_venv,
-    log,
-    machine_line,
-    metric_sums,
-    python_build,
-    python_line,
-    reset_prefix_caches,
     start_routers,
+)
+from sessionkv_bench.metrics import median, metric_sums, reset_prefix_caches
+from sessionkv_bench.report import machine_line, python_build, python_line
+from sessionkv_bench.runner import (
+    BENCH_DIR,
+    PortPool,
+    REPO,
+    UCX_PORT_RANGE,
+    log,
     wait_for_no_other_vllm,
 )
 from sessionkv_bench.stats import pct
@@ -441,18 +439,18 @@ def summarize_overhead(results: dict) -> list[dict]:
             errors = sum(x["errors"] for x in per)
             row = {"part": "1 overhead", "arm": arm,
                    "load": f"stub, c={conc}, {meta['requests'][str(conc)]} req/round",
-                   "p50_ms": _med(p50), "p99_ms": _med(p99),
-                   "added_p50_ms": None if arm == "direct" else _med(add50),
-                   "added_p99_ms": None if arm == "direct" else _med(add99),
-                   "cpu_us": _med(cpu), "note": f"{errors} errors" if errors else ""}
+                   "p50_ms": median(p50), "p99_ms": median(p99),
+                   "added_p50_ms": None if arm == "direct" else median(add50),
+                   "added_p99_ms": None if arm == "direct" else median(add99),
+                   "cpu_us": median(cpu), "note": f"{errors} errors" if errors else ""}
             rows.append(row)
     for arm in results["overhead_arms"]:
         tps = [r["throughput"][arm] for r in rounds]
         errors = sum(t["errors"] for t in tps)
         rows.append({"part": "1 throughput", "arm": arm,
                      "load": f"stub, c={meta['throughput_concurrency']}",
-                     "rps": _med([t["rps"] for t in tps]),
-                     "cpu_us": _med([t["cpu_us_per_req"] for t in tps
+                     "rps": median([t["rps"] for t in tps]),
+                     "cpu_us": median([t["cpu_us_per_req"] for t in tps
                                      if t["cpu_us_per_req"] is not None]),
                      "note": f"{errors} errors" if errors else ""})
     return rows
@@ -675,16 +673,16 @@ def summarize_affinity(results: dict) -> list[dict]:
         vs = [r["arms"][arm]["hit_rate"] / r["arms"]["oracle"]["hit_rate"]
               for r in rounds if r["arms"][arm]["hit_rate"] is not None
               and r["arms"]["oracle"]["hit_rate"]]
-        server_rates = [_med([p["per_server_hit_rate"][i] for p in per]) for i in range(2)]
-        tokens = _med([p["mean_prompt_tokens"] for p in per])
+        server_rates = [median([p["per_server_hit_rate"][i] for p in per]) for i in range(2)]
+        tokens = median([p["mean_prompt_tokens"] for p in per])
         errors = sum(p["errors"] for p in per)
         rows.append({
             "part": "2 affinity", "arm": arm,
             "load": f"2 vLLM, c={meta['concurrency']}, {n_req} req",
-            "p50_ms": _med([p["p50_ms"] for p in per]),
-            "hit": _med([p["hit_rate"] for p in per]),
-            "hit_per_server": server_rates, "vs_oracle": _med(vs),
-            "spread": _med([p["spread"] for p in per]),
+            "p50_ms": median([p["p50_ms"] for p in per]),
+            "hit": median([p["hit_rate"] for p in per]),
+            "hit_per_server": server_rates, "vs_oracle": median(vs),
+            "spread": median([p["spread"] for p in per]),
             "note": (f"mean prompt {tokens:.0f} tok" if tokens else "")
                     + (f"; {errors} errors" if errors else "")})
     return rows
@@ -935,8 +933,8 @@ def summarize_pd(results: dict) -> list[dict]:
                 notes.append(f"{errors} errors")
             rows.append({"part": "3 P/D", "arm": arm,
                          "load": f"1P+1D, c=1, max_tokens={max_tokens}",
-                         "p50_ms": _med([p["p50_ms"] for p in per]),
-                         "vs_direct": _med(ratio), "note": "; ".join(notes)})
+                         "p50_ms": median([p["p50_ms"] for p in per]),
+                         "vs_direct": median(ratio), "note": "; ".join(notes)})
     for arm, why in unavailable.items():
         rows.append({"part": "3 P/D", "arm": arm, "load": "1P+1D", "note": "n/a: " + why})
     return rows

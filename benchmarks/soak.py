@@ -84,14 +84,9 @@ import requests
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 
-from bench_common import (  # noqa: E402
-    PortPool,
-    counter_deltas,
-    counter_sum,
-    counters_by_label,
-    engine_counters,
-    machine_line,
-)
+from sessionkv_bench.metrics import counter_deltas, counter_sum, counters_by_label, engine_counters
+from sessionkv_bench.report import machine_line
+from sessionkv_bench.runner import PortPool
 from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from agentload import chat_client, measure
 from agentload.client import NOT_FINISHED
-from agentload import arms as armlib
+from sessionkv_bench import arms as armlib
 from agentload.chat import ChatConfig, ChatWorkload, chat_workload, retokenization_loss, \
     text_ceiling
 from agentload.workload import pin_sessions, without_waits

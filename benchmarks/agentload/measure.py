@@ -10,7 +10,7 @@ from pathlib import Path
 
 from sessionkv_bench.stats import pct
 
-from agentload.arms import delta, engine_counters, scrape
+from sessionkv_bench.arms import delta, engine_counters, scrape
 from agentload.client import StepResult
 from agentload.workload import Ceiling, OutputKey, Workload
 

@@ -10,7 +10,7 @@ import re
 import statistics
 from pathlib import Path
 
-from bench_common import histogram_quantile
+from sessionkv_bench.metrics import histogram_quantile
 from sessionkv_bench.stats import pct
 
 # Engine counters read around every step (summed over label sets).

@@ -136,7 +136,7 @@ def test_a_run_past_its_cap_reports_its_unfinished_steps():
 
 
 def test_external_engines_file_is_checked_at_start(tmp_path):
-    from agentload.arms import load_external
+    from sessionkv_bench.arms import load_external
 
     ok = {"coloc": {"engines": [{"url": "http://a:1"}, {"url": "http://b:1"}]},
           "ours": {"prefill": {"url": "http://p:1", "events": "tcp://p:2", "replay": "tcp://p:3"},

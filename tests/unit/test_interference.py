@@ -162,7 +162,7 @@ def test_verdict_follows_goodput_and_says_inconclusive_on_a_tie():
 
 
 def test_histogram_quantile_interpolates_within_the_bucket():
-    from bench_common import histogram_quantile
+    from sessionkv_bench.metrics import histogram_quantile
 
     # 100 observations: 50 under 10 ms, 40 in 10-50 ms, 10 in 50-100 ms.
     buckets = {0.01: 50.0, 0.05: 90.0, 0.1: 100.0, float("inf"): 100.0}

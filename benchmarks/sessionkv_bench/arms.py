@@ -1,15 +1,24 @@
-"""The engines and routers of each arm, and the counters read around each run.
+"""The arms a scenario compares, behind one interface: ``start_cluster(name, arms, opts,
+ports, log_dir)`` starts a cluster's engines (or uses engines running elsewhere) and
+the router of each of its arms, ``reset`` empties every cache between arms,
+``warm_up`` sends each router a few requests, ``Running.stop`` stops it all.
 
-Every arm has two engines.  Co-located arms: two vLLM servers with prefix caching.
-P/D arms: one P and one D (``LocalCluster``), P with less KV than D when the bench
-asks for it.  Arms that share engines (the co-located ones; vllm-router and ours on
-our engines) run one after the other with every cache reset in between.
+Arms (``ARMS``): co-located engines behind the toy round robin, our proxy or
+vllm-router; stock NIXL P/D (unidirectional behind the toy proxy, bidirectional
+behind a conversation-keyed proxy); vllm-router P/D on our engines; ours (in full,
+with pulls off, with P/D forced, with and without the host tier).  Every arm has two
+engines.  Arms that share engines run one after the other with every cache reset in
+between.  The Python routers other than ours (the toy proxy, vllm-router) run from the
+side venv ``benchmarks/.venv-router``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,14 +26,140 @@ from pathlib import Path
 
 import msgspec
 
-from bench_common import (
-    BENCH_DIR,
-    BLOCK_SIZE,
-    Backend,
-    PortPool,
-    log,
-    start_routers,
-)
+from sessionkv_bench.metrics import delta, scrape
+from sessionkv_bench.runner import BENCH_DIR, PortPool, log
+
+SIDE_VENV = BENCH_DIR / ".venv-router"
+SIDE_PY = SIDE_VENV / "bin" / "python"
+VLLM_ROUTER = SIDE_VENV / "bin" / "vllm-router"
+SIDE_PACKAGES = ["vllm-router", "fastapi", "uvicorn[standard]", "httpx", "matplotlib"]
+BLOCK_SIZE = 32
+SESSION_HEADER = "X-Session-ID"
+
+
+# =========================================================================== setup
+def ensure_side_venv() -> None:
+    """Create benchmarks/.venv-router with vllm-router and the toy proxy's stack.
+
+    uvicorn[standard] rather than bare uvicorn: vLLM itself depends on
+    fastapi[standard], so the toy proxy normally runs with uvloop and httptools."""
+    if VLLM_ROUTER.exists() and SIDE_PY.exists():
+        probe = subprocess.run([str(SIDE_PY), "-c", "import fastapi, uvicorn, httpx, "
+                                "matplotlib, uvloop"], capture_output=True)
+        if probe.returncode == 0:
+            return
+    log(f"creating {SIDE_VENV} (vllm-router, fastapi, uvicorn, httpx, matplotlib)")
+    if not SIDE_PY.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(SIDE_VENV)], check=True)
+    subprocess.run([str(SIDE_PY), "-m", "pip", "install", "-q", *SIDE_PACKAGES], check=True)
+
+
+def call_in_side_venv(module: str, func: str, *args: str) -> str | None:
+    """``module.func(*args)`` (a benchmark's plot: matplotlib lives in the side venv)
+    run by the side venv's python with benchmarks/ as its PYTHONPATH; the error output when
+    it failed, else None."""
+    out = subprocess.run([str(SIDE_PY), "-c",
+                          "import importlib, sys; getattr(importlib.import_module(sys.argv[1]), "
+                          "sys.argv[2])(*sys.argv[3:])", module, func, *args],
+                         env={**os.environ, "PYTHONPATH": str(BENCH_DIR)},
+                         capture_output=True, text=True, check=False)
+    return out.stderr[-1500:] if out.returncode else None
+
+
+@dataclass
+class Backend:
+    url: str
+    events: str | None = None     # tcp://127.0.0.1:PORT, the engine's KV-event publisher
+    replay: str | None = None
+
+
+@dataclass
+class RouterProc:
+    arm: str
+    url: str
+    proc: object                  # vllm_sessionkv.dev.launch.ManagedProcess
+    argv: list[str]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
+                prefill: list[Backend] | None = None, python: str | None = None
+                ) -> list[str]:
+    """The command line of one router.  ``kind``: ours, ours-notok, ours-text, toy,
+    vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend).
+    ``python`` runs ours and bare (default: this interpreter); it must import
+    ``sessionkv_proxy``."""
+    urls = [b.url for b in decode]
+    python = python or sys.executable
+    if kind in ("ours", "ours-notok", "ours-text"):
+        argv = [python, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
+                "--port", str(port), "--block-size", str(BLOCK_SIZE)]
+        if kind == "ours-notok":
+            # Routes on load only for text prompts: no /tokenize call per request.
+            argv += ["--tokenizer", "none"]
+        elif kind == "ours-text":
+            # Keys over the prompt's text, matched against its own routes (as
+            # vllm-router's cache_aware): no /tokenize, and no KV events (the proxy
+            # refuses them with text keys), so the engines go by URL alone.
+            argv += ["--tokenizer", "text"]
+            decode = [Backend(b.url) for b in decode]
+            prefill = [Backend(b.url) for b in prefill or []]
+        # Extra flags for our proxy, e.g. ROUTER_BENCH_OURS_ARGS="--log-level DEBUG"
+        # to see each routing decision in its log.
+        argv += shlex.split(os.environ.get("ROUTER_BENCH_OURS_ARGS", ""))
+        for flag, group in (("--prefill", prefill or []), ("--decode", decode)):
+            for b in group:
+                spec = f"url={b.url},events={b.events},replay={b.replay}" if b.events else b.url
+                argv += [flag, spec]
+        return argv
+    if kind == "bare":
+        return [python, str(BENCH_DIR / "bare_relay.py"), "--port", str(port),
+                "--backend", urls[0]]
+    if kind == "toy":
+        argv = [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port)]
+        for b in prefill or []:
+            argv += ["--prefill", b.url]
+        for url in urls:
+            argv += ["--decode", url]
+        return argv
+    # vllm-router serves Prometheus on its own port (default 29000): keep it in range.
+    common = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
+              "--prometheus-port", str(ports.take())]
+    if kind.startswith("vr:"):
+        return common + ["--policy", kind[3:], "--worker-urls", *urls]
+    if kind == "vr-pd" or kind.startswith("vr-pd:"):
+        # vr-pd:<policy> picks vllm-router's policy (round_robin by default).
+        policy = kind.split(":", 1)[1] if ":" in kind else "round_robin"
+        argv = common + ["--vllm-pd-disaggregation", "--policy", policy,
+                         "--kv-connector", "nixl"]
+        for b in prefill or []:
+            argv += ["--prefill", b.url]
+        for url in urls:
+            argv += ["--decode", url]
+        return argv
+    raise ValueError(kind)
+
+
+def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],
+                  ports: PortPool, log_dir: Path, procs: list, python: str | None = None
+                  ) -> dict[str, RouterProc]:
+    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200.
+    ``python``: the interpreter of the Python routers (``router_argv``)."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    out: dict[str, RouterProc] = {}
+    for arm, kind, decode, prefill in specs:
+        port = ports.take()
+        argv = router_argv(kind, port, decode, ports, prefill, python)
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", arm)
+        proc = start_process(name, argv, log_dir, env=dict(os.environ))
+        procs.append(proc)
+        out[arm] = RouterProc(arm, f"http://127.0.0.1:{port}", proc, argv)
+    wait_healthy([(r.proc, r.url) for r in out.values()], timeout_s=120)
+    return out
 
 
 @dataclass(frozen=True)
@@ -58,42 +193,6 @@ ARMS = [
 ]
 ARM_BY_KEY = {a.key: a for a in ARMS}
 CLUSTERS = ("coloc", "stock", "bidi", "nopull", "ours", "hostless", "host")
-
-# Counters read from every engine before and after each run.
-SOURCE_METRICS = ("vllm:prompt_tokens_by_source_total", "sessionkv_prompt_tokens_total")
-PLAIN_METRICS = ("vllm:prompt_tokens_total", "vllm:request_success_total",
-                 "vllm:nixl_bytes_transferred_sum", "vllm:generation_tokens_total",
-                 "vllm:request_prefill_time_seconds_sum",
-                 "vllm:request_prefill_time_seconds_count")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The counters above, ``name`` or ``name{source}`` -> value (summed over other
-    labels)."""
-    import requests
-
-    out: dict[str, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in PLAIN_METRICS:
-            key = name
-        elif name in SOURCE_METRICS:
-            src = line.split('source="', 1)[1].split('"', 1)[0] if 'source="' in line else "?"
-            key = f"{name}{{{src}}}"
-        else:
-            continue
-        try:
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-        except ValueError:
-            pass
-    return out
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
-
 
 @dataclass
 class EngineOptions:
@@ -494,11 +593,6 @@ def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int
     engine_s = d.get("vllm:request_prefill_time_seconds_sum", 0.0) / n if n else None
     return {"tokens": n_tokens, "client_s_per_1k": client_s / n_tokens * 1000,
             "engine_s_per_1k": engine_s / n_tokens * 1000 if engine_s else None}
-
-
-def env_for_bench() -> None:
-    # UCX's TCP listeners of the P/D engines stay in the bench's port range.
-    os.environ.setdefault("UCX_TCP_PORT_RANGE", "31900-31999")
 
 
 def describe(run: Running) -> str:

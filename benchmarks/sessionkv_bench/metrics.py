@@ -1,0 +1,208 @@
+"""Reading engines' and routers' Prometheus metrics: sums over label sets, histogram
+means and quantiles, counter deltas, and resetting prefix caches.  ``requests`` is
+imported where it is used: the side venv's python imports the benchmarks without it."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+
+def median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum each named Prometheus sample over its label sets; absent names are left out."""
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+    return out
+
+
+def metric_sum(url: str, name: str) -> float:
+    """One Prometheus sample's value summed over its label sets (0 when absent)."""
+    return metric_sums(url, (name,)).get(name, 0.0)
+
+
+def histogram_sums(url: str) -> dict[str, float]:
+    """Sum and count of the histograms we read, summed over label sets."""
+    wanted = ("vllm:request_time_per_output_token_seconds", "vllm:request_prefill_time_seconds")
+    out: dict[str, float] = {}
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        for name in wanted:
+            for suffix in ("_sum", "_count"):
+                if line.startswith(name + suffix):
+                    out[name + suffix] = out.get(name + suffix, 0.0) + float(line.split()[-1])
+    return out
+
+
+def histogram_mean(before: dict, after: dict, name: str) -> float | None:
+    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
+    if count <= 0:
+        return None
+    return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / count
+
+
+def histogram_buckets(url: str, name: str) -> dict[float, float]:
+    """A Prometheus histogram's cumulative bucket counts, ``le`` -> count, summed
+    over its other labels."""
+    import requests
+
+    out: dict[float, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "_bucket{") and 'le="' in line:
+            le = float(line.split('le="', 1)[1].split('"', 1)[0])
+            out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """Prometheus's estimate: linear within the bucket the quantile falls in (the
+    lower bound of the first bucket is 0; past the last finite bound, that bound)."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank = q * buckets[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below
+                                           else 1.0)
+        lower, below = le, count
+    return lower
+
+
+def reset_prefix_caches(urls: list[str]) -> None:
+    """Reset each engine's prefix cache, session holds included (``reset_external``).
+
+    vLLM answers HTTP 200 either way; ``{"success": false}`` in the body means the
+    cache was not reset (blocks still in use), so that is what is checked."""
+    import requests
+
+    for url in urls:
+        for _ in range(100):
+            resp = requests.post(url + "/reset_prefix_cache",
+                                 params={"reset_external": "true"}, timeout=30)
+            resp.raise_for_status()
+            if resp.json().get("success") is True:
+                break
+            time.sleep(0.2)   # refused while requests still hold blocks
+        else:
+            raise RuntimeError(f"{url}/reset_prefix_cache kept answering {resp.text}")
+
+
+# ------------------------------------------------------------ engine counters
+def engine_counters(url: str) -> dict[str, float]:
+    """Every ``sessionkv_*`` and ``vllm:nixl_*`` counter (and histogram count and sum)
+    of one engine, summed over label sets that differ only in engine and model.
+    Keys: ``name{label=value,...}``."""
+    import requests
+
+    types: dict[str, str] = {}
+    out: dict[str, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ", 3)
+            types[name] = kind.strip()
+            continue
+        if not line or line.startswith("#"):
+            continue
+        if not line.startswith(("sessionkv_", "vllm:nixl_")):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, labels = head.partition("{")
+        family = next((f for f in (name, name.removesuffix("_total"),
+                                   name.removesuffix("_count"), name.removesuffix("_sum"))
+                       if f in types), name)
+        kind = types.get(family, "untyped")
+        if kind == "gauge" or name.endswith(("_created", "_bucket")):
+            continue
+        if kind == "histogram" and not name.endswith(("_count", "_sum")):
+            continue
+        kept = []
+        for pair in labels.rstrip("}").split(","):
+            key, _, val = pair.partition("=")
+            if key and key not in ("engine", "model_name"):
+                kept.append(f"{key}={val.strip(chr(34))}")
+        key = name + ("{" + ",".join(kept) + "}" if kept else "")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each counter of :func:`engine_counters` moved by (only those that moved)."""
+    return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())
+            if round(v - before.get(k, 0.0), 6)}
+
+
+def counter_sum(counters: dict[str, float], *needles: str) -> float:
+    """The counters whose key holds every needle, summed."""
+    return sum(v for k, v in counters.items() if all(n in k for n in needles))
+
+
+def counters_by_label(counters: dict[str, float], name: str) -> dict[str, float]:
+    """``name{label=x}`` -> {x: value}."""
+    out: dict[str, float] = {}
+    for key, value in counters.items():
+        if key.startswith(name + "{"):
+            label = key[len(name) + 1:-1].split("=", 1)[-1]
+            out[label] = out.get(label, 0.0) + value
+    return out
+
+
+# Counters read from every engine before and after each run.
+SOURCE_METRICS = ("vllm:prompt_tokens_by_source_total", "sessionkv_prompt_tokens_total")
+PLAIN_METRICS = ("vllm:prompt_tokens_total", "vllm:request_success_total",
+                 "vllm:nixl_bytes_transferred_sum", "vllm:generation_tokens_total",
+                 "vllm:request_prefill_time_seconds_sum",
+                 "vllm:request_prefill_time_seconds_count")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The counters above, ``name`` or ``name{source}`` -> value (summed over other
+    labels)."""
+    import requests
+
+    out: dict[str, float] = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in PLAIN_METRICS:
+            key = name
+        elif name in SOURCE_METRICS:
+            src = line.split('source="', 1)[1].split('"', 1)[0] if 'source="' in line else "?"
+            key = f"{name}{{{src}}}"
+        else:
+            continue
+        try:
+            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+        except ValueError:
+            pass
+    return out
+
+
+def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
