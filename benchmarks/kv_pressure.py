@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """KV-pressure correctness benchmark: session turns through 1P+1D whose D has too
 little KV to hold every session for its next turn, every answer checked against a
-co-located server in token ids (issue 37).
+co-located server in token ids.
 
     flock /tmp/sessionkv-cluster.lock .venv/bin/python benchmarks/kv_pressure.py
     flock /tmp/sessionkv-cluster.lock .venv/bin/python benchmarks/kv_pressure.py --quick
@@ -437,7 +437,7 @@ def render(data: dict) -> str:
     meta = data["meta"]
     shape = meta["shape"]
     lines = [
-        "# KV pressure: wrong answers when D ends session holds early (issue 37)", "",
+        "# KV pressure: wrong answers when D ends session holds early", "",
         f"Command: `{meta['command']}`  ",
         f"Run: {meta['date']}, commit {meta['commit']}, {meta['wall_s'] / 60:.1f} min.  ",
         f"Machine: {meta['machine']}.  ",

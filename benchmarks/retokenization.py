@@ -1,5 +1,5 @@
 """Re-tokenization loss: reuse lost where a re-sent answer tokenizes differently from
-the ids D generated (issue 38, item 4).
+the ids D generated.
 
 A chat client sends each answer back as text.  The engine renders the template again
 and tokenizes that text; where its ids differ from those D generated, D's KV for the

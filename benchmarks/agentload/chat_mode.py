@@ -29,13 +29,13 @@ from sessionkv_bench.stats import pct
 # each is a cluster start of its own (a minute or more of the 30-minute budget), arm 4
 # attaches D's blocks unverified (wrong answers wherever a client edits its history:
 # the token-id report shows them) and arm 6 is ours less the pulls, which the token-id
-# report measures; the must-shows need 7 against 5-vr-cache and 3-nixl-rr.
+# report measures; the comparisons need 7 against 5-vr-cache and 3-nixl-rr.
 # 7-ours-pd (ours with P/D forced on every turn) runs in the short regime beside
-# vllm-router's two P/D arms on the same engines: issue 41's like-for-like P/D path.
+# vllm-router's two P/D arms on the same engines: the like-for-like P/D path.
 FULL_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-rr", "5-vr-cache", "7-ours",
              "7-ours-pd")
 # The long regime leaves out 5-vr-rr too: its P recomputes what its cache lost, as
-# 5-vr-cache's does, for a run near the cap (minutes of the budget); the must-show
+# 5-vr-cache's does, for a run near the cap (minutes of the budget); the comparison
 # compares with cache_aware, vllm-router's better policy here.
 LONG_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-cache", "7-ours")
 # --quick (CI): ours and the co-located pair (plain vLLM's round robin, our proxy):

@@ -287,125 +287,6 @@ def rounds_lines(results: dict) -> list[str]:
     return lines
 
 
-def _ratio(a: dict, b: dict, key: str) -> float | None:
-    """b's value over a's (how many times lower a is)."""
-    return b[key] / a[key] if a.get(key) and b.get(key) else None
-
-
-def must_shows(results: dict) -> list[str]:
-    """The issue's must-shows, each with its measured value and whether it held."""
-    runs = results.get("runs", {})
-    out = []
-
-    def verdict(ok: bool | None) -> str:
-        return "not measured" if ok is None else ("met" if ok else "NOT met")
-
-    wall = results["meta"].get("wall_s")
-    quick = results["meta"].get("quick")
-    out.append(f"1. one command, {'--quick' if quick else 'full'} run: {wall or 0:.0f} s wall"
-               + ("" if quick else f" (limit 1,800 s): {verdict(wall is not None and wall <= 1800)}"))
-    r1, r2 = runs.get("r1", {}), runs.get("r2", {})
-    share = (r1.get("7-ours") or {}).get("share_of_max")
-    out.append(f"2a. regime 1, ours in full reaches {_f(share, '{:.1%}')} of the ceiling's "
-               f"reusable tokens (at least 90%, goal 95%): "
-               f"{verdict(None if share is None else share >= 0.9)}")
-    if "7-ours" in r2:
-        ours = r2["7-ours"]["computed_tokens"]
-        others = {k: r2[k]["computed_tokens"] for k in ("3-nixl-rr", "5-vr-rr", "5-vr-cache",
-                                                         "6-ours-nopull") if k in r2}
-        p = next((e for n, e in r2["7-ours"]["engines"].items() if n.startswith("P")), {})
-        pulled = (p.get("sessionkv") or {}).get("pulled_from_peer", 0.0)
-        out.append(f"2b. regime 2, computed prompt tokens: ours {ours:.0f} vs "
-                   + ", ".join(f"{k} {v:.0f}" for k, v in others.items())
-                   + f"; {pulled:.0f} of ours' P prompt tokens came from D->P pulls: "
-                   + verdict(bool(others) and all(ours < v for v in others.values())))
-    else:
-        out.append("2b. regime 2: not measured")
-    flat = []
-    for w, per_arm in results.get("probes", {}).items():
-        steps = per_arm.get("7-ours")
-        if steps and len(steps) > 2:
-            b1, bl = steps[1]["bytes"], steps[-1]["bytes"]
-            ok = bl <= 1.5 * b1 if b1 else bl == 0
-            flat.append((w, b1, bl, ok))
-    bidi = []
-    for w, per_arm in results.get("probes", {}).items():
-        steps = per_arm.get("4-nixl-bidi")
-        if steps and len(steps) > 2:
-            bidi.append(f"{w} {steps[1]['bytes'] / 1e3:.0f} -> {steps[-1]['bytes'] / 1e3:.0f} KB")
-    zero = sum(st["bytes"] == 0 for per_arm in results.get("probes", {}).values()
-               for st in per_arm.get("7-ours", [])[1:])
-    total = sum(len(per_arm.get("7-ours", [])[1:])
-                for per_arm in results.get("probes", {}).values())
-    out.append(f"3. ours' KV bytes ({zero} of {total} probe steps after the first moved "
-               "none: served on D alone), second step -> last step: "
-               + "; ".join(f"{w} {b1 / 1e3:.0f} -> {bl / 1e3:.0f} KB" for w, b1, bl, _ in flat)
-               + f" (last within 1.5x of the second): {verdict(all(f[3] for f in flat) if flat else None)}"
-               + f"; arm 4: {'; '.join(bidi) or 'not measured'}"
-               # The issue expected arm 4 to grow ("pulls the whole session"); stock
-               # 0.32 does not, and the report says why rather than leaving it implied.
-               + (" (stock 0.32 pulls only what P's own cache lacks, "
-                  "min(remote_num_tokens, prompt) - num_computed_tokens in nixl/"
-                  "pull_scheduler.py, and skips pulls under kv_recompute_threshold, 64 "
-                  "tokens; a probe session runs alone, so P's cache still holds its "
-                  "history and arm 4's bytes do not grow with it)" if bidi else ""))
-    bad = []
-    strict_ok = True
-    for w, per_arm in runs.items():
-        for key in ("6-ours-nopull", "7-ours"):
-            m = (per_arm.get(key) or {}).get("mismatches") or {}
-            if m.get("token") or m.get("logprob_only"):
-                bad.append(f"{w}/{key} {m['token']} tok {m['logprob_only']} lp")
-    for w, per_arm in results.get("probes", {}).items():
-        for key in ("6-ours-nopull", "7-ours"):
-            for st in per_arm.get(key, []):
-                if st["equal"] is False:
-                    strict_ok = False
-                    bad.append(f"{w}/{key} step {st['step']} (strict)")
-    others = []
-    for key in ("3-nixl-rr", "4-nixl-bidi", "5-vr-rr", "5-vr-cache"):
-        tok = sum(((runs[w].get(key) or {}).get("mismatches") or {}).get("token", 0) for w in runs)
-        lp = sum(((runs[w].get(key) or {}).get("mismatches") or {}).get("logprob_only", 0)
-                 for w in runs)
-        strict = sum(st["equal"] is False for w in results.get("probes", {})
-                     for st in results["probes"][w].get(key, []))
-        others.append(f"{key} {tok} tok / {lp} lp, {strict} strict")
-    out.append(f"4. ours' mismatches (concurrent runs and strict probes, stripped steps "
-               f"included): {', '.join(bad) or 'none'}: {verdict(not bad and strict_ok)}; "
-               f"arms 3-5: {'; '.join(others)}")
-    for w in ("r1", "r2"):
-        r = runs.get(w, {})
-        if "7-ours" not in r:
-            continue
-        parts = []
-        for key in ("3-nixl-rr", "5-vr-rr", "5-vr-cache"):
-            if key in r:
-                parts.append(f"vs {key}: p50 {_f(_ratio(r['7-ours'], r[key], 'ttft_p50_s'))}x, "
-                             f"p99 {_f(_ratio(r['7-ours'], r[key], 'ttft_p99_s'))}x")
-        goal = _ratio(r["7-ours"], r.get("3-nixl-rr", {}), "ttft_p50_s")
-        out.append(f"5. {w} TTFT, theirs / ours: {'; '.join(parts)} (goal: p50 at least 3x "
-                   f"lower than arm 3): {verdict(None if goal is None else goal >= 3)}")
-    sk = runs.get("skew", {})
-    checks = []
-    for a, b in (("2-ours-coloc", "1-rr"), ("7-ours", "3-nixl-rr")):
-        if a in sk and b in sk:
-            ok = (sk[a]["ttft_mean_s"] <= sk[b]["ttft_mean_s"]
-                  and sk[a]["ttft_p99_s"] <= sk[b]["ttft_p99_s"])
-            text = (f"{a} mean {sk[a]['ttft_mean_s']:.3f} s / p99 "
-                    f"{sk[a]['ttft_p99_s']:.3f} s (requests per engine "
-                    f"{[round(x) for x in sk[a]['requests_per_engine']]}) vs {b} "
-                    f"{sk[b]['ttft_mean_s']:.3f} / {sk[b]['ttft_p99_s']:.3f} s "
-                    f"({[round(x) for x in sk[b]['requests_per_engine']]})")
-            checks.append((text, ok))
-    out.append("6. skewed workload: " + "; ".join(c for c, _ in checks)
-               + f": {verdict(all(ok for _, ok in checks) if checks else None)}")
-    mc = runs.get("mooncake", {})
-    out.append("7. Mooncake slice: " + ("; ".join(
-        f"{k} {_f(v['share_of_max'], '{:.1%}')} of the slice's ceiling" for k, v in mc.items())
-        or "not measured") + f": {verdict(True if len(mc) == 3 else None)}")
-    return out
-
-
 def render(results: dict) -> str:
     meta = results["meta"]
     pre = meta.get("prefill") or {}
@@ -442,8 +323,6 @@ def render(results: dict) -> str:
              f"- wall time {meta.get('wall_s', 0):.0f} s", ""]
     for name, desc in meta.get("workloads", {}).items():
         lines.append(f"- **{name}**: {desc}")
-    if set(results.get("runs", {})) - {"host"}:
-        lines += ["", "## Must-shows (issue 22)", ""] + must_shows(results)
     lines += ["", "## Headlines", ""] + headlines(results)
     for wname, runs in results.get("runs", {}).items():
         lines += ["", f"## {wname}", ""]

@@ -179,7 +179,7 @@ ARMS = [
     Arm("5-vr-cache", "5 vllm-router P/D cache_aware", "ours", "vr-pd:cache_aware"),
     Arm("6-ours-nopull", "6 ours, D->P pulls off", "nopull", "cluster"),
     Arm("7-ours", "7 ours in full", "ours", "cluster"),
-    # The chat mode only (issue 41's forced P/D): a second proxy of ours on the same
+    # The chat mode only (forced P/D): a second proxy of ours on the same
     # engines and Redis, every turn P then D (decode_only_max_uncached_tokens -1, which
     # turns the load-aware decode-only rule off too).
     Arm("7-ours-pd", "7 ours, P/D forced on every turn", "ours", "cluster-pd"),

@@ -84,7 +84,7 @@ def test_text_ceiling_and_retokenization_loss():
 
 def test_rounds_pool_their_samples_for_the_forced_pd_comparison():
     """``--rounds``: each arm's TTFT and e2e samples from every round are pooled into
-    one p50/p99 (nearest rank) per arm, and the report's must-show 4 line uses them;
+    one p50/p99 (nearest rank) per arm, and the report's forced P/D comparison uses them;
     one round alone pools nothing (its figures are the run's own)."""
     from agentload import chat_report
 
