@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_sessionkv.retention import Retention, RetentionParams
 from vllm_sessionkv.wire import side_auth
 from vllm_sessionkv.wire.cost import DEFAULT_HOST_LINK, DEFAULT_LINK, DEFAULT_RECOMPUTE
 from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S
@@ -208,6 +209,26 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # oldest end early (holds.py, ``kv_pressure``).  Their KV stays reachable on the
     # host tier when there is one (written through at the end of each turn).
     session_hold_max_kv_fraction: float = 0.5
+    # How D sets each hold's lease and which holds end first under the cap above
+    # (retention.py, docs/retention.md): "value" (lease from the client's
+    # X-Session-Hold-S or the session's observed inter-turn gaps, else
+    # session_lease_s; the least valuable end first, demoted to the host tier first)
+    # or "age" (every lease session_lease_s, the oldest end first: the rule before).
+    retention: Retention = Retention.VALUE
+    # Bounds of a lease from a hint or from gaps (a hint is clamped into them).
+    retention_min_lease_s: float = 30.0
+    retention_max_lease_s: float = 600.0
+    # A lease from gaps covers this quantile of the session's gaps, times the margin.
+    retention_gap_quantile: float = 0.9
+    retention_gap_margin: float = 2.0
+    # Gaps a session needs before they set its lease (until then session_lease_s).
+    retention_min_gaps: int = 2
+    # Gaps kept per session, and sessions whose gaps are kept (least recent dropped).
+    retention_gap_history: int = 8
+    retention_max_sessions: int = 10000
+    # Once holds pin more than half their cap, leases not from a hint are cut by up
+    # to this share (all of it at a full cap), never below retention_min_lease_s.
+    retention_pressure_lease_cut: float = 0.5
     # Withdraw a session's handle where the proxies find it (Redis, the handle
     # channel) when a hold ends before its lease, and carry this process's start-up
     # epoch in every handle, so no proxy replica attaches a dead hold or a restarted
@@ -276,8 +297,40 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not 0 < self.pull_guard_timeout_s <= 60:
             raise ValueError("pull_guard_timeout_s must be within (0, 60], got "
                              f"{self.pull_guard_timeout_s}")
+        if not 0 < self.retention_min_lease_s <= self.retention_max_lease_s <= 86400:
+            raise ValueError("retention_min_lease_s and retention_max_lease_s must satisfy "
+                             "0 < min <= max <= 86400, got "
+                             f"{self.retention_min_lease_s} and {self.retention_max_lease_s}")
+        if self.retention is Retention.VALUE and \
+                self.retention_min_lease_s <= self.expiry_margin_s:
+            raise ValueError(f"retention_min_lease_s ({self.retention_min_lease_s}) must "
+                             f"exceed expiry_margin_s ({self.expiry_margin_s}): a shorter "
+                             "lease's handle is never used")
+        if not 0 < self.retention_gap_quantile <= 1.0:
+            raise ValueError("retention_gap_quantile must be within (0, 1], got "
+                             f"{self.retention_gap_quantile}")
+        if not 1 <= self.retention_min_gaps <= self.retention_gap_history <= 1024:
+            raise ValueError("retention_min_gaps and retention_gap_history must satisfy "
+                             "1 <= min_gaps <= gap_history <= 1024, got "
+                             f"{self.retention_min_gaps} and {self.retention_gap_history}")
+        if not 1 <= self.retention_max_sessions <= 10_000_000:
+            raise ValueError("retention_max_sessions must be within [1, 10000000], got "
+                             f"{self.retention_max_sessions}")
+        if not 0 <= self.retention_pressure_lease_cut <= 1.0:
+            raise ValueError("retention_pressure_lease_cut must be within [0, 1], got "
+                             f"{self.retention_pressure_lease_cut}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
+
+    def retention_params(self) -> RetentionParams:
+        """The retention rule's parameters (retention.py)."""
+        return RetentionParams(
+            mode=self.retention, default_lease_s=self.session_lease_s,
+            min_lease_s=self.retention_min_lease_s,
+            max_lease_s=self.retention_max_lease_s,
+            gap_quantile=self.retention_gap_quantile,
+            gap_margin=self.retention_gap_margin, min_gaps=self.retention_min_gaps,
+            pressure_lease_cut=self.retention_pressure_lease_cut)
 
     def kv_digest_active(self, kv_cache_groups: int) -> bool:
         """Whether this engine digests holds and reads (kv_digest.py)."""

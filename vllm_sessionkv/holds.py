@@ -6,12 +6,13 @@ A hold ends in one of five ways, all normal outcomes (``RELEASE_REASONS``):
 
 * ``pulled``: the next turn's P read the blocks (or told D it would not), so NIXL
   reported the send done without our asking;
-* ``lease_ended``: ``session_lease_s`` passed with no next turn;
+* ``lease_ended``: the hold's lease (``retention.py``) passed with no next turn;
 * ``superseded``: a newer turn of the session holds its own blocks; the older hold
   ends ``superseded_hold_grace_s`` later, in case a pull of it is in flight;
 * ``reset``: an operator reset the engine's caches;
 * ``kv_pressure``: holds pinned more of the engine's KV than
-  ``session_hold_max_kv_fraction``; the oldest ended first.  Sessions can outnumber
+  ``session_hold_max_kv_fraction``; the least valuable ended first (``retention.py``;
+  the oldest under ``retention: "age"``).  Sessions can outnumber
   what device KV holds, and a held block cannot be evicted: without the cap, held
   sessions would keep new requests waiting for a lease to end.  With a host tier
   the session's KV is already on host (written through at the end of its turn), so
@@ -91,18 +92,29 @@ class HoldTable:
                 out[request_id] = hold.ending
         return out
 
-    def over_cap(self, max_blocks: int, keep: str | None = None) -> list[str]:
-        """Ask the oldest running holds to end (``kv_pressure``) until the rest pin at
-        most ``max_blocks``; superseded ones go first, ``keep`` (the hold just made)
-        never.  Returns their request ids."""
+    def running(self) -> list[tuple[str, bool]]:
+        """(request id, superseded) of each hold not yet asked to end, oldest first."""
+        return [(rid, h.superseded) for rid, h in self._holds.items() if h.ending is None]
+
+    def over_cap(self, max_blocks: int, keep: str | None = None,
+                 order: list[str] | None = None) -> list[str]:
+        """Ask running holds to end (``kv_pressure``) until the rest pin at most
+        ``max_blocks``, in ``order`` (request ids, first to end first), by default the
+        oldest first with superseded ones before; ``keep`` (the hold just made) never.
+        Returns their request ids."""
         held = self.held_blocks
+        if held <= max_blocks:
+            return []
         out = []
-        # Insertion order is age: a hold is added when its turn finishes.
-        order = sorted(self._holds.items(), key=lambda kv: not kv[1].superseded)
-        for request_id, hold in order:
+        if order is None:
+            # Insertion order is age: a hold is added when its turn finishes.
+            order = [rid for rid, _ in sorted(self._holds.items(),
+                                              key=lambda kv: not kv[1].superseded)]
+        for request_id in order:
             if held <= max_blocks:
                 break
-            if hold.ending is not None or request_id == keep:
+            hold = self._holds.get(request_id)
+            if hold is None or hold.ending is not None or request_id == keep:
                 continue
             hold.ending = "kv_pressure"
             held -= hold.num_blocks

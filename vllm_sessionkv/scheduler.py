@@ -21,6 +21,7 @@ each request's state in one ``RequestState`` (its payload decoded once):
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,7 @@ from vllm_sessionkv.handle_channel import HandleChannel
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.metadata import StepInstructions
 from vllm_sessionkv.publisher import HandlePublisher
+from vllm_sessionkv.retention import HoldFacts
 from vllm_sessionkv.scheduling import remote_plan
 from vllm_sessionkv.scheduling.accounting import (
     account_decision,
@@ -112,7 +114,10 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             HandlePublisher(config.redis_url, config.redis_namespace),
             # And on a ZMQ channel, for proxies without Redis (handle_channel.py).
             HandleChannel.from_config(config, vllm_config.parallel_config.data_parallel_size),
-            withdraw=config.withdraw_handles)
+            withdraw=config.withdraw_handles, retention=config.retention_params(),
+            recompute=lambda: self.pricing.recompute_model,
+            gap_history=config.retention_gap_history,
+            max_sessions=config.retention_max_sessions)
         # This process's start (unix ns), in every handle: a proxy that has seen a
         # later start of this engine's URL drops older handles (session_holds.py).
         self._epoch = time.time_ns() if config.withdraw_handles else 0
@@ -272,6 +277,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             request.kv_transfer_params = params
             state = self._requests.of(request.request_id, params)
         self._early.connect(state.payload)
+        session_id = engine_state.request_session_id(request) or state.payload.session_id
+        if session_id:
+            self._holds.turn_arrived(session_id, time.perf_counter())
         params = request.kv_transfer_params
         if nixl_state.remote_blocks_processed(params):
             # Asked again after a failed or declined load (vLLM resets the request to
@@ -387,9 +395,12 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                                                      self._requests.first_tokens())
         meta = super().build_connector_meta(scheduler_output)
         now = time.perf_counter()
+        # Releases first: a hold that ends unread is demoted to host by a copy in
+        # the same step's host copies, which the worker runs before its releases.
+        release_holds = self._holds.take_releases(now, self._guard)
         instructions = StepInstructions(
             host_copies=self.host.take_ops() if self.host is not None else [],
-            release_holds=self._holds.take_releases(now, self._guard),
+            release_holds=release_holds,
             sync_loads=self._sync_reads.take_next(),
             # The worker may wait for its reads only when it has no model to run.
             idle_step=running == 0,
@@ -491,22 +502,36 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             return False, ({SESSIONKV_PARAMS_KEY: encode_payload(
                 SessionPayload(accounting=acct))} if acct else None)
         else:
-            self._hold_session_turn(request, block_ids, session_id, acct, out)
+            self._hold_session_turn(request, block_ids, session_id, acct, out,
+                                    state.hold_hint_s)
         return delay_free, out
 
     def _hold_session_turn(self, request: Request, block_ids, session_id: str, acct,
-                           out: dict[str, Any]) -> None:
+                           out: dict[str, Any], hint_s: float | None) -> None:
         """D's end of a session turn: hold its blocks for the next turn's pull under
-        our lease, offload them to host DRAM, export and publish the handle."""
-        lease_s = self.config.session_lease_s
+        the retention rule's lease, offload them to host DRAM, export and publish the
+        handle."""
+        lease, history = self._holds.lease(session_id, hint_s)
+        lease_s = lease.lease_s
         nixl_state.set_pending_send_deadline(self, request.request_id,
                                              lease_s + _NIXL_EXPIRY_BACKSTOP_S)
-        deadline = self._holds.hold(session_id, request.request_id, time.perf_counter(),
-                                    lease_s, self.config.superseded_hold_grace_s,
-                                    len(block_ids[0]) if block_ids else 0)
+        now = time.perf_counter()
+        num_tokens = out["remote_num_tokens"]
+        demote = None
         if self.host is not None:
-            self.host.offload(request.block_hashes, list(block_ids[0]),
-                              out["remote_num_tokens"])
+            hashes, ids = list(request.block_hashes), list(block_ids[0])
+            self.host.offload(hashes, ids, num_tokens)
+            demote = functools.partial(self.host.offload, hashes, ids, num_tokens)
+        facts = HoldFacts(request_id=request.request_id, started_s=now, lease=lease,
+                          history=history, held_tokens=num_tokens,
+                          held_bytes=int(num_tokens * self.pricing.kv_bytes_per_token))
+        deadline = self._holds.hold(session_id, request.request_id, now, lease_s,
+                                    self.config.superseded_hold_grace_s,
+                                    len(block_ids[0]) if block_ids else 0,
+                                    facts=facts, demote=demote)
+        logger.debug("sessionkv hold request_id=%s session_id=%s lease_s=%.1f source=%s "
+                     "gaps=%d hint_s=%s", request.request_id, session_id, lease_s,
+                     lease.source.value, len(history.gaps_s), hint_s)
         out["remote_blocks_expiry_time"] = deadline
         out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
             **self._chain_export(request, out["remote_num_tokens"]),

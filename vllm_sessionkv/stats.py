@@ -20,6 +20,7 @@ from vllm_sessionkv._vllm.metrics import (
 from vllm_sessionkv.early_decode import REFUSED_REASONS as EARLY_DECODE_REFUSED
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
 from vllm_sessionkv.holds import RELEASE_REASONS, WITHDRAW_REASONS
+from vllm_sessionkv.retention import DEMOTE_REASONS, HOLD_TIERS, LeaseSource
 
 __all__ = ["DIGEST_CHECK_OUTCOMES", "EARLY_DECODE_OUTCOMES", "GUARD_CLAIM_OUTCOMES", "GUARD_FALLBACKS", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
            "SessionKVStats"]
@@ -63,6 +64,8 @@ _SESSION_KEYS = (
     "link_bytes_per_s",
     *(f"session_holds_released_{r}" for r in RELEASE_REASONS),
     *(f"handles_withdrawn_{r}" for r in WITHDRAW_REASONS),
+    *(f"session_hold_leases_{s.value}" for s in LeaseSource),
+    *(f"session_hold_ends_{r}_{t}" for r in DEMOTE_REASONS for t in HOLD_TIERS),
     "host_store_s",
     "host_restore_s",
     "idle_step_recv_wait_s",
@@ -210,9 +213,10 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "sessionkv_session_holds_released",
             "Session holds ended, by reason, each a normal outcome: pulled (the next "
             "turn's P read the blocks or declined them), lease_ended (no next turn "
-            "within session_lease_s), superseded (a newer turn holds its own blocks), "
+            "within its lease), superseded (a newer turn holds its own blocks), "
             "reset (reset_prefix_cache with reset_external), kv_pressure (holds pinned "
-            "more than session_hold_max_kv_fraction of the KV; the oldest ended).",
+            "more than session_hold_max_kv_fraction of the KV; the least valuable "
+            "ended, by retention.py).",
             "reason", RELEASE_REASONS)
         self._handles_withdrawn = self._by_label(
             "sessionkv_handles_withdrawn",
@@ -220,6 +224,21 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "channel) because their hold ended before its lease, by the hold's end: "
             "kv_pressure, superseded, reset, pulled (read, or NIXL's expiry).",
             "reason", WITHDRAW_REASONS)
+        self._hold_leases = self._by_label(
+            "sessionkv_session_hold_leases",
+            "Session holds begun, by what set their lease (retention.py): hint (the "
+            "client's X-Session-Hold-S), gaps (the session's observed inter-turn gaps) or "
+            "default (session_lease_s; every lease under retention age).", "source",
+            tuple(s.value for s in LeaseSource))
+        ends = self._counter(
+            "sessionkv_session_hold_ends",
+            "Session holds that ended unread, by reason (kv_pressure, lease_ended) and "
+            "where their KV went: host (demoted to the host tier, all its full blocks "
+            "there) or dropped.", ("reason", "tier"))
+        self._hold_ends = {
+            (reason, tier): {idx: ends.labels(*vals, reason, tier)
+                             for idx, vals in self._per_engine.items()}
+            for reason in DEMOTE_REASONS for tier in HOLD_TIERS}
         self._host_restore_s = self._histogram(
             "sessionkv_host_restore_seconds",
             "Time to restore one request's blocks from "
@@ -327,6 +346,8 @@ class SessionKVPromMetrics(NixlPromMetrics):
             **self._host_counters,
             **{f"session_holds_released_{r}": m for r, m in self._holds_released.items()},
             **{f"handles_withdrawn_{r}": m for r, m in self._handles_withdrawn.items()},
+            **{f"session_hold_leases_{s}": m for s, m in self._hold_leases.items()},
+            **{f"session_hold_ends_{r}_{t}": m for (r, t), m in self._hold_ends.items()},
             **{f"load_{mode}": m for mode, m in self._loads.items()},
             "sync_load_timeouts": self._sync_load_timeouts,
             **{f"early_decode_{o}": m for o, m in self._early_decode.items()},

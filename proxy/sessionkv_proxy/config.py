@@ -180,6 +180,10 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # connections mark an engine unhealthy.
     metrics_scrape_timeout_s: float = 5.0
     session_ttl_s: float = 3600.0
+    # A client's X-Session-Hold-S (seconds until its session's next turn; D's
+    # retention rule takes it as the hold's lease) is clamped to this before it is
+    # forwarded; D clamps it to its retention_max_lease_s too.
+    max_session_hold_s: float = 3600.0
     # Headers that name a conversation, checked in this order after the body's
     # prompt_cache_key and before its session_id (case-insensitive).  X-Session-ID is
     # ours; X-Session-Affinity is what opencode and pi-ai send with their session id.

@@ -28,7 +28,7 @@ from vllm_sessionkv.wire.protocol import (
 __all__ = ["KEY", "accounting_header", "decode_answer", "early_decode_params",
            "fresh_prefill_params", "handle_of_answer", "pushed_by_prefill",
            "prefill_body", "restore_body", "session_params", "strip_answer",
-           "with_params", "without_params"]
+           "with_hold_hint", "with_params", "without_params"]
 
 KEY = "kv_transfer_params"
 # Fields a P request must not carry: it generates one token, never streams.
@@ -42,17 +42,32 @@ def fresh_prefill_params() -> dict[str, Any]:
             "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def session_params(session_id: str) -> dict[str, Any]:
+def session_params(session_id: str, hold_hint_s: float | None = None) -> dict[str, Any]:
     """For a request D serves alone: D keeps the turn for the session's next P pull
-    only if it knows the session."""
-    return with_payload(None, SessionPayload(session_id=session_id))
+    only if it knows the session (and for as long as the client's hint says)."""
+    return with_payload(None, SessionPayload(session_id=session_id,
+                                             hold_hint_s=hold_hint_s))
 
 
-def early_decode_params(early_id: str, session_id: str | None) -> dict[str, Any]:
+def early_decode_params(early_id: str, session_id: str | None,
+                        hold_hint_s: float | None = None) -> dict[str, Any]:
     """D's request under early decode: an id instead of P's parameters, which follow
-    over D's early-decode socket under that id."""
+    over D's early-decode socket under that id (D keeps this hint through them)."""
     return with_payload(None, SessionPayload(early_decode_id=early_id,
-                                             session_id=session_id or None))
+                                             session_id=session_id or None,
+                                             hold_hint_s=hold_hint_s))
+
+
+def with_hold_hint(params: dict[str, Any], hold_hint_s: float | None) -> dict[str, Any]:
+    """P's parameters for D, carrying the client's hold hint (unchanged without one,
+    or when they are not ours to read)."""
+    if hold_hint_s is None:
+        return params
+    try:
+        ours = payload_from_params(params)
+    except PayloadError:
+        return params
+    return with_payload(params, msgspec.structs.replace(ours, hold_hint_s=hold_hint_s))
 
 
 def with_params(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

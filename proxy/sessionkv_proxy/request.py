@@ -10,6 +10,7 @@ would (the same status and a message naming the field).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -21,8 +22,8 @@ import msgspec
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.sessions import valid_session_id
 
-__all__ = ["ClientRequest", "lax_bool", "lax_int", "new_request_id", "read_json",
-           "session_id_of", "validate"]
+__all__ = ["HOLD_HINT_HEADER", "ClientRequest", "hold_hint_of", "lax_bool", "lax_int",
+           "new_request_id", "read_json", "session_id_of", "validate"]
 
 _body_decoder = msgspec.json.Decoder()
 # Request ids: a per-process random prefix and a counter (uuid4 per request costs more
@@ -34,6 +35,8 @@ _LAX_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _LAX_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 _LAX_INT = re.compile(r"\s*([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?\s*", re.ASCII)
 _MAX_CACHE_SALT_CHARS = 128
+# The client's hint of how long to hold its session's KV (seconds).
+HOLD_HINT_HEADER = "X-Session-Hold-S"
 _CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
@@ -48,6 +51,9 @@ class ClientRequest:
     body: dict[str, Any]   # validated, its lax fields normalized; read only
     raw_body: bytes        # the client's own bytes, sent as they are when unchanged
     session_id: str | None
+    # X-Session-Hold-S, clamped: how long the client expects before the session's
+    # next turn (D's retention rule takes it as the hold's lease); None: not sent.
+    hold_hint_s: float | None = None
 
     @property
     def stream(self) -> bool:
@@ -184,3 +190,19 @@ def session_id_of(headers: Mapping[str, str], body: dict[str, Any],
         raise ApiError(400, f"invalid session id in {source}: must be 1-{max_chars} "
                        "characters of [A-Za-z0-9._:@/+=-]", param=source)
     return value
+
+
+def hold_hint_of(headers: Mapping[str, str], max_s: float) -> float | None:
+    """The client's ``X-Session-Hold-S``: seconds until its session's next turn, a
+    finite number >= 0 (else a 400 naming the header), clamped to ``max_s``."""
+    raw = headers.get(HOLD_HINT_HEADER)
+    if raw is None:
+        return None
+    try:
+        hint_s = float(raw.strip())
+    except ValueError:
+        hint_s = math.nan
+    if not math.isfinite(hint_s) or hint_s < 0:
+        raise ApiError(400, f"invalid {HOLD_HINT_HEADER}: must be a number of seconds "
+                       ">= 0", param=HOLD_HINT_HEADER)
+    return min(hint_s, max_s)

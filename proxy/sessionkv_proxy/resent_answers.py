@@ -240,7 +240,8 @@ class ResentAnswers:
                           outcome=outcome)
         return ClientRequest(request_id=client.request_id, path=COMPLETIONS_PATH,
                              is_chat=False, body=body, raw_body=_json.encode(body),
-                             session_id=client.session_id), rewrite
+                             session_id=client.session_id,
+                             hold_hint_s=client.hold_hint_s), rewrite
 
     def finish(self, rewrite: Rewrite, answer: Answer) -> Response | None:
         """The client's answer in chat form; the session's answer remembered."""

@@ -39,6 +39,7 @@ from sessionkv_proxy.relay import (
 )
 from sessionkv_proxy.request import (
     ClientRequest,
+    hold_hint_of,
     new_request_id,
     read_json,
     session_id_of,
@@ -128,8 +129,10 @@ class TurnRunner:
         validate(body, is_chat, self._model_ids())
         session_id = session_id_of(request.headers, body, self._config.session_headers,
                                    self._config.max_session_id_chars)
+        hint_s = hold_hint_of(request.headers, self._config.max_session_hold_s)
         return ClientRequest(request_id=request_id, path=path, is_chat=is_chat, body=body,
-                             raw_body=request.body, session_id=session_id)
+                             raw_body=request.body, session_id=session_id,
+                             hold_hint_s=hint_s if session_id else None)
 
     async def _generate(self, request: Request, path: str, is_chat: bool
                         ) -> Response | None:
@@ -206,7 +209,8 @@ class TurnRunner:
             if plan.mode is Mode.DISAGGREGATED:
                 return await self._disaggregated(request, client, plan, d_body, headers)
             if session_id and plan.mode is Mode.DECODE_ONLY:
-                d_body = handoff.with_params(d_body, handoff.session_params(session_id))
+                d_body = handoff.with_params(d_body, handoff.session_params(
+                    session_id, client.hold_hint_s))
             role = Role.PREFILL if plan.mode is Mode.PREFILL_ONLY else Role.DECODE
             payload = client.raw_body if body_unchanged else _json.encode(d_body)
             return await self._answer(request, client, plan, role, payload, headers), 0.0
@@ -275,7 +279,8 @@ class TurnRunner:
             prefill_done = asyncio.get_running_loop().create_future()
             decode_task = asyncio.ensure_future(self._answer(
                 request, client, plan, Role.DECODE, _json.encode(handoff.with_params(
-                    d_body, handoff.early_decode_params(early_id, client.session_id))),
+                    d_body, handoff.early_decode_params(early_id, client.session_id,
+                                                        client.hold_hint_s))),
                 headers, relay_after=prefill_done, holder=holder))
         started = time.perf_counter()
         try:
@@ -306,7 +311,8 @@ class TurnRunner:
                 return await decode_task, prefill_s
             self._metrics.errors.labels("early_decode_push").inc()
             await cancel_all([decode_task])
-        payload = _json.encode(handoff.with_params(d_body, p_params))
+        payload = _json.encode(handoff.with_params(
+            d_body, handoff.with_hold_hint(p_params, client.hold_hint_s)))
         return await self._answer(request, client, plan, Role.DECODE, payload,
                                   headers), prefill_s
 
@@ -320,7 +326,8 @@ class TurnRunner:
                        client.request_id, plan.decode.url)
         self._metrics.errors.labels("prefill_unreachable").inc()
         if client.session_id:
-            d_body = handoff.with_params(d_body, handoff.session_params(client.session_id))
+            d_body = handoff.with_params(d_body, handoff.session_params(
+                client.session_id, client.hold_hint_s))
         headers = {**headers, "x-sessionkv-route": Mode.DECODE_ONLY.value,
                    "x-sessionkv-route-reason": "no prefill engine reachable; decode only"}
         return await self._answer(request, client, plan, Role.DECODE,

@@ -123,3 +123,86 @@ async def test_fields_the_proxy_does_not_read_are_the_engines_to_judge(free_port
                              json=_body(False, user=5)) as resp:
             assert resp.status == 200, await resp.text()
         assert [s.generations for s in stubs] == [1, 1]
+
+
+class RecordingStub(CountingStub):
+    """A stub that keeps the kv_transfer_params of each generation request."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role)
+        self.params: list[dict | None] = []
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.params.append((await request.json()).get("kv_transfer_params"))
+        return await super().completions(request)
+
+
+@contextlib.asynccontextmanager
+async def _recording_proxy(free_port, routing: dict, max_hold_s: float | None = None):
+    stubs = [RecordingStub("prefill"), RecordingStub("decode")]
+    runners, engines = [], []
+    try:
+        for stub in stubs:
+            port = free_port()
+            runner = web.AppRunner(stub.app(), handle_signals=False)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            engines.append({"url": f"http://127.0.0.1:{port}", "role": stub.role})
+        port = free_port()
+        config = {"engines": engines, "host": "127.0.0.1", "port": port,
+                  "tokenizer": "none", "block_size": 16, "routing": {"params": routing}}
+        if max_hold_s is not None:
+            config["max_session_hold_s"] = max_hold_s
+        proxy = create_app(load_config(None, config))
+        await proxy.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                yield f"http://127.0.0.1:{port}", http, stubs
+        finally:
+            await proxy.stop(1.0)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+@pytest.mark.parametrize("routing, route", [
+    ({"decode_only_max_uncached_tokens": -1}, "disaggregated"),
+    ({"decode_only_max_uncached_tokens": 100_000}, "decode_only")])
+async def test_the_hold_hint_header_reaches_decode_clamped(free_port, routing, route):
+    """X-Session-Hold-S goes to D (not P) inside kv_transfer_params' sessionkv payload,
+    clamped to max_session_hold_s; without a session it is not forwarded."""
+    async with _recording_proxy(free_port, routing, max_hold_s=900.0) as (url, http, stubs):
+        prefill, decode = stubs
+        for sent, forwarded in (("300", 300.0), (" 12.5 ", 12.5), ("1e9", 900.0),
+                                ("0", 0.0)):
+            async with http.post(url + "/v1/completions", json=_body(False),
+                                 headers={"X-Session-ID": "s-hint",
+                                          "X-Session-Hold-S": sent}) as resp:
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-sessionkv-route"] == route
+            assert decode.params[-1]["sessionkv"]["hold_hint_s"] == forwarded, sent
+            if route == "disaggregated":
+                assert "hold_hint_s" not in (prefill.params[-1] or {}).get("sessionkv", {})
+        # No header: no hint.
+        async with http.post(url + "/v1/completions", json=_body(False),
+                             headers={"X-Session-ID": "s-hint"}) as resp:
+            assert resp.status == 200
+        assert "hold_hint_s" not in decode.params[-1].get("sessionkv", {})
+        # No session: nothing to hold, nothing forwarded.
+        async with http.post(url + "/v1/completions", json=_body(False),
+                             headers={"X-Session-Hold-S": "60"}) as resp:
+            assert resp.status == 200
+        assert "hold_hint_s" not in str(decode.params[-1])
+
+
+@pytest.mark.parametrize("value", ["soon", "", "-1", "nan", "inf", "1s", "0x10"])
+async def test_a_bad_hold_hint_is_a_400_naming_the_header(free_port, value):
+    async with _recording_proxy(free_port, {}) as (url, http, stubs):
+        async with http.post(url + "/v1/completions", json=_body(False),
+                             headers={"X-Session-ID": "s", "X-Session-Hold-S": value}) as resp:
+            out = await resp.json()
+            assert resp.status == 400, out
+        assert out["error"]["param"] == "X-Session-Hold-S", out
+        assert "X-Session-Hold-S" in out["error"]["message"], out
+        assert [s.generations for s in stubs] == [0, 0]

@@ -67,19 +67,21 @@ class HostRestore:
         return num_blocks * self.block_size
 
     def offload(self, block_hashes: Sequence[Any], block_ids: Sequence[int],
-                num_tokens: int) -> None:
+                num_tokens: int) -> bool:
         """Copy a finished session turn's full blocks (prompt and generated) to host
         DRAM.  The blocks stay held on device until the copy has run: the hold's lease
-        outlives the next step, when the worker executes it."""
+        outlives the next step, when the worker executes it; a hold demoted as it ends
+        is released in the step that runs the copy, after it.  Returns whether all its
+        full blocks are on host (resident or planned)."""
         n_full = min(full_blocks(num_tokens, self.block_size), len(block_hashes))
         hashes = list(block_hashes[:n_full])
         position = {h: i for i, h in enumerate(hashes)}
         pairs = self.tier.plan_store(hashes)
-        if not pairs:
-            return
-        src = [block_ids[position[h]] for h, _ in pairs]
-        self._ops.append(HostCopy(kind=HostCopyKind.STORE, src=src,
-                                  dst=[slot for _, slot in pairs]))
+        if pairs:
+            src = [block_ids[position[h]] for h, _ in pairs]
+            self._ops.append(HostCopy(kind=HostCopyKind.STORE, src=src,
+                                      dst=[slot for _, slot in pairs]))
+        return n_full > 0 and self.tier.lookup(hashes, 0) == n_full
 
     def take_ops(self) -> list[HostCopy]:
         """This step's copies, for the worker; unpins the slots of two steps ago."""

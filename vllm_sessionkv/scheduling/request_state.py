@@ -40,7 +40,7 @@ class RequestState:
     """What the scheduler half knows about one request."""
 
     __slots__ = ("params", "read", "plan", "local_hit_tokens", "host_plan",
-                 "host_restored_tokens", "first_token_id")
+                 "host_restored_tokens", "first_token_id", "hold_hint_s")
 
     def __init__(self, params: dict[str, Any] | None) -> None:
         self.params = params
@@ -55,6 +55,8 @@ class RequestState:
         self.host_restored_tokens = 0
         # First-token handoff (D): P's token this request continues from.
         self.first_token_id: int | None = None
+        # The client's X-Session-Hold-S, as the proxy forwarded it (retention.py).
+        self.hold_hint_s: float | None = self.read.payload.hold_hint_s
 
     @property
     def payload(self) -> SessionPayload:
@@ -75,6 +77,9 @@ class RequestStates:
             state = self._states[request_id] = RequestState(params)
         elif state.params is not params:
             state.params, state.read = params, read_payload(params)
+            # P's parameters (early decode) do not repeat the proxy's hint to D.
+            if state.read.payload.hold_hint_s is not None:
+                state.hold_hint_s = state.read.payload.hold_hint_s
         return state
 
     def get(self, request_id: str) -> RequestState | None:

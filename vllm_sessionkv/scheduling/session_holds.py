@@ -1,6 +1,9 @@
 """Session holds on D (``holds.py``): a finished session turn's blocks stay held for
-the next turn's pull under a lease, a newer turn supersedes an older one, holds over
-a share of the KV end oldest first (``kv_pressure``), a reset ends them all; the
+the next turn's pull under a lease (``retention.py``: from the client's hint, the
+session's observed gaps, or ``session_lease_s``), a newer turn supersedes an older
+one, holds over a share of the KV end least valuable first (``kv_pressure``; oldest
+first under ``retention: "age"``), each demoted to the host tier first where there is
+one (``retention: "value"``), a reset ends them all; the
 handle is published out of band (Redis, and the handle channel for proxies without
 Redis).  Holds end through the worker, which
 releases them in the step they are handed to it.
@@ -15,7 +18,9 @@ none: the handle's expiry says so."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -23,11 +28,25 @@ import msgspec
 from vllm_sessionkv.handle_channel import HandleChannel
 from vllm_sessionkv.holds import HoldTable
 from vllm_sessionkv.publisher import HandlePublisher
+from vllm_sessionkv.retention import (
+    GapHistory,
+    HoldFacts,
+    Lease,
+    Retention,
+    RetentionParams,
+    SessionHistory,
+    eviction_order,
+)
+from vllm_sessionkv.retention import lease as retention_lease
 from vllm_sessionkv.scheduling.counters import StatsSink
 from vllm_sessionkv.scheduling.guard_ledger import GuardLedger
+from vllm_sessionkv.wire.cost import DEFAULT_RECOMPUTE, RecomputeModel
 from vllm_sessionkv.wire.protocol import HandleWithdrawal, PayloadError, handle_from_params
 
 __all__ = ["SessionHolds"]
+
+# With no rule given (tests of the table alone): the rule before, one lease, by age.
+_AGE = RetentionParams(mode=Retention.AGE)
 
 logger = logging.getLogger("vllm.sessionkv.scheduler")
 
@@ -35,8 +54,18 @@ logger = logging.getLogger("vllm.sessionkv.scheduler")
 class SessionHolds:
     def __init__(self, max_held_blocks: int, max_kv_fraction: float,
                  publisher: HandlePublisher, channel: HandleChannel | None = None,
-                 withdraw: bool = True) -> None:
+                 withdraw: bool = True, retention: RetentionParams = _AGE,
+                 recompute: Callable[[], RecomputeModel] = lambda: DEFAULT_RECOMPUTE,
+                 gap_history: int = 8, max_sessions: int = 10000) -> None:
         self._table = HoldTable()
+        self._retention = retention
+        self._recompute = recompute
+        self._gaps = GapHistory(gap_history, max_sessions)
+        # What the order needs of each running hold, and how to demote it (by
+        # request id); both leave when the hold ends.
+        self._facts: dict[str, HoldFacts] = {}
+        self._demote: dict[str, Callable[[], bool]] = {}
+        self._unrecorded: dict[str, int] = {}   # stats keys counted since record_stats
         # Published holds whose handle a withdrawal would name (``withdraw``), by
         # request id; a hold leaves it when withdrawn or when its lease ended.
         self._withdraw = withdraw
@@ -49,20 +78,70 @@ class SessionHolds:
         self._channel = channel
         self._reported = 0   # sessionkv_session_holds, sent on change
 
+    def turn_arrived(self, session_id: str, now_s: float) -> None:
+        """A turn of ``session_id`` reached this engine: the gap since its last held
+        turn ended joins the session's history."""
+        self._gaps.turn_arrived(session_id, now_s)
+
+    def lease(self, session_id: str, hint_s: float | None) -> tuple[Lease, SessionHistory]:
+        """The lease of a hold of ``session_id`` beginning now (``retention.lease``),
+        and the history it came from."""
+        history = SessionHistory(gaps_s=self._gaps.gaps(session_id), hint_s=hint_s)
+        pressure = self._table.held_blocks / max(1, self._max_held_blocks)
+        return retention_lease(history, self._retention, pressure), history
+
     def hold(self, session_id: str, request_id: str, now_s: float, lease_s: float,
-             grace_s: float, num_blocks: int) -> float:
+             grace_s: float, num_blocks: int, *, facts: HoldFacts | None = None,
+             demote: Callable[[], bool] | None = None) -> float:
         """Hold a finished turn's blocks; returns the lease's end (perf_counter).
-        Holds over the cap end, oldest first, at the next step."""
+        Holds over the cap end at the next step, in the retention rule's order
+        (``facts`` is what the rule knows of this one); ``demote`` copies this one's
+        KV to the host tier when it ends unread (True: it is all there)."""
         deadline = now_s + lease_s
         self._table.hold(session_id, request_id, until_s=deadline,
                          superseded_until_s=now_s + grace_s, num_blocks=num_blocks)
-        for req_id in self._table.over_cap(self._max_held_blocks, keep=request_id):
+        self._gaps.turn_ended(session_id, now_s)
+        if facts is not None:
+            self._facts[request_id] = facts
+            self._count(f"session_hold_leases_{facts.lease.source.value}")
+        if demote is not None and self._retention.mode is Retention.VALUE:
+            self._demote[request_id] = demote
+        for req_id in self._table.over_cap(self._max_held_blocks, keep=request_id,
+                                           order=self._order(now_s)):
             logger.info("sessionkv hold ends early request_id=%s reason=kv_pressure "
                         "(holds over %.0f%% of the KV blocks)", req_id,
                         self._max_kv_fraction * 100)
             self._to_release.add(req_id)
             self._withdraw_handle(req_id, "kv_pressure")
+            self._ended_unread(req_id, "kv_pressure")
         return deadline
+
+    def _order(self, now_s: float) -> list[str] | None:
+        """Running holds, first to end first, by the retention rule; None (the
+        table's age order) when a hold has no facts."""
+        running = self._table.running()
+        if any(rid not in self._facts for rid, _ in running):
+            return None
+        facts = [dataclasses.replace(self._facts[rid], superseded=superseded)
+                 if superseded else self._facts[rid] for rid, superseded in running]
+        ordered = eviction_order(facts, now_s, self._retention, self._recompute())
+        if ordered and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sessionkv hold order (first to end first): %s", " ".join(
+                f"{v.request_id}:value={v.value:.3g},reuse={v.reuse:.2f}" for v in ordered))
+        return [v.request_id for v in ordered]
+
+    def _ended_unread(self, request_id: str, reason: str) -> None:
+        """A hold ended unread: demote its KV to the host tier where it can, and count
+        where it went (``session_hold_ends_{reason}_{tier}``)."""
+        self._facts.pop(request_id, None)
+        demote = self._demote.pop(request_id, None)
+        tier = "host" if demote is not None and demote() else "dropped"
+        self._count(f"session_hold_ends_{reason}_{tier}")
+        logger.debug("sessionkv hold ended request_id=%s reason=%s tier=%s", request_id,
+                     reason, tier)
+
+    def _count(self, key: str) -> None:
+        self._unrecorded[key] = self._unrecorded.get(key, 0) + 1
 
     def announce(self, engine_url: str, epoch: int) -> None:
         """This process's start-up epoch, to Redis at once (``HandlePublisher``)."""
@@ -102,8 +181,11 @@ class SessionHolds:
             logger.debug("sessionkv hold ends request_id=%s reason=%s", req_id, reason)
             if reason == "lease_ended":     # the handle's own expiry says so
                 self._published.pop(req_id, None)
+                self._ended_unread(req_id, reason)
             else:
                 self._withdraw_handle(req_id, reason)
+                self._facts.pop(req_id, None)
+                self._demote.pop(req_id, None)
         self._to_release.update(due)
         releases = guard.releasable(self._to_release, now_s)
         self._to_release -= releases
@@ -113,6 +195,8 @@ class SessionHolds:
         """The worker reported these sends finished: count the holds among them."""
         for req_id in request_ids:
             reason = self._table.released(req_id)
+            self._facts.pop(req_id, None)
+            self._demote.pop(req_id, None)
             if reason is not None:
                 self._to_release.discard(req_id)
                 stats.record(f"session_holds_released_{reason}")
@@ -150,6 +234,9 @@ class SessionHolds:
         for reason, n in self._withdrawn_unrecorded.items():
             stats.record(f"handles_withdrawn_{reason}", n)
         self._withdrawn_unrecorded.clear()
+        for key, n in self._unrecorded.items():
+            stats.record(key, n)
+        self._unrecorded.clear()
         failures = self._publisher.take_failures()
         if failures:
             stats.record("session_handles_publish_failed", failures)

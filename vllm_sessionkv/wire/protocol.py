@@ -229,6 +229,10 @@ class SessionPayload(msgspec.Struct, omit_defaults=True, kw_only=True):
     # Request to P: false asks P not to export its token (a router's switch; P's own
     # first_token_handoff still applies).
     first_token: bool = True
+    # Request to D: the client's X-Session-Hold-S (seconds it expects before the
+    # session's next turn), which D's retention rule takes as the hold's lease
+    # (retention.py).  None: no hint.
+    hold_hint_s: float | None = None
 
 
 class SessionHandle(msgspec.Struct, omit_defaults=True, kw_only=True):
