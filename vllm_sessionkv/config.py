@@ -214,21 +214,21 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # X-Session-Hold-S or the session's observed inter-turn gaps, else
     # session_lease_s; the least valuable end first, demoted to the host tier first)
     # or "age" (every lease session_lease_s, the oldest end first: the rule before).
-    retention: Retention = Retention.VALUE
+    retention: Retention = RetentionParams.mode
     # Bounds of a lease from a hint or from gaps (a hint is clamped into them).
-    retention_min_lease_s: float = 30.0
-    retention_max_lease_s: float = 600.0
+    retention_min_lease_s: float = RetentionParams.min_lease_s
+    retention_max_lease_s: float = RetentionParams.max_lease_s
     # A lease from gaps covers this quantile of the session's gaps, times the margin.
-    retention_gap_quantile: float = 0.9
-    retention_gap_margin: float = 2.0
+    retention_gap_quantile: float = RetentionParams.gap_quantile
+    retention_gap_margin: float = RetentionParams.gap_margin
     # Gaps a session needs before they set its lease (until then session_lease_s).
-    retention_min_gaps: int = 2
+    retention_min_gaps: int = RetentionParams.min_gaps
     # Gaps kept per session, and sessions whose gaps are kept (least recent dropped).
     retention_gap_history: int = 8
     retention_max_sessions: int = 10000
     # Once holds pin more than half their cap, leases not from a hint are cut by up
     # to this share (all of it at a full cap), never below retention_min_lease_s.
-    retention_pressure_lease_cut: float = 0.5
+    retention_pressure_lease_cut: float = RetentionParams.pressure_lease_cut
     # Withdraw a session's handle where the proxies find it (Redis, the handle
     # channel) when a hold ends before its lease, and carry this process's start-up
     # epoch in every handle, so no proxy replica attaches a dead hold or a restarted

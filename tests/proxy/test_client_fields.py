@@ -43,24 +43,25 @@ class CountingStub(StubEngine):
 
 
 @contextlib.asynccontextmanager
-async def _proxy(free_port, tokenizer: str):
-    """A proxy over a stub P and D; yields its URL and the stubs."""
-    stubs = [CountingStub("prefill"), CountingStub("decode")]
+async def _proxy(free_port, tokenizer: str, stub=None, **config):
+    """A proxy over a stub P and D (``stub``'s class, ``CountingStub`` by default);
+    yields its URL and the stubs.  ``config``: more proxy config keys."""
+    stubs = [(stub or CountingStub)("prefill"), (stub or CountingStub)("decode")]
     runners, engines = [], []
     try:
-        for stub in stubs:
+        for s in stubs:
             port = free_port()
-            runner = web.AppRunner(stub.app(), handle_signals=False)
+            runner = web.AppRunner(s.app(), handle_signals=False)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
             runners.append(runner)
-            engines.append({"url": f"http://127.0.0.1:{port}", "role": stub.role})
+            engines.append({"url": f"http://127.0.0.1:{port}", "role": s.role})
         port = free_port()
         proxy = create_app(load_config(None, {
             "engines": engines, "host": "127.0.0.1", "port": port, "tokenizer": tokenizer,
             "block_size": 16,
             # Always P then D: the session's store key and the router's keys are made.
-            "routing": {"params": {"decode_only_max_uncached_tokens": -1}}}))
+            "routing": {"params": {"decode_only_max_uncached_tokens": -1}}, **config}))
         await proxy.start()
         try:
             async with aiohttp.ClientSession() as http:
@@ -137,42 +138,14 @@ class RecordingStub(CountingStub):
         return await super().completions(request)
 
 
-@contextlib.asynccontextmanager
-async def _recording_proxy(free_port, routing: dict, max_hold_s: float | None = None):
-    stubs = [RecordingStub("prefill"), RecordingStub("decode")]
-    runners, engines = [], []
-    try:
-        for stub in stubs:
-            port = free_port()
-            runner = web.AppRunner(stub.app(), handle_signals=False)
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            runners.append(runner)
-            engines.append({"url": f"http://127.0.0.1:{port}", "role": stub.role})
-        port = free_port()
-        config = {"engines": engines, "host": "127.0.0.1", "port": port,
-                  "tokenizer": "none", "block_size": 16, "routing": {"params": routing}}
-        if max_hold_s is not None:
-            config["max_session_hold_s"] = max_hold_s
-        proxy = create_app(load_config(None, config))
-        await proxy.start()
-        try:
-            async with aiohttp.ClientSession() as http:
-                yield f"http://127.0.0.1:{port}", http, stubs
-        finally:
-            await proxy.stop(1.0)
-    finally:
-        for runner in runners:
-            await runner.cleanup()
-
-
 @pytest.mark.parametrize("routing, route", [
     ({"decode_only_max_uncached_tokens": -1}, "disaggregated"),
     ({"decode_only_max_uncached_tokens": 100_000}, "decode_only")])
 async def test_the_hold_hint_header_reaches_decode_clamped(free_port, routing, route):
     """X-Session-Hold-S goes to D (not P) inside kv_transfer_params' sessionkv payload,
     clamped to max_session_hold_s; without a session it is not forwarded."""
-    async with _recording_proxy(free_port, routing, max_hold_s=900.0) as (url, http, stubs):
+    async with _proxy(free_port, "none", RecordingStub, routing={"params": routing},
+                      max_session_hold_s=900.0) as (url, http, stubs):
         prefill, decode = stubs
         for sent, forwarded in (("300", 300.0), (" 12.5 ", 12.5), ("1e9", 900.0),
                                 ("0", 0.0)):
@@ -198,7 +171,7 @@ async def test_the_hold_hint_header_reaches_decode_clamped(free_port, routing, r
 
 @pytest.mark.parametrize("value", ["soon", "", "-1", "nan", "inf", "1s", "0x10"])
 async def test_a_bad_hold_hint_is_a_400_naming_the_header(free_port, value):
-    async with _recording_proxy(free_port, {}) as (url, http, stubs):
+    async with _proxy(free_port, "none", RecordingStub) as (url, http, stubs):
         async with http.post(url + "/v1/completions", json=_body(False),
                              headers={"X-Session-ID": "s", "X-Session-Hold-S": value}) as resp:
             out = await resp.json()
