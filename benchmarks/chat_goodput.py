@@ -1,18 +1,26 @@
 """Chat goodput: aiperf's multi-turn streamed chat sessions against each target, every
 request judged against a TTFT and an ITL SLO (DistServe's goodput: requests per second
-meeting both).
+meeting both).  The chat and router scenario: load only, aiperf the load generator.
 
     python benchmarks/chat_goodput.py --quick      # a launcher cluster on the tiny model
+    python benchmarks/chat_goodput.py --arms 1-rr,2-ours-coloc,5-vr-cache-coloc,3-nixl-rr,5-vr-rr,5-vr-cache,7-ours,7-ours-pd
     python benchmarks/chat_goodput.py --target ours=http://127.0.0.1:8000 \\
         --target colocated=http://127.0.0.1:8100 --model NAME --tokenizer DIR
 
-Without ``--target`` it starts the launcher's default cluster (``LocalCluster``: Redis,
-our proxy, 1 P + 1 D with our connector, a plain co-located engine) on the tiny model
-and measures ``ours`` (the proxy) and ``colocated``.  Each round runs every target once,
+Without ``--target`` or ``--arms`` it starts the launcher's default cluster
+(``LocalCluster``: Redis, our proxy, 1 P + 1 D with our connector, a plain co-located
+engine) on the tiny model and measures ``ours`` (the proxy) and ``colocated``.
+``--arms`` names arms of ``sessionkv_bench.arms`` (ours, vllm-router, stock NIXL,
+co-located behind the toy round robin, our proxy or vllm-router; not 4-nixl-bidi,
+whose proxy serves no chat): their clusters start one at a time (two engines each,
+the tiny model or ``--model-dir``), every cache reset before each arm's run, and
+each arm's router CPU time per request and the engines' prefix-cache hit rate are
+reported beside aiperf's figures.  Each round runs every target (of a cluster) once,
 in reverse order every other round; a target's figures pool its requests over the
 rounds.  aiperf runs from its own venv (``sessionkv_bench.aiperf``).  Writes
-``docs/benchmarks/chat_goodput.{md,json}`` (``chat_goodput_quick.*`` with ``--quick``);
-``--render-only JSON`` writes the report again from a run's JSON.
+``docs/benchmarks/chat_goodput.{md,json}`` (``chat_goodput_quick.*`` with ``--quick``;
+``--stem`` names others); ``--render-only JSON`` writes the report again from a run's
+JSON.
 """
 
 from __future__ import annotations
@@ -25,12 +33,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from sessionkv_bench.report import machine_line
-from sessionkv_bench.runner import log
 from sessionkv_bench import aiperf, report
+from sessionkv_bench.metrics import metric_sums
+from sessionkv_bench.report import machine_line
+from sessionkv_bench.runner import PortPool, env_for_bench, interleaved, log
+from sessionkv_bench.arms import CORES_HELP
 
 OUT_DIR = report.REPO / "docs" / "benchmarks"
-PATH_FLAGS = {"--tokenizer": "TOKENIZER_DIR", "--out-dir": "OUT_DIR", "--render-only": "JSON"}
+PATH_FLAGS = {"--tokenizer": "TOKENIZER_DIR", "--out-dir": "OUT_DIR", "--render-only": "JSON",
+              "--model-dir": "MODEL_DIR"}
+HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,6 +52,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "launcher's default cluster on the tiny model")
     p.add_argument("--model", help="the model name the targets serve (with --target)")
     p.add_argument("--tokenizer", help="tokenizer directory for aiperf (with --target)")
+    p.add_argument("--arms", help="comma-separated arm keys (sessionkv_bench.arms.ARMS) to "
+                                   "start and measure")
+    p.add_argument("--model-dir", help="with --arms: the model the engines serve (default: "
+                                       "the tests' tiny model, generated)")
+    p.add_argument("--cores", default="auto", help="with --arms: " + CORES_HELP)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--blocks", type=int, default=512, help="KV blocks of each engine")
+    p.add_argument("--stem", help="the report's file name (default chat_goodput[_quick])")
     p.add_argument("--quick", action="store_true", help="4 sessions x 3 turns, 1 round")
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--turns", type=int, default=5)
@@ -58,25 +78,105 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.isl, args.osl, args.concurrency = 64, 16, 2
     if args.target and not (args.model and args.tokenizer):
         p.error("--target needs --model and --tokenizer")
+    if args.target and args.arms:
+        p.error("--target and --arms exclude each other")
     return args
 
 
 def measure(targets: dict[str, str], model: str, tokenizer: str, load: aiperf.ChatLoad,
-            rounds: int, work: Path) -> dict:
+            rounds: int, work: Path, around=None) -> dict:
     """Every target once a round (order reversed every other round); per target its
-    pooled figures and each round's."""
-    runs: dict[str, list[Path]] = {name: [] for name in targets}
-    per_round: dict[str, list[dict]] = {name: [] for name in targets}
-    names = list(targets)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            out = work / f"{name}-round{r}"
-            log(f"round {r + 1}/{rounds}: {name} ({targets[name]})")
-            per_round[name].append(aiperf.run(targets[name], model, tokenizer, load, out,
-                                              work / f"{name}-round{r}.log"))
-            runs[name].append(out)
-    return {name: {"pooled": aiperf.summarize(runs[name], load), "rounds": per_round[name]}
-            for name in targets}
+    pooled figures and each round's.  ``around(name, run)``, when given, returns the
+    figures of one run (it calls ``run()``, aiperf's summary, between its own reads)."""
+    def one(name: str, r: int) -> dict:
+        out = work / f"{name}-round{r}"
+        run = lambda: aiperf.run(targets[name], model, tokenizer, load, out,  # noqa: E731
+                                 work / f"{name}-round{r}.log") | {"dir": str(out)}
+        try:
+            return around(name, run) if around else run()
+        except RuntimeError as exc:
+            log(f"{name}: {exc}")
+            why = "".join(c for c in str(exc) if c.isascii() and c not in "|\n")
+            return {"failed": " ".join(why.split())[-400:]}
+
+    per_round = interleaved(targets, rounds, one)
+    out = {}
+    for name, rs in per_round.items():
+        failed = [x["failed"] for x in rs if "failed" in x]
+        if failed:
+            out[name] = {"failed": failed[0], "rounds": rs}
+            continue
+        pooled = aiperf.summarize([Path(x.pop("dir")) for x in rs], load)
+        for key in ("router_cpu_s", "prefix_hits", "prefix_queries"):
+            if key in rs[0]:
+                pooled[key] = sum(x[key] for x in rs)
+        out[name] = {"pooled": pooled, "rounds": rs}
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process and its waited-for children."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
+    """``--arms``: each cluster started in turn, its arms measured (``measure``) with
+    every cache reset before each run; the router's CPU time and the engines' prefix
+    hits read around it."""
+    from sessionkv_bench import arms as armlib
+
+    if args.model_dir:
+        model = args.model_dir
+        meta["model"] = Path(model).name
+    else:
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
+
+        model = str(generate_tiny_model(work / "tiny-llama", seed=0))
+        meta["model"] = "the tests' tiny Llama"
+    keys = [k for k in args.arms.split(",") if k]
+    unknown = [k for k in keys if k not in armlib.ARM_BY_KEY or k == "4-nixl-bidi"]
+    if unknown:
+        raise SystemExit(f"--arms: unknown or chat-less arms {unknown}")
+    opts = armlib.EngineOptions(
+        model=model, max_model_len=args.max_model_len, p_blocks=args.blocks,
+        d_blocks=args.blocks, coloc_blocks=args.blocks,
+        engine_env=armlib.engine_cores_env(args.cores, None))
+    ports = PortPool()
+    if args.base_port:   # a range of its own: engines and routers, then UCX's listeners
+        ports = PortPool(args.base_port, args.base_port + 899)
+        os.environ.setdefault("UCX_TCP_PORT_RANGE", f"{args.base_port + 900}-"
+                                                    f"{args.base_port + 999}")
+    armlib.ensure_side_venv()
+    env_for_bench()
+    meta["targets"], results = {}, {}
+    for cluster in dict.fromkeys(armlib.ARM_BY_KEY[k].cluster for k in keys):
+        arms = [armlib.ARM_BY_KEY[k] for k in keys if armlib.ARM_BY_KEY[k].cluster == cluster]
+        run = armlib.start_cluster(cluster, arms, opts, ports, work / "logs")
+        try:
+            for key, why in armlib.warm_up(run, model).items():
+                results[key] = {"failed": why}
+            engines = [url for _, url in run.engines]
+
+            def around(key: str, one) -> dict:
+                note = armlib.reset(run)
+                hits0 = [metric_sums(u, HITS) for u in engines]
+                cpu0 = cpu_seconds(run.pids[key])
+                res = one()
+                res["router_cpu_s"] = cpu_seconds(run.pids[key]) - cpu0
+                hits = [metric_sums(u, HITS) for u in engines]
+                for name, field in zip(HITS, ("prefix_hits", "prefix_queries")):
+                    res[field] = sum(h.get(name, 0.0) - h0.get(name, 0.0)
+                                     for h, h0 in zip(hits, hits0))
+                return res | ({"reset_note": note} if note else {})
+
+            targets = {a.key: run.routers[a.key] for a in arms if a.key in run.routers}
+            results |= measure(targets, model, model, load, args.rounds, work, around)
+            for a in arms:
+                meta["targets"][a.key] = a.label
+        finally:
+            run.stop()
+    return results
 
 
 def _ms(x: float | None) -> str:
@@ -85,6 +185,8 @@ def _ms(x: float | None) -> str:
 
 def render(results: dict) -> str:
     meta, load = results["meta"], results["load"]
+    arms = any("router_cpu_s" in r.get("pooled", {}) or "failed" in r
+               for r in results["targets"].values())
     lines = [
         "# Chat goodput (aiperf multi-turn sessions)", "",
         f"{meta['date']}, commit {meta['commit']}. Machine: {meta['machine']}.",
@@ -100,17 +202,29 @@ def render(results: dict) -> str:
         "the pooled requests. Targets: " + ", ".join(
             f"`{n}` ({d})" for n, d in meta["targets"].items()) + ".", "",
         "| target | requests | errors | good | goodput req/s (aiperf's) | TTFT p50 / p99 ms "
-        "| ITL p50 / p99 ms | latency p50 / p99 ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| ITL p50 / p99 ms | latency p50 / p99 ms |" + (
+            " router CPU ms / request | prefix hits |" if arms else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if arms else ""),
     ]
     for name, res in results["targets"].items():
+        if "failed" in res:
+            lines.append(f"| {name} | failed: {res['failed'][:200]} |")
+            continue
         s = res["pooled"]
         lines.append(
             f"| {name} | {s['requests']} | {s['errors']} | {s['good_requests']} | "
             f"{s['goodput_rps']:.2f} ({s['aiperf_goodput_rps']:.2f}) | "
             f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])} | "
             f"{_ms(s['itl_p50_s'])} / {_ms(s['itl_p99_s'])} | "
-            f"{_ms(s['latency_p50_s'])} / {_ms(s['latency_p99_s'])} |")
+            f"{_ms(s['latency_p50_s'])} / {_ms(s['latency_p99_s'])} |" + (
+                f" {s['router_cpu_s'] / max(s['requests'], 1) * 1e3:.1f} | "
+                f"{s['prefix_hits'] / s['prefix_queries'] if s['prefix_queries'] else 0:.1%} |"
+                if arms else ""))
+    if arms:
+        lines += ["", "Router CPU: the router process's user and system time over the "
+                  "requests, all rounds. Prefix hits: the engines' prefix-cache hits over "
+                  "the prompt tokens they were asked for (vLLM's counters), all rounds; "
+                  "every cache is reset before each arm's run."]
     return "\n".join(lines) + "\n"
 
 
@@ -133,7 +247,7 @@ def _launcher_cluster(args, work: Path):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    stem = "chat_goodput_quick" if args.quick else "chat_goodput"
+    stem = args.stem or ("chat_goodput_quick" if args.quick else "chat_goodput")
     if args.render_only:
         path = Path(args.render_only)
         write(json.loads(path.read_text()), Path(args.out_dir), path.stem)
@@ -150,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             targets = dict(t.split("=", 1) for t in args.target)
             meta["targets"] = {n: "given by URL" for n in targets}
             results = measure(targets, args.model, args.tokenizer, load, args.rounds, work)
+        elif args.arms:
+            results = measure_arms(args, load, work, meta)
         else:
             cluster, model = _launcher_cluster(args, work)
             with cluster:
@@ -160,11 +276,12 @@ def main(argv: list[str] | None = None) -> int:
                     "colocated": "a plain vLLM engine of the same cluster"}
                 meta["model"] = "the tests' tiny Llama"
                 results = measure(targets, "tiny", model, load, args.rounds, work)
-    first = next(iter(results.values()))["pooled"]
-    meta["aiperf_version"] = first["aiperf_version"]
+    first = next((r["pooled"] for r in results.values() if "pooled" in r), {})
+    meta["aiperf_version"] = first.get("aiperf_version")
     out = {"meta": meta, "load": load.__dict__, "targets": results}
     write(out, Path(args.out_dir), stem)
-    bad = [n for n, r in results.items() if r["pooled"]["errors"] or not r["pooled"]["requests"]]
+    bad = [n for n, r in results.items()
+           if "failed" in r or r["pooled"]["errors"] or not r["pooled"]["requests"]]
     if bad:
         log(f"requests failed or none ran: {bad}")
     return 1 if bad else 0

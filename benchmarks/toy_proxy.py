@@ -105,8 +105,11 @@ def create_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
             if kv_transfer_params:
                 req_data["kv_transfer_params"] = kv_transfer_params
         d_client = state.decode[next(state.decode_rr)]
+        # A streamed answer as text/event-stream, as vLLM sends it (upstream's toy proxy
+        # says application/json, which SSE clients such as aiperf refuse to parse).
         return StreamingResponse(stream_from(d_client, endpoint, req_data, request_id),
-                                 media_type="application/json")
+                                 media_type="text/event-stream" if req_data.get("stream")
+                                 else "application/json")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

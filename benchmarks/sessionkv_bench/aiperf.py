@@ -94,11 +94,15 @@ def command(url: str, model: str, tokenizer: str, load: ChatLoad, out_dir: Path)
 
 def run(url: str, model: str, tokenizer: str, load: ChatLoad, out_dir: Path,
         log_path: Path) -> dict:
-    """Run aiperf and summarize its export; raises CalledProcessError when it fails."""
+    """Run aiperf and summarize its export; raises RuntimeError (its log's end) when it
+    fails."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        subprocess.run(command(url, model, tokenizer, load, out_dir), env=environment(),
-                       stdout=log, stderr=subprocess.STDOUT, check=True)
+        done = subprocess.run(command(url, model, tokenizer, load, out_dir),
+                              env=environment(), stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode:
+        tail = log_path.read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(f"aiperf exited {done.returncode}: " + " | ".join(tail))
     return summarize([out_dir], load)
 
 

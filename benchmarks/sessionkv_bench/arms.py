@@ -183,9 +183,11 @@ ARMS = [
     # engines and Redis, every turn P then D (decode_only_max_uncached_tokens -1, which
     # turns the load-aware decode-only rule off too).
     Arm("7-ours-pd", "7 ours, P/D forced on every turn", "ours", "cluster-pd"),
-    # Mooncake replay only: vllm-router's cache-aware policy over the co-located pair.
+    # Mooncake replay and chat_goodput only: vllm-router over the co-located pair.
     Arm("5-vr-cache-coloc", "5 vllm-router cache_aware (co-located)", "coloc",
         "vr:cache_aware"),
+    Arm("5-vr-rr-coloc", "5 vllm-router round_robin (co-located)", "coloc",
+        "vr:round_robin"),
     # The host-tier workload only: ours with a short session lease and a small D, with
     # and without the host tier.
     Arm("8-ours-nohost", "8 ours, short lease, no host tier", "hostless", "cluster"),
@@ -313,12 +315,14 @@ class Running:
     procs: list = field(default_factory=list)
     cluster: object = None
     commands: dict[str, str] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)      # arm key -> its router's pid
 
     def add_routers(self, routers: dict) -> None:
         """Routers ``start_routers`` started, by arm key; ours is also the admin."""
         for key, r in routers.items():
             self.routers[key] = r.url
             self.commands[key] = " ".join(r.argv)
+            self.pids[key] = r.pid
             if ARM_BY_KEY[key].router == "ours":
                 self.admin = r.url
 
@@ -411,6 +415,7 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
             if a.router == "cluster":
                 run.routers[a.key] = cluster.proxy_url
                 run.commands[a.key] = " ".join(cluster.procs[-1].popen.args)
+                run.pids[a.key] = cluster.procs[-1].pid
             elif a.router == "cluster-pd":
                 _start_forced_pd_proxy(run, a.key, list(cluster.procs[-1].popen.args),
                                        ports, log_dir)
@@ -444,6 +449,7 @@ def _start_forced_pd_proxy(run: Running, key: str, cluster_argv: list[str],
     wait_healthy([(proc, url)], timeout_s=120)
     run.routers[key] = url
     run.commands[key] = " ".join(argv)
+    run.pids[key] = proc.pid
     run.more_admins.append(url)
 
 
@@ -460,6 +466,7 @@ def _start_conversation_proxy(run: Running, key: str, p_url: str, d_url: str,
     wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
     run.routers[key] = f"http://127.0.0.1:{port}"
     run.commands[key] = " ".join(argv)
+    run.pids[key] = proc.pid
 
 
 def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
@@ -497,6 +504,7 @@ def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: Port
                     wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=120)
                     run.routers[a.key] = run.admin = f"http://127.0.0.1:{port}"
                     run.commands[a.key] = " ".join(argv)
+                    run.pids[a.key] = proc.pid
                 elif a.router == "conv":
                     _start_conversation_proxy(run, a.key, ext.prefill.url, ext.decode.url,
                                               ports, log_dir)
