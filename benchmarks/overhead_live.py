@@ -379,7 +379,7 @@ def ratios(run: dict, concurrencies: list[int]) -> dict:
     return out
 
 
-def median(xs):
+def _med(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
 
@@ -397,7 +397,7 @@ def verdicts(run: dict, concurrencies: list[int]) -> list[str]:
     lines = []
     for n, by_metric in ratios(run, concurrencies).items():
         for key, values in by_metric.items():
-            m = median(values)
+            m = _med(values)
             ok = m is not None and m <= BOUND
             lines.append(f"{'ok  ' if ok else 'OVER'} {n} {key}: median {_x(m)} of "
                          f"{BASELINE} (rounds: {', '.join(_x(v) for v in values)}; "
@@ -451,7 +451,7 @@ def render_neighbours(run: dict, concurrencies: list[int]) -> str:
             blocks = [b for r in run["rounds"] for b in r["blocks"]
                       if b["engine"] == busy and b["concurrency"] == c]
             cells = [busy, str(c)] + [
-                f"{median([b['cpu'][n] for b in blocks]) * 100:.0f}%" for n in names]
+                f"{_med([b['cpu'][n] for b in blocks]) * 100:.0f}%" for n in names]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

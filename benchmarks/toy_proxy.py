@@ -3,7 +3,8 @@
 
 Behaviour follows vLLM's ``tests/v1/kv_connector/nixl_integration/toy_proxy_server.py``
 (FastAPI + one ``httpx.AsyncClient`` per backend, plain round robin, no load or cache
-awareness), so ``router_bench.py`` can compare against the router most P/D demos use:
+awareness), so the benchmarks' arms (``sessionkv_bench.arms``: 1-rr, 3-nixl-rr) can compare
+against the router most P/D demos use:
 
 * **P/D mode** (``--prefill`` given): send the request to the next P with
   ``max_tokens=1``, ``stream=false``, no ``stream_options``, no ``min_tokens`` and

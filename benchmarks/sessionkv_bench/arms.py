@@ -86,27 +86,13 @@ class RouterProc:
 
 
 def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
-                prefill: list[Backend] | None = None, python: str | None = None
-                ) -> list[str]:
-    """The command line of one router.  ``kind``: ours, ours-notok, ours-text, toy,
-    vr:<policy>, vr-pd[:<policy>], bare (the no-logic relay floor, one backend).
-    ``python`` runs ours and bare (default: this interpreter); it must import
-    ``sessionkv_proxy``."""
+                prefill: list[Backend] | None = None) -> list[str]:
+    """The command line of one router.  ``kind``: ours, toy, vr:<policy>,
+    vr-pd[:<policy>]."""
     urls = [b.url for b in decode]
-    python = python or sys.executable
-    if kind in ("ours", "ours-notok", "ours-text"):
-        argv = [python, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
+    if kind == "ours":
+        argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", str(BLOCK_SIZE)]
-        if kind == "ours-notok":
-            # Routes on load only for text prompts: no /tokenize call per request.
-            argv += ["--tokenizer", "none"]
-        elif kind == "ours-text":
-            # Keys over the prompt's text, matched against its own routes (as
-            # vllm-router's cache_aware): no /tokenize, and no KV events (the proxy
-            # refuses them with text keys), so the engines go by URL alone.
-            argv += ["--tokenizer", "text"]
-            decode = [Backend(b.url) for b in decode]
-            prefill = [Backend(b.url) for b in prefill or []]
         # Extra flags for our proxy, e.g. ROUTER_BENCH_OURS_ARGS="--log-level DEBUG"
         # to see each routing decision in its log.
         argv += shlex.split(os.environ.get("ROUTER_BENCH_OURS_ARGS", ""))
@@ -115,9 +101,6 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 spec = f"url={b.url},events={b.events},replay={b.replay}" if b.events else b.url
                 argv += [flag, spec]
         return argv
-    if kind == "bare":
-        return [python, str(BENCH_DIR / "bare_relay.py"), "--port", str(port),
-                "--backend", urls[0]]
     if kind == "toy":
         argv = [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port)]
         for b in prefill or []:
@@ -144,16 +127,14 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
 
 
 def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],
-                  ports: PortPool, log_dir: Path, procs: list, python: str | None = None
-                  ) -> dict[str, RouterProc]:
-    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200.
-    ``python``: the interpreter of the Python routers (``router_argv``)."""
+                  ports: PortPool, log_dir: Path, procs: list) -> dict[str, RouterProc]:
+    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200."""
     from vllm_sessionkv.dev.launch import start_process, wait_healthy
 
     out: dict[str, RouterProc] = {}
     for arm, kind, decode, prefill in specs:
         port = ports.take()
-        argv = router_argv(kind, port, decode, ports, prefill, python)
+        argv = router_argv(kind, port, decode, ports, prefill)
         name = re.sub(r"[^A-Za-z0-9_.-]+", "_", arm)
         proc = start_process(name, argv, log_dir, env=dict(os.environ))
         procs.append(proc)

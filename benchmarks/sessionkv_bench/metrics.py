@@ -1,17 +1,10 @@
 """Reading engines' and routers' Prometheus metrics: sums over label sets, histogram
-means and quantiles, counter deltas, and resetting prefix caches.  ``requests`` is
-imported where it is used: the side venv's python imports the benchmarks without it."""
+means and quantiles, counter deltas.  ``requests`` is imported where it is used: the
+side venv's python imports the benchmarks without it."""
 
 from __future__ import annotations
 
 import math
-import statistics
-import time
-
-
-def median(xs: list) -> float | None:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 
 def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
@@ -89,25 +82,6 @@ def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
                                            else 1.0)
         lower, below = le, count
     return lower
-
-
-def reset_prefix_caches(urls: list[str]) -> None:
-    """Reset each engine's prefix cache, session holds included (``reset_external``).
-
-    vLLM answers HTTP 200 either way; ``{"success": false}`` in the body means the
-    cache was not reset (blocks still in use), so that is what is checked."""
-    import requests
-
-    for url in urls:
-        for _ in range(100):
-            resp = requests.post(url + "/reset_prefix_cache",
-                                 params={"reset_external": "true"}, timeout=30)
-            resp.raise_for_status()
-            if resp.json().get("success") is True:
-                break
-            time.sleep(0.2)   # refused while requests still hold blocks
-        else:
-            raise RuntimeError(f"{url}/reset_prefix_cache kept answering {resp.text}")
 
 
 # ------------------------------------------------------------ engine counters

@@ -3,7 +3,6 @@ typed, with no path of the machine it ran on.  Standard library only."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -66,37 +65,3 @@ def machine_line() -> str:
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"{os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB RAM, "
             f"{platform.system()} {platform.release()}, load average {load} at start")
-
-
-def python_build(python: str) -> dict:
-    """What a benchmark needs to say about an interpreter that runs a Python router:
-    its version and how it was built.  The build matters: the same proxy code costs
-    measurably less CPU on a distribution's CPython (Debian's links the interpreter
-    into the executable) than on one built with pyenv's defaults (no
-    ``--enable-optimizations``, the interpreter in ``libpython.so``), so a report names
-    the one it ran on.  Exits when that interpreter cannot import the proxy."""
-    probe = ("import json, platform, sys, sysconfig, sessionkv_proxy; "
-             "args = sysconfig.get_config_var('CONFIG_ARGS') or ''; "
-             "print(json.dumps({'executable': sys.executable, "
-             "'version': platform.python_version(), 'prefix': sys.base_prefix, "
-             "'compiler': platform.python_compiler(), "
-             "'enable_optimizations': '--enable-optimizations' in args, "
-             "'libpython_so': any('libpython' in line for line in open('/proc/self/maps'))"
-             "}))")
-    out = subprocess.run([python, "-c", probe], capture_output=True, text=True)
-    if out.returncode:
-        raise SystemExit(f"{python} cannot run the proxy ({out.stderr.strip()[-300:]}); "
-                         "install it there: <python> -m pip install -e '.[proxy]'")
-    return json.loads(out.stdout)
-
-
-def python_line(info: dict) -> str:
-    """One line for a report, e.g. ``CPython 3.11.2 from /usr (GCC 12.2.0; the
-    interpreter linked into the executable)``."""
-    where = ("in libpython.so" if info["libpython_so"]
-             else "linked into the executable")
-    opt = "; configured --enable-optimizations" if info["enable_optimizations"] else ""
-    return (f"CPython {info['version']} from {info['prefix']} ({info['compiler']}; the "
-            f"interpreter {where}{opt})")
-
-
