@@ -30,12 +30,10 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from sessionkv_bench import aiperf, report
 from sessionkv_bench.metrics import metric_sums
-from sessionkv_bench.report import machine_line
 from sessionkv_bench.runner import PortPool, env_for_bench, interleaved, log
 from sessionkv_bench.arms import CORES_HELP
 
@@ -96,7 +94,8 @@ def measure(targets: dict[str, str], model: str, tokenizer: str, load: aiperf.Ch
             return around(name, run) if around else run()
         except RuntimeError as exc:
             log(f"{name}: {exc}")
-            why = "".join(c for c in str(exc) if c.isascii() and c not in "|\n")
+            why = "".join(c for c in str(exc).replace(str(work), "<work>")
+                          if c.isascii() and c not in "|\n")
             return {"failed": " ".join(why.split())[-400:]}
 
     per_round = interleaved(targets, rounds, one)
@@ -187,10 +186,7 @@ def render(results: dict) -> str:
     meta, load = results["meta"], results["load"]
     arms = any("router_cpu_s" in r.get("pooled", {}) or "failed" in r
                for r in results["targets"].values())
-    lines = [
-        "# Chat goodput (aiperf multi-turn sessions)", "",
-        f"{meta['date']}, commit {meta['commit']}. Machine: {meta['machine']}.",
-        f"Command: `{meta['command']}`.", "",
+    lines = report.head("Chat goodput (aiperf multi-turn sessions)", meta) + [
         f"aiperf {meta['aiperf_version']}: {load['conversations']} chat sessions x "
         f"{load['turns']} turns, {load['isl']} new prompt tokens and {load['osl']} answer "
         f"tokens a turn (`ignore_eos`, temperature 0), {load['concurrency']} sessions at "
@@ -229,9 +225,7 @@ def render(results: dict) -> str:
 
 
 def write(results: dict, out_dir: Path, stem: str) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{stem}.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out_dir / f"{stem}.md").write_text(render(results))
+    report.write(out_dir, stem, results, render(results))
     log(f"wrote {out_dir / stem}.md")
 
 
@@ -255,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     aiperf.ensure_venv()
     load = aiperf.ChatLoad(args.conversations, args.turns, args.isl, args.osl,
                            args.concurrency, args.ttft_slo_ms, args.itl_slo_ms)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "commit": report.commit(), "machine": machine_line(), "rounds": args.rounds,
-            "command": report.public_command("chat_goodput.py", sys.argv[1:], PATH_FLAGS)}
+    meta = report.meta("chat_goodput.py", sys.argv[1:], PATH_FLAGS) | {"rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="chat-goodput-") as tmp:
         work = Path(tmp)
         if args.target:
