@@ -1,10 +1,11 @@
 """deploy/helm/vllm-sessionkv: rendered by helm, validated against Kubernetes' schemas,
 and consistent with what the engines and the proxy actually accept.
 
-Three renderings: the default values, ``ci/external-redis-values.yaml`` (external
+Four renderings: the default values, ``ci/external-redis-values.yaml`` (external
 Redis from a Secret, a ServiceMonitor, UCX over TCP, tensor parallelism, early decode
-off, proxy config keys) and ``ci/cpu-values.yaml`` (the CPU recipe: Guaranteed engine
-pods on whole cores, no GPU).  Helm comes from ``ci/install_chart_tools.py``; the schemas
+off, proxy config keys), ``ci/cpu-values.yaml`` (the CPU recipe: Guaranteed engine
+pods on whole cores, no GPU) and ``ci/secure-values.yaml`` (API keys and the side
+ports' secret from Secrets, proxy TLS, the NetworkPolicy).  Helm comes from ``ci/install_chart_tools.py``; the schemas
 from kubernetes-validate (PyPI), strict mode, at the chart's oldest Kubernetes (1.27)
 and the newest the tool ships; the ServiceMonitor and the PrometheusRule (CRDs, unknown
 to that tool) against the prometheus-operator schemas in
@@ -35,7 +36,7 @@ CHART = REPO / "deploy" / "helm" / "vllm-sessionkv"
 NAMESPACE = "llm"
 RELEASE = "skv"
 VALUES = {"default": None, "external-redis": CHART / "ci" / "external-redis-values.yaml",
-          "cpu": CHART / "ci" / "cpu-values.yaml"}
+          "cpu": CHART / "ci" / "cpu-values.yaml", "secure": CHART / "ci" / "secure-values.yaml"}
 # The chart's kubeVersion floor, and the newest schemas kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.27.0", "1.37.0")
 # Stand-ins for what the kubelet puts in the downward-API variables.
@@ -99,6 +100,12 @@ def _expand(text: str, env: dict[str, str]) -> str:
                   lambda m: env.get(m.group(1), m.group(0)), text)
 
 
+def _from_secret(name: str, key: str) -> str:
+    """The stand-in for key ``key`` of Secret ``name``: a valid bearer token and side
+    port secret (visible ASCII, no spaces, 16 characters or more)."""
+    return f"secret:{name}/{key}"
+
+
 def _container_env(pod_spec: dict, container: dict, pod_name: str) -> dict[str, str]:
     """Each env var's value as the kubelet sets it: downward API and Secrets filled
     with stand-ins, and a $(VAR) expanded only from variables listed before it (as
@@ -113,11 +120,50 @@ def _container_env(pod_spec: dict, container: dict, pod_name: str) -> dict[str, 
                 value = {"metadata.name": pod_name,
                          "status.podIP": POD_IP}[source["fieldRef"]["fieldPath"]]
             else:
+                ref = source["secretKeyRef"]
                 value = REDIS_URL_FROM_SECRET if var["name"] == "SESSIONKV_REDIS_URL" \
-                    else "from-a-secret"
+                    else _from_secret(ref["name"], ref["key"])
         assert "$(" not in value, f"{var['name']}={value}: refers to a variable not set before it"
         env[var["name"]] = value
     return env
+
+
+def _documented_keys() -> set[str]:
+    """The keys the README's Values table names, spelled out: ``a.b.c``, ``.d`` (a
+    sibling of the key before it), ``prefill/decode.x`` (both), ``a.b.*`` (all under
+    a.b)."""
+    table = (CHART / "README.md").read_text().split("\n## Values\n", 1)[1].split("\n## ", 1)[0]
+    keys: set[str] = set()
+    for row in re.findall(r"^\| (`.+?) \|", table, re.M):
+        parent = ""
+        for key in re.findall(r"`([^`]+)`", row):
+            if key.startswith("."):
+                key = parent + key
+            parent = key.rsplit(".", 1)[0]
+            head, dot, rest = key.removesuffix(".*").partition(".")
+            keys.update(h + dot + rest for h in head.split("/"))
+    return keys
+
+
+def _leaf_keys(values: dict, prefix: str = "") -> set[str]:
+    keys: set[str] = set()
+    for key, value in values.items():
+        path = prefix + key
+        keys |= _leaf_keys(value, path + ".") if isinstance(value, dict) and value else {path}
+    return keys
+
+
+def test_every_value_is_described_in_the_readme():
+    """Each key of values.yaml is in the README's Values table (itself or a key above
+    it), and each key the table names is in values.yaml."""
+    documented = _documented_keys()
+    leaves = _leaf_keys(yaml.safe_load((CHART / "values.yaml").read_text()))
+    undocumented = sorted(leaf for leaf in leaves
+                          if not any(leaf == d or leaf.startswith(d + ".") for d in documented))
+    assert undocumented == []
+    stale = sorted(d for d in documented
+                   if not any(leaf == d or leaf.startswith(d + ".") for leaf in leaves))
+    assert stale == []
 
 
 def test_chart_lints_strictly(helm):
@@ -143,6 +189,8 @@ def test_manifests_validate_against_kubernetes_schemas(rendered):
     expected = {"ConfigMap", "Deployment", "Service", "StatefulSet"}
     if _values(name)["proxy"]["replicas"] > 1:
         expected.add("PodDisruptionBudget")
+    if _values(name)["networkPolicy"]["enabled"]:
+        expected.add("NetworkPolicy")
     assert expected <= checked
 
 
@@ -207,9 +255,10 @@ def _proxy_config(docs: list[dict]) -> tuple[dict, dict]:
     return config, deployment
 
 
-def test_proxy_config_and_flags_load_as_the_proxy_loads_them(rendered, tmp_path):
+def test_proxy_config_and_flags_load_as_the_proxy_loads_them(rendered, tmp_path,
+                                                             monkeypatch):
     from sessionkv_proxy.__main__ import _parser
-    from sessionkv_proxy.config import Role, load_config
+    from sessionkv_proxy.config import SECRET_ENV, Role, load_config
 
     name, docs = rendered
     values = _values(name)
@@ -221,9 +270,19 @@ def test_proxy_config_and_flags_load_as_the_proxy_loads_them(rendered, tmp_path)
     args = _parser().parse_args([_expand(a, env) for a in container["args"]])
     mount = container["volumeMounts"][0]["mountPath"]
     assert args.config == f"{mount}/proxy.json"
+    if values["proxy"]["tls"]["secretName"]:
+        # The certificate and key the Secret volume holds, where the config names them.
+        raw = {**raw, **_tls_files(pod, container, raw, tmp_path)}
+    # The secrets reach load_config through the environment (SECRET_ENV), as in the pod.
+    for variable in SECRET_ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+        if variable in env:
+            monkeypatch.setenv(variable, env[variable])
     path = tmp_path / "proxy.json"
     path.write_text(json.dumps(raw))
     config = load_config(str(path), {"index": {"backend": "redis", "redis_url": args.redis_url}})
+    for key, variable in SECRET_ENV.items():
+        assert getattr(config, key) == env.get(variable), key
     assert len(config.prefill) == values["prefill"]["replicas"]
     assert len(config.decode) == values["decode"]["replicas"]
     assert config.host == "0.0.0.0" and config.port == values["proxy"]["port"]
@@ -404,6 +463,314 @@ def test_cpu_recipe_engines_are_guaranteed_on_whole_cores_without_gpus(helm):
         env = {v["name"]: v.get("value") for v in container["env"]}
         assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
 
+
+
+# ------------------------------------------------------- secrets, TLS, NetworkPolicy
+
+SECURE = VALUES["secure"]
+_AUTH_ENV = {"proxy": {"SESSIONKV_PROXY_API_KEY": "apiKeySecret",
+                       "SESSIONKV_ENGINE_API_KEY": "engineApiKeySecret",
+                       "SESSIONKV_SIDE_PORT_SECRET": "sidePortSecret"},
+             "engine": {"VLLM_API_KEY": "engineApiKeySecret",
+                        "SESSIONKV_SIDE_PORT_SECRET": "sidePortSecret"}}
+
+
+def _docs(helm, values: Path | None, *extra: str) -> list[dict]:
+    done = _render(helm, values, *extra)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _self_signed(cert: Path, key: Path) -> None:
+    cert.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+
+
+def _tls_files(pod: dict, container: dict, raw: dict, tmp_path: Path) -> dict[str, str]:
+    """The proxy's tls_cert_file and tls_key_file as files under ``tmp_path``: each must
+    be a file the pod's Secret volume puts where the config names it."""
+    files = {}
+    for mount in container["volumeMounts"]:
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        for item in volume.get("secret", {}).get("items", []):
+            files[f"{mount['mountPath']}/{item['path']}"] = (volume["secret"]["secretName"],
+                                                             item["key"])
+    assert raw["tls_cert_file"] in files and raw["tls_key_file"] in files, (raw, files)
+    cert, key = (tmp_path / "tls" / files[raw[k]][1] for k in ("tls_cert_file",
+                                                               "tls_key_file"))
+    _self_signed(cert, key)
+    return {"tls_cert_file": str(cert), "tls_key_file": str(key)}
+
+
+def _pods(docs: list[dict]) -> dict[str, tuple[dict, dict]]:
+    """Each component's pod template and its (only) container."""
+    pods = {}
+    for doc in _kind(docs, "StatefulSet") + _kind(docs, "Deployment"):
+        template = doc["spec"]["template"]
+        (container,) = template["spec"]["containers"]
+        pods[template["metadata"]["labels"]["app.kubernetes.io/component"]] = \
+            (template, container)
+    return pods
+
+
+def _secret_refs(container: dict) -> dict[str, tuple[str, str]]:
+    return {v["name"]: (v["valueFrom"]["secretKeyRef"]["name"],
+                        v["valueFrom"]["secretKeyRef"]["key"])
+            for v in container.get("env", []) if "secretKeyRef" in v.get("valueFrom", {})}
+
+
+def test_secrets_reach_the_proxy_and_the_engines_from_their_secrets_only(helm):
+    """auth.*: each Secret's key reaches exactly the variables that read it, as a
+    secretKeyRef, never a value or a command-line word; off by default."""
+    values = _values("secure")
+    docs = _docs(helm, SECURE)
+    for component, (_, container) in _pods(docs).items():
+        if component == "redis":
+            continue
+        refs = _secret_refs(container)
+        wanted = _AUTH_ENV["proxy" if component == "proxy" else "engine"]
+        for variable, value in wanted.items():
+            ref = values["auth"][value]
+            assert refs[variable] == (ref["name"], ref["key"]), (component, variable)
+        assert not {"VLLM_API_KEY", "SESSIONKV_PROXY_API_KEY"} & set(refs) - set(wanted)
+        assert not any("api-key" in a or "api_key" in a for a in container["args"])
+    for component, (_, container) in _pods(_docs(helm, None)).items():
+        names = {v["name"] for v in container.get("env", [])}
+        assert not names & {*_AUTH_ENV["proxy"], *_AUTH_ENV["engine"]}, component
+
+
+def test_engines_read_their_secrets_from_the_environment(helm, monkeypatch):
+    """vLLM 0.32's server guards /v1/* with VLLM_API_KEY when no --api-key is given,
+    and the connector takes side_port_secret from SESSIONKV_SIDE_PORT_SECRET: the
+    chart's engine command lines, parsed by vLLM, with the pod's environment."""
+    from fastapi import FastAPI
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+    from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_sessionkv.config import parse_config
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for secure in (True, False):
+        docs = _docs(helm, SECURE if secure else None)
+        for pool in ("prefill", "decode"):
+            template, container = _pods(docs)[pool]
+            env = _container_env(template["spec"], container, f"{pool}-0")
+            for variable in _AUTH_ENV["engine"]:
+                monkeypatch.delenv(variable, raising=False)
+                if variable in env:
+                    monkeypatch.setenv(variable, env[variable])
+            assert ("VLLM_API_KEY" in env) is secure
+            cli = parser.parse_args([_expand(a, env) for a in container["args"]])
+            assert cli.api_key is None
+            app = FastAPI()
+            init_entrypoints_middleware(cli, app, ())
+            guarded = [m for m in app.user_middleware if m.cls is AuthenticationMiddleware]
+            assert len(guarded) == int(secure), pool
+            if secure:
+                (token,) = guarded[0].kwargs["tokens"]
+                assert token == env["VLLM_API_KEY"]
+            transfer = AsyncEngineArgs.from_cli_args(cli).kv_transfer_config
+            sessionkv = parse_config(transfer.kv_connector_extra_config)
+            assert sessionkv.side_port_secret == env.get("SESSIONKV_SIDE_PORT_SECRET")
+            assert (sessionkv.side_port_secret is not None) is secure
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["auth.apiKeySecret.name=keys"],
+     'auth.apiKeySecret.name is "keys" but auth.apiKeySecret.key is empty'),
+    (["auth.engineApiKeySecret.key=engine"],
+     'auth.engineApiKeySecret.key is "engine" but auth.engineApiKeySecret.name is empty'),
+    (["auth.sidePortSecret.name=side"],
+     'auth.sidePortSecret.name is "side" but auth.sidePortSecret.key is empty'),
+    (["proxy.tls.secretName=tls", "proxy.tls.keyKey="],
+     'proxy.tls.secretName is "tls" but proxy.tls.certKey or proxy.tls.keyKey is empty'),
+    (["networkPolicy.enabled=true", "engine.ucx.tcpPortRange=5700:5799"],
+     'engine.ucx.tcpPortRange must be PORT or FIRST-LAST'),
+])
+def test_a_half_set_secret_or_a_bad_port_range_fails_the_render(helm, settings, message):
+    done = _render(helm, None, *[a for s in settings for a in ("--set", s)])
+    assert done.returncode != 0
+    assert message in done.stderr, done.stderr
+
+
+def test_proxy_tls_probes_and_scrapes_over_https(helm):
+    docs = _docs(helm, SECURE)
+    template, container = _pods(docs)["proxy"]
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    assert template["metadata"]["annotations"]["prometheus.io/scheme"] == "https"
+    (volume,) = [v for v in template["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "sessionkv-proxy-tls"
+    assert {i["key"] for i in volume["secret"]["items"]} == {"tls.crt", "tls.key"}
+    # Off by default: plain HTTP, the liveness probe a plain GET of /metrics.
+    template, container = _pods(_docs(helm, None))["proxy"]
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTP"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "http",
+                                                     "scheme": "HTTP"}
+    assert not any("secret" in v for v in template["spec"]["volumes"])
+    raw, _ = _proxy_config(_docs(helm, None))
+    assert "tls_cert_file" not in raw
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_the_liveness_probe_passes_a_keyed_tls_proxy_with_the_pods_key(helm, tmp_path):
+    """Behind auth.apiKeySecret the proxy's /metrics wants the key, which an httpGet
+    probe cannot take from a Secret: the chart's exec probe, run as the kubelet runs
+    it against a real proxy with the key and TLS, passes with the pod's key and fails
+    with another."""
+    import asyncio
+
+    from sessionkv_proxy.app import create_app
+    from sessionkv_proxy.config import load_config
+
+    port = _free_port()
+    (_, container) = _pods(_docs(helm, SECURE, "--set", f"proxy.port={port}"))["proxy"]
+    command = container["livenessProbe"]["exec"]["command"]
+    timeout_s = container["livenessProbe"]["timeoutSeconds"]
+    key = _from_secret("sessionkv-auth", "proxy-api-key")
+    cert, tls_key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    _self_signed(cert, tls_key)
+    proxy = create_app(load_config(None, {
+        "engines": [{"url": f"http://127.0.0.1:{_free_port()}", "role": "decode"}],
+        "host": "127.0.0.1", "port": port, "tokenizer": "none", "api_key": key,
+        "tls_cert_file": str(cert), "tls_key_file": str(tls_key)}))
+    await proxy.start()
+
+    async def probe(sent: str) -> int:
+        process = await asyncio.create_subprocess_exec(
+            *[shutil.which("python3") if command[0] == "python3" else command[0],
+              *command[1:]],
+            env={**os.environ, "SESSIONKV_PROXY_API_KEY": sent},
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        return await asyncio.wait_for(process.wait(), timeout_s + 10)
+
+    try:
+        assert await probe(key) == 0
+        assert await probe("not-the-key-0123456789") != 0
+    finally:
+        await proxy.stop(1.0)
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions In/NotIn/Exists) over ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        value = labels.get(expression["key"])
+        operator = expression["operator"]
+        if operator == "In" and value not in expression["values"]:
+            return False
+        if operator == "NotIn" and value in expression["values"]:
+            return False
+        if operator == "Exists" and value is None:
+            return False
+    return True
+
+
+def _admitted(policies: list[dict], pod: dict, peer: dict, port: int) -> bool:
+    """Whether the NetworkPolicies of the release let a pod of this namespace with
+    labels ``peer`` reach ``port`` of a pod with labels ``pod`` (a pod no policy
+    selects admits everything)."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], pod)]
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from")
+            from_peer = peers is None or any(
+                "podSelector" in p and "namespaceSelector" not in p
+                and _selects(p["podSelector"], peer) for p in peers)
+            on_port = "ports" not in rule or any(
+                p["port"] <= port <= p.get("endPort", p["port"]) for p in rule["ports"])
+            if from_peer and on_port:
+                return True
+    return False
+
+
+def test_network_policy_admits_the_engines_ports_only_from_the_releases_pods(helm):
+    """Every port an engine opens is reached by the pods that use it (the proxy: HTTP,
+    KV events and replay, early decode, handle channel; the engines: NIXL's side
+    channel, early decode, UCX's port range), by no other pod, and HTTP (/metrics)
+    by Prometheus' peer; the bundled Redis by the proxy and the engines only.  Off
+    by default."""
+    assert not _kind(_docs(helm, None), "NetworkPolicy")
+    values = _values("secure")
+    docs = _docs(helm, SECURE)
+    policies = _kind(docs, "NetworkPolicy")
+    assert {p["metadata"]["name"] for p in policies} == {
+        f"{RELEASE}-vllm-sessionkv-engines", f"{RELEASE}-vllm-sessionkv-redis"}
+    pods = {component: template["metadata"]["labels"]
+            for component, (template, _) in _pods(docs).items()}
+    outsider = {**pods["proxy"], "app.kubernetes.io/instance": "another-release"}
+    uses = {"http": {"proxy"}, "kv-events": {"proxy"}, "kv-replay": {"proxy"},
+            "nixl-side": {"prefill", "decode"}, "early-decode": {"proxy", "prefill"},
+            "handle-channel": {"proxy"}}
+    first, last = map(int, values["engine"]["ucx"]["tcpPortRange"].split("-"))
+    for pool in ("prefill", "decode"):
+        _, container = _pods(docs)[pool]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert set(ports) <= set(uses)
+        for name, port in ports.items():
+            for peer in uses[name]:
+                assert _admitted(policies, pods[pool], pods[peer], port), (pool, name, peer)
+            assert not _admitted(policies, pods[pool], outsider, port), (pool, name)
+            assert not _admitted(policies, pods[pool], pods["redis"], port), (pool, name)
+        for port in (first, last):
+            assert _admitted(policies, pods[pool], pods["decode"], port)
+            assert not _admitted(policies, pods[pool], pods["proxy"], port)
+        assert not _admitted(policies, pods[pool], pods["prefill"], last + 1)
+    # Prometheus, from the namespace of metricsFrom: the HTTP port only.
+    (engines,) = [p for p in policies if p["metadata"]["name"].endswith("-engines")]
+    (metrics_rule,) = [r for r in engines["spec"]["ingress"]
+                       if r["from"] == values["networkPolicy"]["metricsFrom"]]
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": values["engine"]["port"]}]
+    redis_port = values["redis"]["bundled"]["port"]
+    for peer in ("proxy", "prefill", "decode"):
+        assert _admitted(policies, pods["redis"], pods[peer], redis_port)
+    assert not _admitted(policies, pods["redis"], outsider, redis_port)
+    # The proxy is the front door: no policy selects it.
+    assert _admitted(policies, pods["proxy"], outsider, values["proxy"]["port"])
+    # Without a UCX port range UCX listens on ephemeral ports: any port, engines only.
+    docs = _docs(helm, SECURE, "--set", "engine.ucx.tcpPortRange=")
+    policies = _kind(docs, "NetworkPolicy")
+    assert _admitted(policies, pods["prefill"], pods["decode"], 40000)
+    assert not _admitted(policies, pods["prefill"], pods["proxy"], 40000)
+
+
+def test_service_monitors_scrape_a_keyed_tls_proxy_with_its_key(helm):
+    """With the proxy's key or TLS, the proxy has its own ServiceMonitor that sends
+    the key from its Secret over HTTPS; the engines' keeps plain HTTP."""
+    values = _values("secure")
+    docs = _docs(helm, SECURE)
+    monitors = {m["metadata"]["name"]: m for m in _kind(docs, "ServiceMonitor")}
+    engines, proxy = (monitors[f"{RELEASE}-vllm-sessionkv"],
+                      monitors[f"{RELEASE}-vllm-sessionkv-proxy"])
+    services = _kind(docs, "Service")
+
+    def selected(monitor):
+        selector = monitor["spec"]["selector"]
+        return sorted(s["metadata"]["labels"]["app.kubernetes.io/component"]
+                      for s in services if _selects(selector, s["metadata"]["labels"]))
+    assert selected(engines) == ["decode", "prefill"]
+    assert selected(proxy) == ["proxy"]
+    (endpoint,) = proxy["spec"]["endpoints"]
+    ref = values["auth"]["apiKeySecret"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {
+        "name": ref["name"], "key": ref["key"]}}
+    assert endpoint["scheme"] == "https"
+    assert "scheme" not in engines["spec"]["endpoints"][0]
+    assert _validate_crds(list(monitors.values()), "ServiceMonitor") == [None, None]
 
 
 # ------------------------------------------------------------ alerts and the dashboard

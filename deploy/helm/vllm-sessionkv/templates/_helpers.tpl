@@ -38,6 +38,21 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s-%d.%s.%s.svc.%s" $pool (index . 2) $pool $root.Release.Namespace $root.Values.clusterDomain -}}
 {{- end -}}
 
+{{/* Whether the bundled Redis runs: enabled, and no external URL or Secret given. */}}
+{{- define "skv.bundledRedis" -}}
+{{- if and .Values.redis.bundled.enabled (not .Values.redis.url) (not .Values.redis.existingSecret.name) -}}true{{- end -}}
+{{- end -}}
+
+{{/* A LabelSelector for this release's pods of some components: include "skv.podsOf" (list . "proxy" "prefill") */}}
+{{- define "skv.podsOf" -}}
+{{- $root := first . -}}
+matchLabels:
+  app.kubernetes.io/name: {{ $root.Chart.Name }}
+  app.kubernetes.io/instance: {{ $root.Release.Name }}
+matchExpressions:
+  - {key: app.kubernetes.io/component, operator: In, values: [{{ rest . | join ", " }}]}
+{{- end -}}
+
 {{/* Whether a Redis URL is configured (external, secret or bundled). */}}
 {{- define "skv.redisEnabled" -}}
 {{- if or .Values.redis.url .Values.redis.existingSecret.name .Values.redis.bundled.enabled -}}true{{- end -}}
@@ -65,4 +80,51 @@ prometheus.io/scrape: "true"
 prometheus.io/port: {{ index . 1 | quote }}
 prometheus.io/path: /metrics
 {{- end -}}
+{{- end -}}
+
+{{/* Fails the render on a half-set Secret reference: include "skv.checkSecretRef" (list "auth.apiKeySecret" .Values.auth.apiKeySecret) */}}
+{{- define "skv.checkSecretRef" -}}
+{{- $path := index . 0 -}}
+{{- $ref := index . 1 -}}
+{{- if and $ref.name (not $ref.key) -}}
+{{- fail (printf "%s.name is %q but %s.key is empty: name the key in that Secret that holds the value" $path $ref.name $path) -}}
+{{- else if and $ref.key (not $ref.name) -}}
+{{- fail (printf "%s.key is %q but %s.name is empty: name the Secret (or clear both to turn it off)" $path $ref.key $path) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Validates every auth value and proxy.tls once, before anything renders. */}}
+{{- define "skv.checkSecrets" -}}
+{{- range $value := list "apiKeySecret" "engineApiKeySecret" "sidePortSecret" -}}
+{{- include "skv.checkSecretRef" (list (printf "auth.%s" $value) (index $.Values.auth $value)) -}}
+{{- end -}}
+{{- with .Values.proxy.tls -}}
+{{- if and .secretName (not (and .certKey .keyKey)) -}}
+{{- fail (printf "proxy.tls.secretName is %q but proxy.tls.certKey or proxy.tls.keyKey is empty: name the keys holding the certificate and its private key" .secretName) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* An env entry from a Secret: include "skv.secretEnv" (list "NAME" .Values.auth.apiKeySecret) */}}
+{{- define "skv.secretEnv" -}}
+{{- $ref := index . 1 -}}
+- name: {{ index . 0 }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ $ref.name | quote }}
+      key: {{ $ref.key | quote }}
+{{- end -}}
+
+{{/* The UCX_TCP_PORT_RANGE as a NetworkPolicy port ("5700-5799": port and endPort). */}}
+{{- define "skv.ucxPorts" -}}
+{{- $range := toString .Values.engine.ucx.tcpPortRange -}}
+{{- if not (regexMatch "^[0-9]+(-[0-9]+)?$" $range) -}}
+{{- fail (printf "engine.ucx.tcpPortRange must be PORT or FIRST-LAST (e.g. 5700-5799), got %q" $range) -}}
+{{- end -}}
+{{- $bounds := splitList "-" $range -}}
+- protocol: TCP
+  port: {{ first $bounds | int }}
+{{- if gt (len $bounds) 1 }}
+  endPort: {{ last $bounds | int }}
+{{- end }}
 {{- end -}}
