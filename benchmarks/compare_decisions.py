@@ -27,21 +27,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sessionkv_bench.client import accounting
+
 OUR_ARMS = ("6-ours-nopull", "7-ours")
 # P's accounting fields that are decisions or their outcome in tokens.
 _ACCOUNTING = ("decision", "pulled_from_peer_tokens", "local_hit_tokens",
                "pulled_from_host_tokens", "recomputed_tokens", "refused_by_verification_tokens")
 
 
-def _accounting(detail: dict[str, Any]) -> dict[str, Any]:
-    """P's accounting of the step (the ``x-sessionkv-prefill`` header), {} when none."""
-    raw = detail.get("prefill")
-    return json.loads(raw) if isinstance(raw, str) and raw else (raw or {})
-
-
 def step_decision(detail: dict[str, Any]) -> dict[str, Any]:
     """The decisions one step record holds (``runs[regime][arm]["step_detail"][step]``)."""
-    prefill = _accounting(detail)
+    prefill = accounting(detail.get("prefill"))   # P's, the x-sessionkv-prefill header
     decision = {"route": detail.get("route"), "reason": detail.get("reason"),
                 "handle": detail.get("handle")}
     for key in ("prefill_engine", "decode_engine"):     # recorded by newer reports only
@@ -97,7 +93,7 @@ def compare_runs(old: dict, new: dict, arms: tuple[str, ...] = OUR_ARMS
                 db = step_decision(steps_b[step]) if step in steps_b else None
                 same = da == db
                 n_diff += not same
-                load = [_accounting(steps[step]).get("priced_engine_load")
+                load = [accounting(steps[step].get("prefill")).get("priced_engine_load")
                         for steps in (steps_a, steps_b) if step in steps]
                 rows.append(f"  {'  ' if same else '!='} {step:<14} {_short(da):<70} | "
                             f"{'(same)' if same else _short(db)}"

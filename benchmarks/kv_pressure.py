@@ -55,7 +55,6 @@ import datetime as dt
 import json
 import os
 import random
-import shlex
 import signal
 import sys
 import tempfile
@@ -67,6 +66,7 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 
+from sessionkv_bench.client import accounting  # noqa: E402
 from sessionkv_bench.metrics import counter_deltas, counter_sum, counters_by_label, engine_counters
 from sessionkv_bench.report import machine_line
 from sessionkv_bench.runner import log
@@ -80,6 +80,8 @@ ARMS = {"host-off": {}, "host-on": {"host_tier_bytes": 8 * 2**20}}
 # Counter substrings the table and the caller care about (besides the named ones).
 WATCHED = ("pull_failed", "pull_failures", "guard", "lost", "expired", "kv_pressure",
            "released")
+
+PATH_FLAGS = {"--out-dir": "OUT_DIR", "--model": "MODEL_DIR", "--log-dir": "LOG_DIR"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,12 +177,6 @@ def _logprob_diff(a: list[list[float]], b: list[list[float]]) -> float:
     return max((abs(p - q) for x, y in zip(a, b) for p, q in zip(x, y)), default=0.0)
 
 
-def _accounting(value: str | None) -> dict:
-    try:
-        return json.loads(value) if value else {}
-    except ValueError:
-        return {}
-
 
 class Client:
     """Sends sessions' turns through the proxy and checks each answer."""
@@ -214,8 +210,8 @@ class Client:
             rec.status = resp.status_code
             rec.route = resp.headers.get("x-sessionkv-route", "")
             rec.handle = resp.headers.get("x-sessionkv-handle", "")
-            rec.prefill = _accounting(resp.headers.get("x-sessionkv-prefill"))
-            rec.decode = _accounting(resp.headers.get("x-sessionkv-decode"))
+            rec.prefill = accounting(resp.headers.get("x-sessionkv-prefill"))
+            rec.decode = accounting(resp.headers.get("x-sessionkv-decode"))
             if resp.status_code != 200:
                 rec.error = resp.text[:300]
         except self.requests.RequestException as exc:
@@ -408,21 +404,6 @@ def summarize(turns: list[Turn], counters: dict, poisoned: dict) -> dict:
 
 
 # =========================================================================== report
-def _public_argv(argv: list[str]) -> str:
-    """The command as typed from the repository root, without this machine's paths."""
-    out = []
-    for a in argv:
-        path = Path(a)
-        if path.is_absolute():
-            try:
-                a = str(path.relative_to(REPO))
-            except ValueError:
-                a = f"<{path.name}>"
-        out.append(a)
-    return "python benchmarks/kv_pressure.py " + shlex.join(out) if out else \
-        "python benchmarks/kv_pressure.py"
-
-
 def _digest_summary(counters: dict[str, float]) -> dict:
     """The content digest over P and D: checks by outcome, blocks digested (held and
     read), and the worker time per block."""
@@ -605,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         vllm_version = "?"
     meta = {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "commit": report.commit(("vllm_sessionkv", "proxy", "benchmarks/kv_pressure.py")), "machine": machine_line(),
-            "command": _public_argv(raw_argv), "quick": args.quick,
+            "command": report.public_command("kv_pressure.py", raw_argv, PATH_FLAGS),
+            "quick": args.quick,
             "shape": dataclasses.asdict(args.shape), "arms": {a: ARMS[a] for a in
                                                             args.arm_names},
             "pull_guard": args.pull_guard, "repeat": args.repeat, "vllm": vllm_version,

@@ -67,7 +67,6 @@ import json
 import logging
 import os
 import random
-import shlex
 import signal
 import statistics
 import sys
@@ -84,6 +83,7 @@ import requests
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 
+from sessionkv_bench.client import accounting  # noqa: E402
 from sessionkv_bench.metrics import counter_deltas, counter_sum, counters_by_label, engine_counters
 from sessionkv_bench.report import machine_line
 from sessionkv_bench.runner import PortPool
@@ -91,6 +91,7 @@ from sessionkv_bench import report  # noqa: E402
 from sessionkv_bench.stats import pct  # noqa: E402
 
 OUT_DIR = REPO / "docs" / "benchmarks"
+PATH_FLAGS = {"--out-dir": "OUT_DIR", "--model": "MODEL_DIR", "--log-dir": "LOG_DIR"}
 SESSION_HEADER = "X-Session-ID"
 FIRST_TOKEN_ID = 10      # below: the tiny model's special tokens
 MAX_MODEL_LEN = 4096     # the launcher's default, which the engines run with
@@ -148,12 +149,6 @@ def _body(model: str, prompt: str | list[int], max_tokens: int) -> dict:
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
 
-
-def _accounting(value: str | None) -> dict:
-    try:
-        return json.loads(value) if value else {}
-    except ValueError:
-        return {"unparsed": value}
 
 
 def _divergence(ours: list[int], ref: list[int], base: dict) -> dict:
@@ -236,8 +231,8 @@ class Soak:
             out.route = resp.headers.get("x-sessionkv-route", "")
             out.prefill_engine = resp.headers.get("x-sessionkv-prefill-engine", "")
             out.decode_engine = resp.headers.get("x-sessionkv-decode-engine", "")
-            out.prefill = _accounting(resp.headers.get("x-sessionkv-prefill"))
-            out.decode = _accounting(resp.headers.get("x-sessionkv-decode"))
+            out.prefill = accounting(resp.headers.get("x-sessionkv-prefill"))
+            out.decode = accounting(resp.headers.get("x-sessionkv-decode"))
             if resp.status_code != 200:
                 out.error = resp.text[:300]
             else:
@@ -644,11 +639,6 @@ def summarize(soak: Soak, args) -> tuple[str, dict, bool]:
     return "\n".join(lines), summary, ok
 
 
-def _public_argv(argv: list[str]) -> str:
-    """The command line, a local path reduced to its name."""
-    return " ".join(shlex.quote(Path(a).name if a.startswith("/") else a) for a in argv)
-
-
 def _free_run(start: int, n: int, last: int) -> int:
     """The first port from ``start`` at which ``n`` consecutive ports up to ``last``
     are free on loopback."""
@@ -764,8 +754,7 @@ def main(argv: list[str] | None = None) -> int:
             "uncommitted": report.git("status", "--porcelain", "--", "vllm_sessionkv",
                                 "proxy").splitlines(),
             "machine": machine_line(),
-            "command": "python benchmarks/soak.py" + (
-                " " + _public_argv(raw_argv) if raw_argv else "")}
+            "command": report.public_command("soak.py", raw_argv, PATH_FLAGS)}
     workdir = Path(tempfile.mkdtemp(prefix="sessionkv-soak-"))
     model = args.model
     if model is None:

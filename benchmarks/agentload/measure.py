@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -10,7 +9,9 @@ from pathlib import Path
 
 from sessionkv_bench.stats import pct
 
-from sessionkv_bench.arms import delta, engine_counters, scrape
+from sessionkv_bench.arms import engine_counters
+from sessionkv_bench.client import accounting
+from sessionkv_bench.metrics import delta, scrape
 from agentload.client import StepResult
 from agentload.workload import Ceiling, OutputKey, Workload
 
@@ -62,11 +63,8 @@ def client_computed(res: StepResult, role_of_cached: str) -> int | None:
     step computes on D what D lacked), else the co-located engine's usage details."""
     head = res.headers.get("x-sessionkv-prefill")
     if head:
-        try:
-            acc = json.loads(head)
-            return int(acc.get("recomputed_tokens", 0))
-        except (ValueError, TypeError):
-            return None
+        acc = accounting(head)
+        return None if "unparsed" in acc else int(acc.get("recomputed_tokens", 0))
     if role_of_cached == "coloc" and res.cached_tokens is not None:
         return res.prompt_tokens - res.cached_tokens
     return None

@@ -8,6 +8,17 @@ import asyncio
 import json
 
 
+def accounting(value: str | dict | None) -> dict:
+    """Our proxy's accounting header (``x-sessionkv-prefill`` / ``-decode``: JSON) as a
+    dict: {} when absent, ``{"unparsed": value}`` when it is not JSON; a dict as is."""
+    if isinstance(value, dict) or not value:
+        return value or {}
+    try:
+        return json.loads(value)
+    except ValueError:
+        return {"unparsed": value}
+
+
 async def sse_chunks(resp):
     """The JSON chunks of an OpenAI streamed answer (an aiohttp response), in order."""
     async for raw in resp.content:
