@@ -215,7 +215,8 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # session_lease_s; the least valuable end first, demoted to the host tier first)
     # or "age" (every lease session_lease_s, the oldest end first: the rule before).
     retention: Retention = RetentionParams.mode
-    # Bounds of a lease from a hint or from gaps (a hint is clamped into them).
+    # Bounds of a lease from a hint or from gaps (a hint is clamped into them); the
+    # minimum is session_lease_s where that is shorter.
     retention_min_lease_s: float = RetentionParams.min_lease_s
     retention_max_lease_s: float = RetentionParams.max_lease_s
     # A lease from gaps covers this quantile of the session's gaps, times the margin.
@@ -227,7 +228,7 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retention_gap_history: int = 8
     retention_max_sessions: int = 10000
     # Once holds pin more than half their cap, leases not from a hint are cut by up
-    # to this share (all of it at a full cap), never below retention_min_lease_s.
+    # to this share (all of it at a full cap), never below the minimum lease.
     retention_pressure_lease_cut: float = RetentionParams.pressure_lease_cut
     # Withdraw a session's handle where the proxies find it (Redis, the handle
     # channel) when a hold ends before its lease, and carry this process's start-up

@@ -4,17 +4,16 @@ One rule, on plain data (no clock, no vLLM: the caller passes the time and the f
 
 * **Lease** (:func:`lease`), set when the hold begins, from the first of:
 
-  1. the client's hint (``X-Session-Hold-S``, forwarded by the proxy): that long,
-     within ``[min_lease_s, max_lease_s]``;
+  1. the client's hint (``X-Session-Hold-S``, forwarded by the proxy): that long;
   2. the session's observed inter-turn gaps on this engine, once there are
-     ``min_gaps`` of them: their ``gap_quantile`` times ``gap_margin``, within
-     ``[min_lease_s, max_lease_s]``;
+     ``min_gaps`` of them: their ``gap_quantile`` times ``gap_margin``;
   3. otherwise ``default_lease_s`` (``session_lease_s``).
 
-  Memory pressure shortens the last two: once holds pin more than half of their cap,
-  the lease is cut by up to ``pressure_lease_cut`` (all of it at a full cap), never
-  below ``min_lease_s`` (or the default lease, if that is shorter).  A hint is the
-  client's word and is not cut.
+  The first two are clamped into ``[floor, max_lease_s]``, where the floor is
+  ``min_lease_s``, or the default lease if that is shorter.  Memory pressure shortens
+  the last two: once holds pin more than half of their cap, the lease is cut by up to
+  ``pressure_lease_cut`` (all of it at a full cap), never below the floor.  A hint is
+  the client's word and is not cut.
 * **Eviction order** (:func:`eviction_order`), when holds pin more than their cap:
   lowest value first.  A hold's value is its expected reuse times the recompute time
   it saves per byte it pins:
@@ -137,18 +136,18 @@ def lease(history: SessionHistory, params: RetentionParams, pressure: float) -> 
     their cap (0 = none held, 1 = at the cap)."""
     if params.mode is Retention.AGE:
         return Lease(params.default_lease_s, LeaseSource.DEFAULT)
+    floor = min(params.min_lease_s, params.default_lease_s)
     if history.hint_s is not None:
-        return Lease(_clamp(history.hint_s, params.min_lease_s, params.max_lease_s),
-                     LeaseSource.HINT)
+        return Lease(_clamp(history.hint_s, floor, params.max_lease_s), LeaseSource.HINT)
     if len(history.gaps_s) >= max(1, params.min_gaps):
         base = _clamp(gap_quantile_s(history.gaps_s, params.gap_quantile)
-                      * params.gap_margin, params.min_lease_s, params.max_lease_s)
+                      * params.gap_margin, floor, params.max_lease_s)
         source = LeaseSource.GAPS
     else:
         base, source = params.default_lease_s, LeaseSource.DEFAULT
     over_half = _clamp((pressure - 0.5) / 0.5, 0.0, 1.0)
     cut = base * (1.0 - params.pressure_lease_cut * over_half)
-    return Lease(max(cut, min(base, params.min_lease_s)), source)
+    return Lease(max(cut, min(base, floor)), source)
 
 
 def _reuse(hold: HoldFacts, now_s: float) -> float:

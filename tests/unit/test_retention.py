@@ -80,9 +80,13 @@ def test_pressure_cuts_leases_above_half_the_cap_but_not_below_the_minimum():
     assert lease(history, PARAMS, 3.0).lease_s == pytest.approx(60.0)   # cut at most
     hard = RetentionParams(pressure_lease_cut=1.0, min_lease_s=30.0)
     assert lease(history, hard, 1.0).lease_s == 30.0
-    # A default shorter than the minimum is never lengthened by it.
+    # A default shorter than the minimum is never lengthened by it, and lowers the
+    # floor of the other leases too.
     short = RetentionParams(default_lease_s=15.0, min_lease_s=30.0)
     assert lease(history, short, 1.0).lease_s == 15.0
+    assert lease(SessionHistory(gaps_s=(1.0, 1.0)), short, 0.0).lease_s == 15.0
+    assert lease(SessionHistory(hint_s=0.0), short, 0.0).lease_s == 15.0
+    assert lease(SessionHistory(gaps_s=(50.0, 50.0)), short, 0.0).lease_s == 100.0
     assert lease(history, RetentionParams(pressure_lease_cut=0.0), 1.0).lease_s == 120.0
 
 
