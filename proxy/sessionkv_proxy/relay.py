@@ -180,19 +180,33 @@ class EngineSender:
                      relay_after: asyncio.Future | None = None,
                      on_engine: Callable[[Engine], None] | None = None) -> Answer:
         """Send the request to the engine that answers it (D, or P for a prefill-only
-        request) and relay that answer, once ``relay_after`` (if given) is done."""
+        request) and relay that answer, once ``relay_after`` (if given) is done.
+
+        A stream starts earlier if its first chunk comes first: D holding an early-decode
+        request answers only once it has P's parameters, which P's connector pushes to
+        it before P's own answer reaches the proxy.  Waiting for P's answer there held
+        every token D had streamed meanwhile and sent them at once (a short answer
+        whole, with no gap between its tokens), and the first token no earlier than
+        P's answer.  Such a stream goes without the headers that answer would add
+        (``extra_headers`` as they stand when it starts)."""
         async with self.sending(role, engine, path, payload, request_id, load,
                                 on_engine) as sent:
+            chunks = first = None
             if relay_after is not None:
-                # vLLM sends a stream's head at once: wait for the headers still to come.
-                await relay_after
+                if stream and sent.response.status == 200:
+                    chunks = sent.response.iter_chunks()
+                    first = asyncio.ensure_future(anext(chunks, b""))
+                    await _first_done(first, relay_after)
+                else:
+                    # vLLM sends a stream's head at once: wait for the headers to come.
+                    await relay_after
             headers = [(k, v) for k, v in sent.response.headers.items()
                        if k.lower() not in _HOP_HEADERS]
             headers += extra_headers.items()
             headers.append((_ENGINE_HEADER[role], sent.engine.url))
             if not stream or sent.response.status != 200:
                 return await self._whole(sent, headers)
-            await self._stream(request, role, sent, headers, request_id)
+            await self._stream(request, role, sent, headers, request_id, chunks, first)
             return Answer(None, 200, None, sent.engine)
 
     async def _whole(self, sent: Sent, headers: list[tuple[str, str]]) -> Answer:
@@ -214,11 +228,15 @@ class EngineSender:
                       sent.engine)
 
     async def _stream(self, request: Request, role: Role, sent: Sent,
-                      headers: list[tuple[str, str]], request_id: str) -> None:
+                      headers: list[tuple[str, str]], request_id: str,
+                      chunks: AsyncIterator[bytes] | None = None,
+                      first: asyncio.Future | None = None) -> None:
+        """Relay the answer's chunks; ``chunks`` and ``first``, when given, are its
+        chunk iterator already started and the read of its first chunk."""
         await request.start_stream(200, headers)
         engine = sent.engine
         try:
-            async for chunk in sent.response.iter_chunks():
+            async for chunk in _chunks(sent.response, chunks, first):
                 engine.alive(time.monotonic())
                 if chunk.endswith(b"data: [DONE]\n\n"):
                     request.stream_done = True   # the client may close once it has it
@@ -233,3 +251,29 @@ class EngineSender:
             raise ConnectionResetError("stream ended early") from exc
         await request.end_stream()   # before the session is stored: the client is done
         request.stream_done = True
+
+
+async def _first_done(first: asyncio.Future, other: asyncio.Future) -> None:
+    """Wait until ``first`` or ``other`` is done; if cancelled meanwhile, ``first``
+    (a read of the engine's stream) is cancelled too."""
+    try:
+        await asyncio.wait((first, other), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        first.cancel()
+        raise
+
+
+async def _chunks(response: UpstreamResponse, chunks: AsyncIterator[bytes] | None,
+                  first: asyncio.Future | None) -> AsyncIterator[bytes]:
+    """The response's chunks; with a read of the first already under way, that one
+    first (an empty one: the stream had none), then the rest from the same iterator."""
+    if chunks is None or first is None:
+        async for chunk in response.iter_chunks():
+            yield chunk
+        return
+    head = await first
+    if not head:
+        return
+    yield head
+    async for chunk in chunks:
+        yield chunk

@@ -32,8 +32,13 @@ class _Engines:
     """One P and one D on their own ports; D takes pushes on ``early_port``."""
 
     def __init__(self, early_port: int | None, p_status: int = 200,
-                 p_pushes: bool = False, p_resets: bool = False) -> None:
+                 p_pushes: bool = False, p_resets: bool = False,
+                 p_answer_delay_s: float = 0.0) -> None:
         self.p_status = p_status
+        # P answers the proxy this long after it pushed its parameters to D.
+        self.p_answer_delay_s = p_answer_delay_s
+        self.p_answered_at: float | None = None      # loop time of P's answer
+        self.client_first_at: float | None = None    # when the client had its first bytes
         self.p_resets = p_resets          # P resets the connection instead of answering
         self.p_pushes = p_pushes          # P pushes its parameters to D itself
         self.p_push_requests: list[dict] = []
@@ -79,6 +84,8 @@ class _Engines:
             finally:
                 sender.close()
             params["sessionkv"] = {"early_decode_pushed": True}
+        await asyncio.sleep(self.p_answer_delay_s)
+        self.p_answered_at = asyncio.get_running_loop().time()
         return web.json_response({"id": "p", "choices": [{"text": "x"}],
                                   "kv_transfer_params": params})
 
@@ -169,7 +176,12 @@ async def _run(free_port, engines: _Engines, early_endpoint: str | None,
                                  json={"model": "stub", "prompt": "hello " * 50,
                                        "max_tokens": 8, "stream": stream}) as resp:
                 status, headers = resp.status, resp.headers
-                body = await (resp.text() if stream else resp.json())
+                if stream:
+                    head = await resp.content.readany()
+                    engines.client_first_at = asyncio.get_running_loop().time()
+                    body = head.decode() + (await resp.read()).decode()
+                else:
+                    body = await resp.json()
             deadline = asyncio.get_running_loop().time() + 5
             while engines.d_in_flight:   # a cancelled D handler finishes its unwinding
                 assert asyncio.get_running_loop().time() < deadline, "D handler never ended"
@@ -229,6 +241,23 @@ async def test_a_stream_starts_after_p_with_p_headers(free_port):
     assert headers["x-sessionkv-prefill-engine"].startswith("http://127.0.0.1:")
     assert set(engines.d_bodies[0]["kv_transfer_params"]) == {"sessionkv"}
     assert engines.d_got_params == [P_PARAMS]
+
+
+async def test_a_stream_starts_when_d_answers_before_p_answers_the_proxy(free_port):
+    """P's connector pushed its parameters to D, which streams at once; P's own answer
+    reaches the proxy a second later.  The client has D's first chunk before P's answer
+    (the proxy used to hold D's stream for that answer's headers, then send it whole),
+    and the stream goes without P's headers."""
+    early_port = free_port()
+    engines = _Engines(early_port, p_pushes=True, p_answer_delay_s=1.0)
+    status, text, headers, _ = await _run(free_port, engines,
+                                          f"tcp://127.0.0.1:{early_port}", stream=True)
+    assert status == 200 and text.endswith("data: [DONE]\n\n"), text
+    assert engines.client_first_at < engines.p_answered_at
+    assert headers["x-sessionkv-route"] == "disaggregated"
+    assert "x-sessionkv-prefill-ms" not in headers
+    assert engines.d_got_params == [P_PARAMS]
+    assert engines.leftover == {}, "the proxy pushed a second copy"
 
 
 async def test_a_failed_prefill_drops_the_held_d_request_and_returns_p_error(free_port):

@@ -1,0 +1,175 @@
+"""Whole-request latency of each engine in the launcher's default cluster, straight
+to each engine, one request at a time, engines interleaved request by request.
+
+    python benchmarks/engine_latency.py                  # tiny model
+    python benchmarks/engine_latency.py --real-model     # the demo's model
+
+The cluster is what ``examples/local_cluster.py --colocated-port N`` starts (1 P and
+1 D with our connector, the proxy, a plain co-located engine; cores ``auto``).  Each
+round sends ``--requests`` streamed completions to every engine in turn (P, D, plain;
+reversed every other round), in two spacings:
+
+* ``back_to_back``: the next request as soon as the last one ended, whatever engine;
+* ``settled``: ``--settle-s`` of quiet before each request, longer than the 1 s a
+  plain vLLM engine's worker and engine core spin on their queues after their last
+  step, so no engine is measured beside another one's spin.
+
+A request's figure is its whole latency (sent to last byte); an engine's figure pools
+its requests over the rounds (``sessionkv_bench.stats.pct``), as a ratio to the plain
+engine's.  Back-to-back requests are also split by the engine served just before, so
+the cost of a neighbour's spin shows apart from the engine's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sessionkv_bench import report
+from sessionkv_bench.client import completion_bodies, sse_chunks
+from sessionkv_bench.stats import pct
+
+from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+
+OUT_DIR = report.REPO / "docs" / "benchmarks"
+PLAIN = "plain"
+SPACINGS = ("back_to_back", "settled")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--real-model", action="store_true", help="the demo's SmolLM2-135M")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--requests", type=int, default=8, help="per engine, round and spacing")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--settle-s", type=float, default=1.5)
+    p.add_argument("--base-port", type=int, default=0)
+    p.add_argument("--out-dir", default=str(OUT_DIR))
+    return p.parse_args(argv)
+
+
+async def _latency(session, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for _ in sse_chunks(resp):
+            pass
+    return time.perf_counter() - started
+
+
+async def measure(urls: dict[str, str], model: str, args) -> list[dict]:
+    import aiohttp
+
+    names = list(urls)
+    bodies = iter(completion_bodies(model, 100_000, args.prompt_len, args.max_tokens, 1))
+    samples: list[dict] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        for name in names:   # warm-up
+            for _ in range(4):
+                await _latency(session, urls[name], {**next(bodies), "model": model})
+        for rnd in range(args.rounds):
+            order = names if rnd % 2 == 0 else names[::-1]
+            for spacing in SPACINGS:
+                previous = None
+                await asyncio.sleep(args.settle_s)
+                for _ in range(args.requests):
+                    for name in order:
+                        if spacing == "settled":
+                            await asyncio.sleep(args.settle_s)
+                        s = await _latency(session, urls[name], {**next(bodies), "model": model})
+                        samples.append({"round": rnd, "spacing": spacing, "engine": name,
+                                        "after": previous, "latency_s": s})
+                        previous = name
+    return samples
+
+
+def summarize(samples: list[dict], names: list[str]) -> dict:
+    def p50(rows):
+        return pct([r["latency_s"] for r in rows], 0.5)
+
+    out: dict = {}
+    for spacing in SPACINGS:
+        rows = [r for r in samples if r["spacing"] == spacing]
+        base = p50([r for r in rows if r["engine"] == PLAIN])
+        rounds = sorted({r["round"] for r in rows})
+        fig = {}
+        for name in names:
+            mine = [r for r in rows if r["engine"] == name]
+            per_round = [p50([r for r in mine if r["round"] == k]) /
+                         p50([r for r in rows if r["engine"] == PLAIN and r["round"] == k])
+                         for k in rounds]
+            fig[name] = {"p50_ratio": p50(mine) / base, "p99_ratio": pct(
+                [r["latency_s"] for r in mine], 0.99) / pct(
+                [r["latency_s"] for r in rows if r["engine"] == PLAIN], 0.99),
+                "rounds": [round(x, 2) for x in per_round], "n": len(mine)}
+            if spacing == "back_to_back":
+                after_plain = [r for r in mine if r["after"] == PLAIN]
+                after_ours = [r for r in mine if r["after"] not in (None, PLAIN)]
+                fig[name]["after_plain_ratio"] = p50(after_plain) / base if after_plain else None
+                fig[name]["after_connector_ratio"] = p50(after_ours) / base if after_ours else None
+        out[spacing] = fig
+    return out
+
+
+def render(result: dict) -> str:
+    def r(x):
+        return "-" if x is None else f"{x:.2f}x"
+
+    rows = [[spacing, name, r(f["p50_ratio"]), r(f["p99_ratio"]),
+             ", ".join(f"{x:.2f}" for x in f["rounds"]), r(f.get("after_plain_ratio")),
+             r(f.get("after_connector_ratio"))]
+            for spacing, fig in result["figures"].items() for name, f in fig.items()]
+    lines = report.head(f"Whole-request latency, engine by engine ({result['model']})",
+                        result["meta"])
+    lines += [f"{result['cores']}.", "",
+              f"Ratios to the plain co-located engine's figure in the same spacing; "
+              f"{result['requests_per_engine']} requests per engine and spacing, pooled "
+              f"over {result['rounds']} rounds; {result['max_tokens']} streamed tokens "
+              f"after a {result['prompt_len']}-token prompt.", ""]
+    lines += report.table(["spacing", "engine", "latency p50", "latency p99",
+                           "rounds (p50)", "p50 after the plain engine",
+                           "p50 after a connector engine"], rows)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    meta = report.meta("engine_latency.py", argv, {"--out-dir": "OUT_DIR"})
+    tmp = Path(tempfile.mkdtemp(prefix="skv-engine-latency-"))
+    if args.real_model:
+        from engine_overhead import real_model_dir
+        from vllm_sessionkv.dev.real_model import SERVED_NAME
+        model, served = real_model_dir(), SERVED_NAME
+    else:
+        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
+        model, served = str(generate_tiny_model(tmp / "sessionkv-tiny-model")), \
+            "sessionkv-tiny-model"
+    spec = ClusterSpec(model=model, served_model_name=served, colocated=True,
+                       base_port=args.base_port, log_dir=tmp / "logs")
+    cluster = LocalCluster(spec)
+    print(cluster.core_plan.rule, flush=True)
+    with cluster.start():
+        urls = {"P": cluster.prefill[0].url, "D": cluster.decode[0].url,
+                PLAIN: cluster.colocated.url}
+        samples = asyncio.run(measure(urls, served, args))
+    result = {"meta": meta,
+              "model": "SmolLM2-135M-Instruct" if args.real_model else "tiny model",
+              "cores": cluster.core_plan.rule, "rounds": args.rounds,
+              "requests_per_engine": args.rounds * args.requests,
+              "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
+              "figures": summarize(samples, list(urls)), "samples": samples}
+    stem = "engine_latency_real" if args.real_model else "engine_latency"
+    markdown = render(result)
+    report.write(Path(args.out_dir), stem, result, markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
