@@ -99,7 +99,8 @@ def _decision(prefill: dict) -> str:
 
 def _sources(headers: dict[str, str]) -> tuple[str, dict, dict]:
     """The route and P's and D's accounting from the proxy's headers (P's is empty on
-    a turn served by D alone; D's is sent only with non-streamed answers)."""
+    a turn served by D alone, and on a streamed turn whose first chunk D sent before
+    P's answer reached the proxy; D's is sent only with non-streamed answers)."""
     prefill = json.loads(headers.get("x-sessionkv-prefill", "{}"))
     decode = json.loads(headers.get("x-sessionkv-decode", "{}"))
     return headers.get("x-sessionkv-route", "?"), prefill, decode

@@ -71,7 +71,6 @@ def _two_streamed_turns(cluster, proxy: str, session: str) -> dict:
                  chat_body(cluster.model, messages, max_tokens=48, stream=True), headers)
     assert_same(first, post(cluster.colocated, "/v1/chat/completions",
                             chat_body(cluster.model, messages, max_tokens=48)), "turn 1")
-    assert json.loads(first.headers["x-sessionkv-prefill"])["prompt_tokens"] > 500
     if "handle_channel" in requests.get(proxy + "/health", timeout=10).json():
         wait_until(lambda: _stored(proxy, d_url) > stored_before, 30,
                    "turn 1's handle on the proxy's channel")
@@ -86,8 +85,10 @@ def _two_streamed_turns(cluster, proxy: str, session: str) -> dict:
                   chat_body(cluster.model, messages, max_tokens=32, stream=True), headers)
     assert_same(second, post(cluster.colocated, "/v1/chat/completions",
                              chat_body(cluster.model, messages, max_tokens=32)), "turn 2")
+    # P's accounting header is on a stream only when P's answer reached the proxy before
+    # D's first chunk (relay.py): P's own counter is what the tests read.
     return {"handle": second.headers["x-sessionkv-handle"],
-            "accounting": json.loads(second.headers["x-sessionkv-prefill"]),
+            "accounting": json.loads(second.headers.get("x-sessionkv-prefill", "{}")),
             "pulled_on_p": metric_sum(p_url, "sessionkv_prompt_tokens_total",
                                       source="pulled_from_peer") - pulled_before}
 
@@ -111,10 +112,11 @@ def test_streamed_chat_pulls_from_d_on_the_next_turn_without_redis(pd_cluster, p
     turn2 = _two_streamed_turns(pd_cluster, proxies["channel"], "stream-channel")
     print(f"with the channel, turn 2: {turn2}")
     assert turn2["handle"] == "attached", turn2
-    acct = turn2["accounting"]
     # P pulled at least the blocks of turn 1's system prompt from D.
-    assert acct.get("pulled_from_peer_tokens", 0) >= 500, acct
-    assert turn2["pulled_on_p"] == acct["pulled_from_peer_tokens"], turn2
+    assert turn2["pulled_on_p"] >= 500, turn2
+    acct = turn2["accounting"]
+    if acct:
+        assert turn2["pulled_on_p"] == acct["pulled_from_peer_tokens"], turn2
 
 
 def test_control_without_the_channel_a_streamed_turn_leaves_no_handle(pd_cluster, proxies):
