@@ -16,7 +16,12 @@ import msgspec
 
 from vllm_sessionkv.retention import Retention, RetentionParams
 from vllm_sessionkv.wire import side_auth
-from vllm_sessionkv.wire.cost import DEFAULT_HOST_LINK, DEFAULT_LINK, DEFAULT_RECOMPUTE
+from vllm_sessionkv.wire.cost import (
+    DEFAULT_DISK_LINK,
+    DEFAULT_HOST_LINK,
+    DEFAULT_LINK,
+    DEFAULT_RECOMPUTE,
+)
 from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S
 from vllm_sessionkv.wire.redis_keys import DEFAULT_NAMESPACE, check_redis_settings
 
@@ -241,6 +246,16 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Host<->KV-cache copy speed prior, for pricing a restore against recompute.
     host_copy_bytes_per_s: float = DEFAULT_HOST_LINK.bytes_per_s
     host_copy_per_transfer_s: float = DEFAULT_HOST_LINK.per_transfer_s
+    # Disk tier beneath the host tier (disk_tier.py, docs/tiers.md): the host tier's
+    # evictions are spilled to files in this directory (absolute, one per engine),
+    # up to disk_tier_bytes (0 = off), and read back, checked, when a request needs
+    # them.  Needs the host tier.
+    disk_tier_dir: str | None = None
+    disk_tier_bytes: int = 0
+    # Disk -> host -> KV-cache read speed prior, for pricing a disk restore against
+    # recompute.
+    disk_read_bytes_per_s: float = DEFAULT_DISK_LINK.bytes_per_s
+    disk_read_per_transfer_s: float = DEFAULT_DISK_LINK.per_transfer_s
     cost: CostConfig = CostConfig()
 
     def __post_init__(self):
@@ -322,6 +337,15 @@ class SessionKVConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                              f"{self.retention_pressure_lease_cut}")
         if self.host_tier_policy != "lru":
             raise ValueError(f"host_tier_policy must be 'lru', got {self.host_tier_policy!r}")
+        if self.disk_tier_bytes:
+            if not self.host_tier_bytes:
+                raise ValueError("disk_tier_bytes needs the host tier (host_tier_bytes > 0): "
+                                 "blocks reach the disk tier as host-tier evictions")
+            if not self.disk_tier_dir or not self.disk_tier_dir.startswith("/"):
+                raise ValueError("disk_tier_dir must be an absolute path when "
+                                 f"disk_tier_bytes is set, got {self.disk_tier_dir!r}")
+        if self.disk_read_bytes_per_s <= 0:
+            raise ValueError("disk_read_bytes_per_s must be > 0")
 
     def retention_params(self) -> RetentionParams:
         """The retention rule's parameters (retention.py)."""

@@ -83,6 +83,9 @@ class HostTierManager:
         # a fresh tier fills contiguous slots (fewer, larger copies on GPU).
         self._free_slots: list[int] = list(range(capacity_blocks - 1, -1, -1))
         self._events: list[tuple[str, list[Hashable]]] = []
+        # (hash, slot) of blocks evicted since the last take_evicted, in order: the
+        # disk tier spills them before their slots are reused (disk_tier.py).
+        self._evicted: list[tuple[Hashable, int]] = []
         self.stores_total_blocks = 0
         self.loads_total_blocks = 0
         self.evictions_total_blocks = 0
@@ -217,6 +220,19 @@ class HostTierManager:
                 del self._hash_by_slot[slot]
                 self._free_slots.append(slot)
 
+    def pin(self, block_hashes: Sequence[Hashable]) -> list[int]:
+        """Pin the slots of resident ``block_hashes`` (no load counted), e.g. while a
+        disk read fills them; unpin with :meth:`release`."""
+        slots = [self._slot_by_hash[h] for h in block_hashes]
+        for slot in slots:
+            self._pin_count_by_slot[slot] = self._pin_count_by_slot.get(slot, 0) + 1
+        return slots
+
+    def take_evicted(self) -> list[tuple[Hashable, int]]:
+        """``(hash, slot)`` of the blocks evicted since the last call, in order."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
     # -- events --------------------------------------------------------------------
 
     def take_events(self) -> list[tuple[str, list[Hashable]]]:
@@ -240,6 +256,7 @@ class HostTierManager:
             del self._slot_by_hash[block_hash]
             del self._hash_by_slot[slot]
             evicted.append(block_hash)
+            self._evicted.append((block_hash, slot))
             return slot
         return None
 
@@ -356,6 +373,35 @@ class HostBlockPool:
             self.load_s_total += elapsed_s
             self.loaded_total_blocks += len(slots)
 
+    def read_slot(self, slot: int) -> bytes:
+        """Host slot ``slot``'s bytes, every KV tensor's in layer order (the disk
+        tier's file payload)."""
+        self._check([0], [slot], max(1, self.num_blocks), self.capacity_blocks)
+        parts = [buffer.select(self._block_dim_by_layer[name], slot).contiguous()
+                 for name, buffer in self._buffers.items()]
+        return b"".join(_raw_bytes(part) for part in parts)
+
+    def write_slot(self, slot: int, data: bytes) -> None:
+        """Fill host slot ``slot`` from :meth:`read_slot`'s bytes."""
+        import torch
+
+        self._check([0], [slot], max(1, self.num_blocks), self.capacity_blocks)
+        if len(data) != self.block_bytes:
+            raise ValueError(f"host tier: {len(data)} bytes for a slot of {self.block_bytes}")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset = 0
+        for name, buffer in self._buffers.items():
+            view = buffer.select(self._block_dim_by_layer[name], slot)
+            size = view.numel() * view.element_size()
+            view.copy_(raw[offset:offset + size].view(view.dtype).view(view.shape))
+            offset += size
+
+    def layout(self) -> str:
+        """One line naming each KV tensor's per-block shape and dtype, in order."""
+        return ";".join(
+            f"{name}:{tuple(buf.select(self._block_dim_by_layer[name], 0).shape)}:{buf.dtype}"
+            for name, buf in self._buffers.items())
+
     def _copy(self, block_ids: Sequence[int], slots: Sequence[int], to_host: bool
               ) -> float | None:
         """Copy between KV blocks and host slots, pairwise; the seconds it took (None
@@ -420,6 +466,12 @@ class HostBlockPool:
             raise ValueError(f"host tier: block id out of range [0, {num_blocks})")
         if any(not 0 <= s < capacity_blocks for s in slots):
             raise ValueError(f"host tier: slot out of range [0, {capacity_blocks})")
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -19,6 +19,9 @@ __all__ = ["HostCopy", "HostCopyKind", "StepInstructions", "WorkerReport"]
 class HostCopyKind(enum.Enum):
     STORE = "store"   # device blocks -> host-tier slots
     LOAD = "load"     # host-tier slots -> device blocks
+    SPILL = "spill"   # host-tier slots -> disk-tier files (disk_tier.py)
+    PROMOTE = "promote"   # disk-tier files -> host-tier slots, each file checked
+    DROP = "drop"     # delete disk-tier files
 
 
 class HostCopy(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,8 +30,11 @@ class HostCopy(msgspec.Struct, frozen=True, kw_only=True):
 
     kind: HostCopyKind
     # STORE: device block ids, then host slots; LOAD: host slots, then device block ids.
-    src: list[int]
-    dst: list[int]
+    # SPILL: host slots in src; PROMOTE: host slots in dst; DROP: neither.
+    src: list[int] = msgspec.field(default_factory=list)
+    dst: list[int] = msgspec.field(default_factory=list)
+    # SPILL, PROMOTE, DROP: the block hashes naming the files, paired with the slots.
+    block_hashes: list[bytes] = msgspec.field(default_factory=list)
 
 
 class StepInstructions(msgspec.Struct, kw_only=True):
@@ -63,13 +69,20 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     # Digests of the holds this step began (kv_digest.py): request id -> worker
     # ("tp0", ...) -> block id -> digest.
     held_digests: dict[str, dict[str, dict[int, int]]] = msgspec.field(default_factory=dict)
+    # Disk-tier reads (PROMOTE) this step ran, and those refused (missing, corrupt,
+    # another layout): a block is in its host slot only if no worker refused it.
+    disk_promoted: frozenset[bytes] = frozenset()
+    disk_refused: frozenset[bytes] = frozenset()
 
     def merge(self, other: "WorkerReport") -> "WorkerReport":
         digests = {r: dict(ranks) for r, ranks in self.held_digests.items()}
         for request_id, ranks in other.held_digests.items():
             digests.setdefault(request_id, {}).update(ranks)
         return WorkerReport(sync_loads_done=self.sync_loads_done | other.sync_loads_done,
-                            held_digests=digests)
+                            held_digests=digests,
+                            disk_promoted=self.disk_promoted | other.disk_promoted,
+                            disk_refused=self.disk_refused | other.disk_refused)
 
     def is_empty(self) -> bool:
-        return not self.sync_loads_done and not self.held_digests
+        return not (self.sync_loads_done or self.held_digests or self.disk_promoted
+                    or self.disk_refused)

@@ -36,6 +36,7 @@ from vllm_sessionkv._vllm import (
 )
 from vllm_sessionkv._vllm import first_token as vllm_first_token
 from vllm_sessionkv.config import SessionKVConfig
+from vllm_sessionkv.disk_tier import DiskTierIndex
 from vllm_sessionkv.early_decode import EarlyDecodeInbox
 from vllm_sessionkv.handle_channel import HandleChannel
 from vllm_sessionkv.host_tier import HostTierManager
@@ -131,9 +132,17 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 self, lambda raw: self._guard.answer(raw, time.perf_counter()))
         self.host: HostRestore | None = None
         if config.host_tier_bytes:
-            self.host = HostRestore(HostTierManager(
-                config.host_tier_bytes, engine_state.kv_bytes_per_block(kv_cache_config),
-                config.host_tier_policy), self.block_size)
+            block_bytes = engine_state.kv_bytes_per_block(kv_cache_config)
+            disk = None
+            if config.disk_tier_bytes:
+                disk = DiskTierIndex(config.disk_tier_dir, config.disk_tier_bytes,
+                                     block_bytes,
+                                     ranks=vllm_config.parallel_config.world_size)
+            self.host = HostRestore(
+                HostTierManager(config.host_tier_bytes, block_bytes, config.host_tier_policy),
+                self.block_size, disk,
+                LinkModel(bytes_per_s=config.disk_read_bytes_per_s,
+                          per_transfer_s=config.disk_read_per_transfer_s))
         self._sync_reads = SyncReads(config.cost.sync_load_max_stall_s > 0 and
                                      len(kv_cache_config.kv_cache_groups) == 1)
         self._first_token = FirstTokenHandoff(
@@ -291,6 +300,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if plan is None:
             state.local_hit_tokens = num_computed_tokens
             host_tokens = self._host_restore_tokens(request, num_computed_tokens, state)
+            if host_tokens is None:
+                return None, False   # reading from the disk tier; asked again next step
             if host_tokens:
                 return host_tokens, False  # a synchronous copy, done before the forward
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -302,10 +313,11 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         return plan.load_tokens, not plan.sync
 
     def _host_restore_tokens(self, request: Request, num_computed_tokens: int,
-                             state: RequestState) -> int:
+                             state: RequestState) -> int | None:
         """Tokens to restore from the host tier, if that beats recomputing them: only
         for requests that bring no remote KV (plain requests and turns served on D
-        directly); side-effect free except for remembering the decision."""
+        directly); side-effect free except for remembering the decision and planning
+        a disk-tier read into host slots (None: wait for it)."""
         state.host_plan = None
         params = request.kv_transfer_params or {}
         if self.host is None or params.get("do_remote_prefill") or \
@@ -386,7 +398,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     def take_events(self) -> list:
         if self.host is None:
             return []
-        return engine_state.host_tier_events(self.host.tier.take_events())
+        return engine_state.host_tier_events(self.host.take_events())
 
     def build_connector_meta(self, scheduler_output):
         running = float(engine_state.scheduled_requests(scheduler_output))
@@ -425,6 +437,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             connector_output.finished_sending = free_now
         report = nixl_state.worker_report(connector_output)
         self._guard.digested(report.held_digests)
+        if self.host is not None and (report.disk_promoted or report.disk_refused):
+            self.host.disk_reported(report.disk_promoted, report.disk_refused)
         if self.pricing.step_finished(time.perf_counter()):
             self.stats.record("recompute_s_per_token", self.pricing.recompute_model.s_per_token)
         stats = getattr(connector_output, "kv_connector_stats", None)

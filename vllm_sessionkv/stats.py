@@ -59,6 +59,12 @@ _SESSION_KEYS = (
     "host_restored_blocks",
     "host_evicted_blocks",
     "host_resident_bytes",
+    "disk_spilled_blocks",
+    "disk_promoted_blocks",
+    "disk_refused_blocks",
+    "disk_evicted_blocks",
+    "disk_resident_bytes",
+    "disk_read_s",
     "session_holds",
     "recompute_s_per_token",
     "link_bytes_per_s",
@@ -196,6 +202,24 @@ class SessionKVPromMetrics(NixlPromMetrics):
                  "Blocks evicted from the host-DRAM tier by its policy."))}
         self._host_resident = self._gauge("sessionkv_host_resident_bytes",
                                     "Bytes resident in the host-DRAM tier.")
+        self._disk_counters = {
+            key: create_metric_per_engine(self._counter(name, doc), self._per_engine)
+            for key, name, doc in (
+                ("disk_spilled_blocks", "sessionkv_disk_spilled_blocks",
+                 "Blocks the host tier evicted, written to the disk tier."),
+                ("disk_promoted_blocks", "sessionkv_disk_promoted_blocks",
+                 "Blocks read back from the disk tier into the host tier, checked."),
+                ("disk_refused_blocks", "sessionkv_disk_refused_blocks",
+                 "Disk-tier files refused on read (missing, checksum, another "
+                 "layout) and deleted; their tokens were recomputed."),
+                ("disk_evicted_blocks", "sessionkv_disk_evicted_blocks",
+                 "Disk-tier files deleted to stay within disk_tier_bytes."))}
+        self._disk_resident = self._gauge("sessionkv_disk_resident_bytes",
+                                          "Bytes of block files in the disk tier.")
+        self._disk_read_s = self._histogram(
+            "sessionkv_disk_read_seconds",
+            "Time to read and check one step's disk-tier blocks into host slots.",
+            [1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0])
         self._session_holds = self._gauge(
             "sessionkv_session_holds",
             "Sessions whose last turn's KV this engine holds for the next turn's pull "
@@ -344,6 +368,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "session_handles_sent": self._sent,
             "session_handles_publish_failed": self._publish_failed,
             **self._host_counters,
+            **self._disk_counters,
             **{f"session_holds_released_{r}": m for r, m in self._holds_released.items()},
             **{f"handles_withdrawn_{r}": m for r, m in self._handles_withdrawn.items()},
             **{f"session_hold_leases_{s}": m for s, m in self._hold_leases.items()},
@@ -363,6 +388,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
         }
         histograms = {
             "host_restore_s": self._host_restore_s,
+            "disk_read_s": self._disk_read_s,
             "idle_step_recv_wait_s": self._idle_recv_wait_s,
             "sync_load_wait_s": self._sync_load_wait_s,
             "early_decode_wait_s": self._early_decode_wait_s,
@@ -380,6 +406,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
                 metric[engine_idx].observe(seconds)
         # Gauges: the last value the scheduler reported (it reports on change).
         for key, gauge in (("host_resident_bytes", self._host_resident),
+                           ("disk_resident_bytes", self._disk_resident),
                            ("session_holds", self._session_holds),
                            ("recompute_s_per_token", self._recompute_price),
                            ("link_bytes_per_s", self._link_price)):

@@ -12,9 +12,10 @@ import time
 
 from vllm_sessionkv._vllm import engine_state, metrics, nixl_agent, nixl_state, pacing, version
 from vllm_sessionkv.config import SessionKVConfig
+from vllm_sessionkv.disk_tier import DiskBlockStore, layout_fingerprint
 from vllm_sessionkv.host_tier import HostBlockPool
 from vllm_sessionkv.kv_digest import TEST_CORRUPT_HELD_KV_ENV, KVDigester
-from vllm_sessionkv.metadata import HostCopyKind, WorkerReport
+from vllm_sessionkv.metadata import HostCopy, HostCopyKind, WorkerReport
 from vllm_sessionkv.read_guard import GuardedRead, ReadGuard
 from vllm_sessionkv.stats import SessionKVStats
 
@@ -44,6 +45,11 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         self.sessionkv_config = config
         self._kv_cache_config = kv_cache_config
         self.host_pool: HostBlockPool | None = None
+        self.disk_store: DiskBlockStore | None = None
+        self._vllm_config = vllm_config
+        # Disk-tier reads since the last step report: promoted and refused hashes.
+        self._disk_promoted: set[bytes] = set()
+        self._disk_refused: set[bytes] = set()
         self._idle_step = False
         # Results seen while a synchronous load waited, reported with this step's.
         self._early_results = None
@@ -84,6 +90,11 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
                 kv_caches, self._kv_cache_config.num_blocks,
                 self.sessionkv_config.host_tier_bytes // block_bytes,
                 pin_memory=not version.is_cpu_platform())
+            if self.sessionkv_config.disk_tier_bytes:
+                model = self._vllm_config.model_config.model
+                self.disk_store = DiskBlockStore(
+                    self.sessionkv_config.disk_tier_dir, self._vllm_config.parallel_config.rank,
+                    layout_fingerprint(f"{model}|{self.host_pool.layout()}"), self.host_pool)
 
     def start_load_kv(self, metadata):
         # Host copies first, in the scheduler's order: a restore may read a slot a
@@ -96,9 +107,13 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
             if copy.kind is HostCopyKind.STORE:
                 self.host_pool.store(copy.src, copy.dst)
                 self.xfer_stats.record("host_store_s", time.perf_counter() - started)
-            else:
+                if self.disk_store is not None:
+                    self.disk_store.stored_into(copy.dst)
+            elif copy.kind is HostCopyKind.LOAD:
                 self.host_pool.load(copy.src, copy.dst)
                 self.xfer_stats.record("host_restore_s", time.perf_counter() - started)
+            else:
+                self._disk_copy(copy)
         self._idle_step = ours.idle_step
         pacing.set_engine_busy(not self._idle_step)
         if self._guard is not None:
@@ -115,6 +130,26 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         self._released_holds |= ours.report_sent
         if ours.sync_loads:
             self._finish_sync_loads(set(ours.sync_loads))
+
+    def _disk_copy(self, copy: HostCopy) -> None:
+        """One disk-tier operation, in the scheduler's order (disk_tier.py)."""
+        if self.disk_store is None:
+            # No disk tier here: every read is refused, so the scheduler forgets it.
+            if copy.kind is HostCopyKind.PROMOTE:
+                self._disk_refused.update(copy.block_hashes)
+            return
+        if copy.kind is HostCopyKind.SPILL:
+            for slot, block_hash in zip(copy.src, copy.block_hashes):
+                self.disk_store.spill(slot, block_hash)
+        elif copy.kind is HostCopyKind.PROMOTE:
+            started = time.perf_counter()
+            for block_hash, slot in zip(copy.block_hashes, copy.dst):
+                done = self.disk_store.promote(block_hash, slot)
+                (self._disk_promoted if done else self._disk_refused).add(block_hash)
+            self.xfer_stats.record("disk_read_s", time.perf_counter() - started)
+        else:
+            for block_hash in copy.block_hashes:
+                self.disk_store.drop(block_hash)
 
     def _finish_sync_loads(self, pending: set[str]) -> None:
         """Wait for this step's synchronous reads before the forward that uses them.
@@ -169,8 +204,11 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         member = nixl_state.worker_member(self)
         report = WorkerReport(
             sync_loads_done=frozenset(self._sync_loads_done),
-            held_digests={r: {member: d} for r, d in self._held_digests.items()})
+            held_digests={r: {member: d} for r, d in self._held_digests.items()},
+            disk_promoted=frozenset(self._disk_promoted),
+            disk_refused=frozenset(self._disk_refused))
         self._sync_loads_done, self._held_digests = set(), {}
+        self._disk_promoted, self._disk_refused = set(), set()
         return nixl_state.worker_metadata(report)
 
     def _merge_early(self, results):

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, PrefixMatch
+from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, TIER_STORAGE, PrefixMatch
 from sessionkv_proxy.route_types import (
     DecodeTerms,
     Mode,
@@ -35,6 +35,7 @@ from sessionkv_proxy.route_types import (
     RouteReason,
     RoutingParams,
     SessionView,
+    Tier,
     TierOverlap,
     WorkerLoad,
 )
@@ -74,13 +75,12 @@ def healthy_workers(workers: Sequence[WorkerLoad], role: Role) -> list[WorkerLoa
 
 
 def overlaps_from_match(match: PrefixMatch) -> dict[str, TierOverlap]:
-    """The index's ``lookup`` answer as :class:`TierOverlap` per engine.
-
-    Tiers other than device and host (e.g. storage) are not credited: no engine in
-    this deployment restores from them.
-    """
+    """The index's ``lookup`` answer as :class:`TierOverlap` per engine: device
+    (``GPU``), host (``CPU``) and disk (``STORAGE``, the medium of the connector's
+    disk tier and of vLLM's file tier)."""
     return {
-        engine: TierOverlap(tiers.get(TIER_DEVICE, 0), tiers.get(TIER_HOST, 0))
+        engine: TierOverlap(tiers.get(TIER_DEVICE, 0), tiers.get(TIER_HOST, 0),
+                            tiers.get(TIER_STORAGE, 0))
         for engine, tiers in match.items()
     }
 
@@ -101,17 +101,27 @@ def _live_session_holder(inp: RouteInput, healthy_decode: set[str],
 # --------------------------------------------------------------------------- score
 
 
-def _host_weight(host_blocks: int, context_blocks: int, inp: RouteInput,
-                 params: RoutingParams) -> float:
-    """Credit per host-tier block: the share of its recompute a restore saves
-    (``peer_credit_weight`` over the host link), or ``weights.host`` while the model's
-    KV size is unknown."""
-    if host_blocks <= 0:
+def _restore_weight(tier: Tier, blocks: int, context_blocks: int, inp: RouteInput,
+                    params: RoutingParams) -> float:
+    """Credit per block restored from ``tier`` (host or disk): the share of its
+    recompute a restore saves (``peer_credit_weight`` over that tier's link,
+    ``routing.params.host_link`` or ``disk_link``), or the tier's fixed weight
+    (``weights.host``, ``weights.disk``) while the model's KV size is unknown."""
+    if blocks <= 0:
         return 0.0
     if inp.kv_bytes_per_token <= 0:
-        return params.weights.host
-    return peer_credit_weight(host_blocks * inp.block_size, context_blocks * inp.block_size,
-                              inp.kv_bytes_per_token, params.recompute, params.host_link)
+        return params.weights.disk if tier is Tier.DISK else params.weights.host
+    link = params.disk_link if tier is Tier.DISK else params.host_link
+    return peer_credit_weight(blocks * inp.block_size, context_blocks * inp.block_size,
+                              inp.kv_bytes_per_token, params.recompute, link)
+
+
+def _tier_increments(ov: TierOverlap, device: int, prompt_blocks: int) -> tuple[int, int]:
+    """(host, disk) blocks beyond ``device``: each tier's prefix counts only where it
+    extends the faster tiers' (the index reports each from block 0)."""
+    host_reach = max(device, min(max(0, ov.host_blocks), prompt_blocks))
+    disk_reach = max(host_reach, min(max(0, ov.disk_blocks), prompt_blocks))
+    return host_reach - device, disk_reach - host_reach
 
 
 def score_prefill(
@@ -128,20 +138,22 @@ def score_prefill(
     for w in prefill:
         ov = inp.overlaps.get(w.url, TierOverlap())
         device = min(max(0, ov.device_blocks), prompt_blocks)
-        host_reach = max(device, min(max(0, ov.host_blocks), prompt_blocks))
-        host = host_reach - device
-        peer = max(0, peer_total - host_reach)
+        host, disk = _tier_increments(ov, device, prompt_blocks)
+        host_weight = _restore_weight(Tier.HOST, host, device, inp, params)
+        disk_weight = _restore_weight(Tier.DISK, disk, device + host, inp, params)
+        disk = disk if disk_weight > 0 else 0   # priced above recompute: recomputed
+        reach = device + host + disk
+        peer = max(0, peer_total - reach)
         if peer and inp.kv_bytes_per_token > 0:
             # Engine load 0: the load term below already charges for a busy worker.
             peer_weight = peer_credit_weight(
-                peer * inp.block_size, host_reach * inp.block_size, inp.kv_bytes_per_token,
+                peer * inp.block_size, reach * inp.block_size, inp.kv_bytes_per_token,
                 params.recompute, params.link,
             )
         else:
             peer_weight = params.weights.peer if peer else 0.0
-        host_weight = _host_weight(host, device, inp, params)
         raw_credit = overlap_credit_blocks(device, host, peer, params.weights, peer_weight,
-                                           host_weight)
+                                           host_weight, disk, disk_weight)
         excess = w.active_prefill_blocks - least_loaded
         decay = 1.0 / (1.0 + params.overlap_credit_decay * excess / max(1, prompt_blocks))
         credit = decay * raw_credit
@@ -155,6 +167,7 @@ def score_prefill(
             excess_blocks=excess, decay=decay, credit_blocks=credit,
             adjusted_prefill_blocks=adjusted, active_decode_blocks=w.active_decode_blocks,
             cost=cost, queued_prefill_blocks=w.queued_prefill_blocks,
+            disk_blocks=disk, disk_weight=disk_weight,
         ))
     return tuple(out)
 
@@ -175,14 +188,18 @@ def score_decode(
             # The index may lag D's own events; the session's verified blocks do not.
             device = max(device, inp.peer_pullable_blocks)
         device = min(max(0, device), prompt_blocks)
-        host = max(device, min(max(0, ov.host_blocks), prompt_blocks)) - device
-        host_weight = _host_weight(host, device, inp, params)
-        new = prompt_blocks - device - host
+        host, disk = _tier_increments(ov, device, prompt_blocks)
+        host_weight = _restore_weight(Tier.HOST, host, device, inp, params)
+        disk_weight = _restore_weight(Tier.DISK, disk, device + host, inp, params)
+        # A disk read priced above recompute is not a restore: the engine recomputes.
+        disk = disk if disk_weight > 0 else 0
+        new = prompt_blocks - device - host - disk
         out.append(DecodeTerms(
             url=w.url, active_decode_blocks=w.active_decode_blocks,
             queued_decode_blocks=w.queued_decode_blocks,
             queued_prefill_blocks=w.queued_prefill_blocks, device_blocks=device,
             host_blocks=host, host_weight=host_weight,
+            disk_blocks=disk, disk_weight=disk_weight,
             new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
             affinity=w.url == holder,
             over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
@@ -190,10 +207,12 @@ def score_decode(
             # The placements surcharge prices the work this request adds here (its
             # new blocks), not its whole prompt: a worker that already holds the
             # prefix adds little work however many placements it took lately.
-            # A host block is a restore, priced at the share of a recompute it costs.
+            # A host or disk block is a restore, priced at the share of a recompute
+            # it costs.
             cost=params.decode_load_scale * (
                 w.active_decode_blocks
                 + (1.0 - host_weight) * host
+                + (1.0 - disk_weight) * disk
                 + new * (1.0 + params.decode_recent_weight
                          * (w.recent_placements - fewest_placed))),
         ))
@@ -227,10 +246,10 @@ def _prefix_holder(terms: Sequence[DecodeTerms], params: RoutingParams) -> Decod
     request there and the worker's load is within the bound."""
     if params.decode_affinity_load_bound <= 0 or len(terms) < 2:
         return None
-    # Reach: the prompt blocks a worker need not compute, on device or host.
+    # Reach: the prompt blocks a worker need not compute, on device, host or disk.
     ranked = sorted(terms, key=lambda t: (t.new_blocks, t.cost, t.url))
     best, runner_up = ranked[0], ranked[1]
-    prompt_blocks = best.device_blocks + best.host_blocks + best.new_blocks
+    prompt_blocks = best.device_blocks + best.host_blocks + best.disk_blocks + best.new_blocks
     gain = runner_up.new_blocks - best.new_blocks
     if gain <= 0 or gain < params.decode_affinity_min_gain * prompt_blocks:
         return None  # nobody, several alike, or too little to be worth a hot spot
@@ -286,10 +305,8 @@ def _pick_decode(
         reason = "least loaded decode"
         prefix = _prefix_holder(under, params)
         if prefix is not None:
-            if prefix.host_blocks:
-                return (prefix.url, f"prefix affinity ({_blocks(prefix.host_blocks)} on "
-                        "its host tier)", True)
-            return prefix.url, "prefix affinity", True
+            restored = _restored_note(prefix, "on")
+            return prefix.url, f"prefix affinity{f' ({restored})' if restored else ''}", True
     else:
         reason = "least loaded decode: every decode worker over kv pressure"
     pool = under or list(terms)
@@ -315,8 +332,8 @@ def route(
         decode_terms = tuple(msgspec.structs.replace(t, prefix_affinity=True)
                              if t.url == decode_url else t for t in decode_terms)
     chosen = next(t for t in decode_terms if t.url == decode_url)
-    uncached = max(0, inp.prompt_tokens
-                   - (chosen.device_blocks + chosen.host_blocks) * inp.block_size)
+    uncached = max(0, inp.prompt_tokens - (chosen.device_blocks + chosen.host_blocks
+                                           + chosen.disk_blocks) * inp.block_size)
     no_decode = (params.prefill_only_without_decode and inp.max_output_tokens is not None
                  and inp.max_output_tokens <= 1)
 
@@ -376,10 +393,9 @@ def _decode_alone(inp: RouteInput, workers: Sequence[WorkerLoad], params: Routin
     room = (chosen.kv_usage < params.decode_only_max_kv_usage
             and chosen.active_requests < params.decode_only_max_active_requests)
     if small and room:
-        host_note = (f", {_blocks(chosen.host_blocks)} restored from its host tier"
-                     if chosen.host_blocks else "")
-        return (f"{uncached} uncached tokens{host_note}",
-                RouteReason.HOST_TIER if chosen.host_blocks else RouteReason.SMALL_INCREMENT)
+        restored = _restored_note(chosen, "restored from")
+        return (f"{uncached} uncached tokens{f', {restored}' if restored else ''}",
+                _RESTORE_REASON.get(chosen.restored_from, RouteReason.SMALL_INCREMENT))
     if inp.engine_requests > 1 and not no_decode:
         # P answers with one hand-off, naming one engine request's KV (vLLM returns one
         # set of kv_transfer_params per client request), while D would run several:
@@ -429,7 +445,8 @@ def _prefill_queued(decode: DecodeTerms, prefill: PrefillTerms, params: RoutingP
             and decode.active_requests < params.decode_only_max_active_requests):
         return None
     through_prefill = prefill.queued_prefill_blocks + prefill.work_blocks
-    decode_work = decode.new_blocks + (1.0 - decode.host_weight) * decode.host_blocks
+    decode_work = (decode.new_blocks + (1.0 - decode.host_weight) * decode.host_blocks
+                   + (1.0 - decode.disk_weight) * decode.disk_blocks)
     on_decode = decode.queued_prefill_blocks + decode_work
     if through_prefill <= on_decode or on_decode * block_size > bound:
         return None
@@ -459,9 +476,23 @@ def _disaggregated_why(inp: RouteInput, workers: Sequence[WorkerLoad],
     if not_asked:
         restore = 0
     elif restore:
-        why += f"; D restores {restore} tokens from its host tier for P to pull"
-        label = RouteReason.HOST_TIER_PULL
+        tiers = "host and disk tiers" if chosen.disk_blocks else "host tier"
+        why += f"; D restores {restore} tokens from its {tiers} for P to pull"
+        label = (RouteReason.DISK_TIER_PULL if chosen.disk_blocks
+                 else RouteReason.HOST_TIER_PULL)
     return why, label, restore, not_asked
+
+
+# The route reason of a decode-only turn by the slowest tier D restores from.
+_RESTORE_REASON = {Tier.HOST: RouteReason.HOST_TIER, Tier.DISK: RouteReason.DISK_TIER}
+
+
+def _restored_note(terms: DecodeTerms, verb: str) -> str:
+    """Each tier D restores from, named with its blocks (``2 blocks restored from
+    its host tier, 3 blocks restored from its disk tier``); empty when none."""
+    return ", ".join(f"{_blocks(n)} {verb} its {tier.value} tier"
+                     for tier, n in ((Tier.HOST, terms.host_blocks),
+                                     (Tier.DISK, terms.disk_blocks)) if n)
 
 
 def _blocks(n: int) -> str:
@@ -470,7 +501,7 @@ def _blocks(n: int) -> str:
 
 def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerms,
                       params: RoutingParams) -> int:
-    """Prompt tokens D should restore from its host tier for P to pull, or 0.
+    """Prompt tokens D should restore from its host (and disk) tier for P to pull, or 0.
 
     Only where no handle already offers P the session's blocks on D (a handle's
     blocks are ``peer_pullable_blocks``) and D's reach (device and host) goes beyond
@@ -478,17 +509,20 @@ def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerm
     pull that difference after D's restore, and
     :func:`vllm_sessionkv.wire.cost.decide_restore_for_pull` prices the restore and the
     pull against P recomputing it.  P's connector prices the pull again itself."""
-    if decode.host_blocks <= 0 or (decode.affinity and inp.peer_pullable_blocks > 0):
+    restored = decode.host_blocks + decode.disk_blocks
+    if restored <= 0 or (decode.affinity and inp.peer_pullable_blocks > 0):
         return 0
-    decode_reach = decode.device_blocks + decode.host_blocks
-    prefill_reach = prefill.device_blocks + prefill.host_blocks
+    decode_reach = decode.device_blocks + restored
+    prefill_reach = prefill.device_blocks + prefill.host_blocks + prefill.disk_blocks
     if decode_reach <= prefill_reach:
         return 0
+    # With disk blocks in it the whole restore is priced over the (slower) disk link.
+    restore_link = params.disk_link if decode.disk_blocks else params.host_link
     priced = decide_restore_for_pull(
         PullQuote(pull_tokens=(decode_reach - prefill_reach) * inp.block_size,
                   context_tokens=prefill_reach * inp.block_size,
                   kv_bytes_per_token=inp.kv_bytes_per_token, engine_load=0.0),
-        params.recompute, params.host_link, params.link)
+        params.recompute, restore_link, params.link)
     return decode_reach * inp.block_size if priced.pull else 0
 
 

@@ -9,7 +9,13 @@ from collections.abc import Mapping
 
 import msgspec
 
-from vllm_sessionkv.wire.cost import DEFAULT_HOST_LINK, LinkModel, OverlapWeights, RecomputeModel
+from vllm_sessionkv.wire.cost import (
+    DEFAULT_DISK_LINK,
+    DEFAULT_HOST_LINK,
+    LinkModel,
+    OverlapWeights,
+    RecomputeModel,
+)
 from vllm_sessionkv.wire.protocol import HANDLE_EXPIRY_MARGIN_S
 
 __all__ = [
@@ -23,6 +29,7 @@ __all__ = [
     "RouteReason",
     "RoutingParams",
     "SessionView",
+    "Tier",
     "TierOverlap",
     "WorkerLoad",
 ]
@@ -41,6 +48,15 @@ class Mode(str, enum.Enum):
     PREFILL_ONLY = "prefill_only"  # nothing to decode: P serves the whole request
 
 
+class Tier(str, enum.Enum):
+    """Where an engine holds a prompt's KV, cheapest to reuse first.  A request's
+    route reason names the slowest tier D restores from (``RouteReason``)."""
+
+    DEVICE = "device"  # the engine's KV cache: reused in place
+    HOST = "host"  # host DRAM (host_tier_bytes): a copy into the KV cache
+    DISK = "disk"  # files (disk_tier_bytes): a read into host DRAM, then that copy
+
+
 class RouteReason(str, enum.Enum):
     """Why a request went where it did, as a bounded metrics label (the free-text
     ``RouteDecision.reason`` carries the numbers)."""
@@ -56,6 +72,10 @@ class RouteReason(str, enum.Enum):
     HOST_TIER = "host_tier"
     # Disaggregated: D restores the prompt's prefix from its host tier, P pulls it.
     HOST_TIER_PULL = "host_tier_pull"
+    # As HOST_TIER and HOST_TIER_PULL, with part of the prefix read from D's disk tier
+    # (beneath its host tier) first.
+    DISK_TIER = "disk_tier"
+    DISK_TIER_PULL = "disk_tier_pull"
     # Decode only: the request is several engine requests (n > 1, a batch of prompts),
     # and one P -> D hand-off carries one.
     SEVERAL_ENGINE_REQUESTS = "several_engine_requests"
@@ -111,6 +131,7 @@ class TierOverlap(msgspec.Struct, frozen=True):
 
     device_blocks: int = 0
     host_blocks: int = 0
+    disk_blocks: int = 0
 
 
 class SessionView(msgspec.Struct, frozen=True, kw_only=True):
@@ -167,6 +188,9 @@ class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # Host DRAM -> engine KV copies: prices host-tier credits (the connector's
     # ``host_copy_*``), in place of a fixed host weight.
     host_link: LinkModel = DEFAULT_HOST_LINK
+    # Disk-tier file -> host DRAM -> engine KV reads: prices disk-tier credits (the
+    # connector's ``disk_read_*``).
+    disk_link: LinkModel = DEFAULT_DISK_LINK
     weights: OverlapWeights = OverlapWeights()
     prefill_load_scale: float = 1.0
     decode_load_scale: float = 1.0
@@ -250,7 +274,7 @@ class PrefillTerms(msgspec.Struct, frozen=True, kw_only=True):
     device_blocks: int
     host_blocks: int  # beyond device_blocks
     host_weight: float  # credit per host block: the share of its recompute a restore saves
-    peer_blocks: int  # beyond device_blocks and host_blocks
+    peer_blocks: int  # beyond device_blocks, host_blocks and disk_blocks
     peer_weight: float
     raw_credit_blocks: float
     excess_blocks: float  # active_prefill_blocks above the least loaded P
@@ -262,6 +286,8 @@ class PrefillTerms(msgspec.Struct, frozen=True, kw_only=True):
     # ``WorkerLoad.queued_prefill_blocks`` (P's queued compute), for the load-aware
     # decode-only rule; not part of ``cost``.
     queued_prefill_blocks: float = 0.0
+    disk_blocks: int = 0  # beyond device_blocks and host_blocks, on P's disk tier
+    disk_weight: float = 0.0  # credit per disk block
 
     @property
     def work_blocks(self) -> float:
@@ -280,7 +306,9 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     device_blocks: int  # prompt blocks D holds on device (index or verified session)
     host_blocks: int = 0  # beyond device_blocks, on D's host tier (restored, not computed)
     host_weight: float = 0.0  # share of their recompute a restore saves
-    new_blocks: int  # blocks D must receive or compute: the prompt less both
+    disk_blocks: int = 0  # beyond device and host blocks, on D's disk tier
+    disk_weight: float = 0.0  # share of their recompute a disk restore saves
+    new_blocks: int  # blocks D must receive or compute: the prompt less all three
     kv_usage: float
     active_requests: int
     affinity: bool  # holds the request's live session
@@ -289,6 +317,14 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     prefix_affinity: bool = False  # chosen for its prefix, within the load bound
     cost: float
 
+    @property
+    def restored_from(self) -> Tier | None:
+        """The slowest tier D restores this prompt's prefix from (host or disk), or
+        None when it restores nothing."""
+        if self.disk_blocks:
+            return Tier.DISK
+        return Tier.HOST if self.host_blocks else None
+
 
 class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     mode: Mode
@@ -296,8 +332,9 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     decode_url: str  # with PREFILL_ONLY: the D that would have decoded, not called
     reason: str
     label: RouteReason
-    uncached_tokens: int  # prompt tokens the chosen D holds on neither device nor host
-    # HOST_TIER_PULL: prompt tokens D restores from its host tier for P to pull (the
+    uncached_tokens: int  # prompt tokens the chosen D holds on no tier (device, host, disk)
+    # HOST_TIER_PULL, DISK_TIER_PULL: prompt tokens D restores from its host (and disk)
+    # tier for P to pull (the
     # router asks D for them first, as a one-token session turn); 0 otherwise.
     restore_tokens: int = 0
     prefill_candidates: tuple[PrefillTerms, ...] = ()

@@ -59,7 +59,7 @@ def host_pd(tiny_model, tmp_path_factory):
                    # Pull whenever verified KV exists: which source serves the blocks
                    # is under test here, not the tiny model's pull price.
                    "cost": {"per_transfer_s": 0.0, "recompute_s_per_token": 1.0}}))
-    with cluster.start(timeout_s=600):
+    with cluster:   # __enter__ starts it
         yield cluster
 
 

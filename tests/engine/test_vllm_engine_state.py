@@ -69,11 +69,13 @@ def test_kv_sizes_come_from_the_kv_cache_config():
     assert engine_state.kv_num_blocks(SimpleNamespace()) == 0
 
 
-def test_host_tier_changes_are_cpu_medium_kv_events():
+def test_host_and_disk_tier_changes_are_kv_events_of_their_medium():
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    events = engine_state.host_tier_events([("stored", [b"\x01" * 32]),
-                                            ("removed", [b"\x02" * 32])])
+    events = engine_state.host_tier_events([("CPU", "stored", [b"\x01" * 32]),
+                                            ("CPU", "removed", [b"\x02" * 32]),
+                                            ("STORAGE", "stored", [b"\x02" * 32])])
     assert isinstance(events[0], BlockStored) and events[0].medium == "CPU"
     assert isinstance(events[1], BlockRemoved) and events[1].medium == "CPU"
+    assert isinstance(events[2], BlockStored) and events[2].medium == "STORAGE"
     assert len(events[0].block_hashes) == 1 and events[0].token_ids == []

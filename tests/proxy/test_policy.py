@@ -24,12 +24,13 @@ from sessionkv_proxy.policy import (
     score_decode,
     score_prefill,
 )
-from vllm_sessionkv.wire.cost import LinkModel, OverlapWeights, RecomputeModel
+from vllm_sessionkv.wire.cost import LinkModel, OverlapWeights, RecomputeModel, peer_credit_weight
 
 RECOMPUTE = RecomputeModel(s_per_token=1e-4, s_per_token_per_context_token=1e-9,
                            load_slowdown_per_unit=1.0)
 FAST_LINK = LinkModel(bytes_per_s=50e9, per_transfer_s=1e-3)  # RDMA-class
 SLOW_LINK = LinkModel(bytes_per_s=1e8, per_transfer_s=5e-3)  # ~0.8 Gbit/s TCP
+NVME = LinkModel(bytes_per_s=4e9, per_transfer_s=5e-4)  # a fast local NVMe
 KV_BYTES_PER_TOKEN = 131072.0  # 128 KiB: an 8B-class model in bf16
 BS = 16
 
@@ -750,7 +751,7 @@ def test_decision_is_one_loggable_record():
 
 def test_overlaps_from_index_match():
     got = overlaps_from_match({"e1": {"GPU": 4, "CPU": 9, "STORAGE": 20}, "e2": {"CPU": 3}})
-    assert got == {"e1": TierOverlap(4, 9), "e2": TierOverlap(0, 3)}
+    assert got == {"e1": TierOverlap(4, 9, 20), "e2": TierOverlap(0, 3)}
 
 
 def test_all_is_sorted_and_complete():
@@ -854,6 +855,83 @@ def test_a_large_increment_has_the_decode_worker_restore_for_the_prefill_to_pull
     # The live session holder hands P its handle instead.
     live = msgspec.structs.replace(i, session=session("d1"), peer_pullable_blocks=20)
     assert route(live, [P("p1"), D("d1")], params(), random.Random(0)).restore_tokens == 0
+
+
+# --------------------------------------------------------------------------- disk tier
+
+
+def test_each_tier_is_priced_by_its_link_device_over_host_over_disk():
+    # Ten blocks on each tier of a different D: the same reach, priced by how the
+    # blocks come back (in place, a host copy, a disk read then the copy).
+    i = inp(320, overlaps={"dev": TierOverlap(device_blocks=10),
+                           "host": TierOverlap(host_blocks=10),
+                           "disk": TierOverlap(disk_blocks=10)})
+    terms = by_url(score_decode(i, [D("dev"), D("host"), D("disk")],
+                                params(disk_link=NVME)))
+    assert terms["dev"].cost < terms["host"].cost < terms["disk"].cost
+    assert 0 < terms["disk"].disk_weight < terms["host"].host_weight < 1
+    assert {t.new_blocks for t in terms.values()} == {10}
+    # The weight is the share of the recompute the read saves over ``disk_link``.
+    assert terms["disk"].disk_weight == peer_credit_weight(
+        10 * BS, 0, KV_BYTES_PER_TOKEN, RECOMPUTE, NVME)
+    # With the default prior (1 GB/s) this 8B-class model recomputes faster than it
+    # reads: no credit.
+    assert by_url(score_decode(i, [D("disk")], params()))["disk"].disk_weight == 0.0
+    # A disk too slow to beat recompute earns no credit and no reach.
+    slow = params(disk_link=LinkModel(bytes_per_s=1e6, per_transfer_s=1.0))
+    slow_terms = by_url(score_decode(i, [D("disk")], slow))["disk"]
+    assert (slow_terms.disk_weight, slow_terms.disk_blocks, slow_terms.new_blocks) == (0, 0, 20)
+    # KV size unknown: the fixed weights stand in.
+    unknown = by_url(score_decode(msgspec.structs.replace(i, kv_bytes_per_token=0.0),
+                                  [D("disk")], params(weights=OverlapWeights(disk=0.3))))
+    assert unknown["disk"].disk_weight == 0.3
+
+
+def test_disk_blocks_count_only_beyond_the_device_and_host_prefix():
+    i = inp(320, overlaps={"d1": TierOverlap(device_blocks=4, host_blocks=9, disk_blocks=15)})
+    t = by_url(score_decode(i, [D("d1")], params(disk_link=NVME)))["d1"]
+    assert (t.device_blocks, t.host_blocks, t.disk_blocks, t.new_blocks) == (4, 5, 6, 5)
+    p = by_url(score_prefill(i, [P("d1"), D("x")], params(disk_link=NVME)))["d1"]
+    assert (p.device_blocks, p.host_blocks, p.disk_blocks) == (4, 5, 6)
+    assert p.raw_credit_blocks == pytest.approx(4 + 5 * p.host_weight + 6 * p.disk_weight)
+
+
+def test_a_session_on_a_decode_workers_disk_tier_returns_there_and_the_reason_names_it():
+    # The session's KV left d2's device and host: 18 of its 20 blocks are on d2's disk.
+    i = inp(320, overlaps={"d2": TierOverlap(disk_blocks=18)})
+    d = route(i, [P("p1"), D("d1"), D("d2")], params(disk_link=NVME), random.Random(0))
+    assert d.decode_url == "d2" and d.mode is Mode.DECODE_ONLY
+    assert d.label is policy.RouteReason.DISK_TIER and d.uncached_tokens == 32
+    assert "18 blocks restored from its disk tier" in d.reason
+    # Part on host, part on disk: the slowest tier names the route, both are listed.
+    mixed = route(inp(320, overlaps={"d2": TierOverlap(host_blocks=6, disk_blocks=18)}),
+                  [P("p1"), D("d1"), D("d2")], params(disk_link=NVME), random.Random(0))
+    assert mixed.label is policy.RouteReason.DISK_TIER
+    assert "6 blocks restored from its host tier, 12 blocks restored from its disk tier" \
+        in mixed.reason
+    # A large increment: D restores from host and disk for P to pull.
+    big = route(inp(1000, overlaps={"d1": TierOverlap(host_blocks=5, disk_blocks=20)}),
+                [P("p1"), D("d1")], params(disk_link=NVME), random.Random(0))
+    assert big.label is policy.RouteReason.DISK_TIER_PULL and big.restore_tokens == 320
+    assert "host and disk tiers" in big.reason
+    # Control: a disk read priced above recompute is no reach (the engine would
+    # recompute): a plain placement and a large increment, as with no disk at all.
+    slow = params(disk_link=LinkModel(bytes_per_s=1e6, per_transfer_s=1.0))
+    plain = route(i, [P("p1"), D("d1"), D("d2")], slow, random.Random(0))
+    assert plain.mode is Mode.DISAGGREGATED and "disk tier" not in plain.reason
+    assert plain.label is policy.RouteReason.INCREMENT_TOO_LARGE
+
+
+def test_routing_params_validate_tier_prices():
+    with pytest.raises(ValueError, match="disk_link"):
+        policy.routing_params_from_config({"disk_link": {"bytes_per_s": 0, "per_transfer_s": 0}})
+    with pytest.raises(ValueError, match="disk"):
+        policy.routing_params_from_config({"weights": {"disk": -0.5}})
+    with pytest.raises(ValueError, match="disk_lnk"):
+        policy.routing_params_from_config({"disk_lnk": {}})
+    got = policy.routing_params_from_config({"disk_link": {"bytes_per_s": 2e9,
+                                                           "per_transfer_s": 1e-3}})
+    assert got.disk_link == LinkModel(bytes_per_s=2e9, per_transfer_s=1e-3)
 
 
 def test_device_blocks_beat_host_blocks_for_the_decode_choice():

@@ -83,23 +83,25 @@ def kv_bytes_per_block(kv_cache_config: Any) -> int:
     return sum(t.size for t in kv_cache_config.kv_cache_tensors) // kv_cache_config.num_blocks
 
 
-def host_tier_events(events: list[tuple[str, list[bytes]]]) -> list[Any]:
-    """Host-tier changes as vLLM KV events (``medium="CPU"``), published by the
-    scheduler in the same batch as the engine's own events.  Placeholders (no token
-    ids), as vLLM's OffloadingConnector emits by default: the router places them by
-    the engine hash it already knows from the device-tier event."""
+def host_tier_events(events: list[tuple[str, str, list[bytes]]]) -> list[Any]:
+    """Host- and disk-tier changes as vLLM KV events (``(medium, kind, hashes)``:
+    ``medium="CPU"`` or ``"STORAGE"``, the media vLLM's own offloading tiers report),
+    published by the scheduler in the same batch as the engine's own events.
+    Placeholders (no token ids), as vLLM's OffloadingConnector emits by default: the
+    router places them by the engine hash it already knows from the device-tier
+    event."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     out: list[Any] = []
-    for kind, hashes in events:
+    for medium, kind, hashes in events:
         converted = [maybe_convert_block_hash(h) for h in hashes]
         if kind == "stored":
             out.append(BlockStored(block_hashes=converted, parent_block_hash=None,
-                                   token_ids=[], block_size=0, lora_id=None, medium="CPU",
+                                   token_ids=[], block_size=0, lora_id=None, medium=medium,
                                    lora_name=None))
         else:
-            out.append(BlockRemoved(block_hashes=converted, medium="CPU"))
+            out.append(BlockRemoved(block_hashes=converted, medium=medium))
     return out
 
 

@@ -613,6 +613,9 @@ class LocalCluster:
         sessionkv = dict(spec.sessionkv)
         if self.redis_url:
             sessionkv.setdefault("redis_url", self.redis_url)
+        if sessionkv.get("disk_tier_dir"):
+            # One disk-tier directory per engine (each locks its own), under the given one.
+            sessionkv["disk_tier_dir"] = os.path.join(sessionkv["disk_tier_dir"], name)
         port = self._port()
         if spec.connector == "sessionkv":
             sessionkv.setdefault("advertise_url", f"http://{host.endpoint(port)}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
+    "DEFAULT_DISK_LINK",
     "DEFAULT_HOST_LINK",
     "DEFAULT_LINK",
     "DEFAULT_RECOMPUTE",
@@ -91,6 +92,9 @@ DEFAULT_RECOMPUTE = RecomputeModel(s_per_token=2.0e-5, s_per_token_per_context_t
 DEFAULT_LINK = LinkModel(bytes_per_s=1.0e9, per_transfer_s=2.0e-3)
 # Host DRAM <-> engine KV copies (the host tier): a memcpy on CPU, a PCIe copy on GPU.
 DEFAULT_HOST_LINK = LinkModel(bytes_per_s=5.0e9, per_transfer_s=1.0e-4)
+# Disk-tier file -> host slot -> KV copies (the connector's ``disk_read_*`` prior): a
+# local NVMe's buffered reads, and a file open per block.
+DEFAULT_DISK_LINK = LinkModel(bytes_per_s=1.0e9, per_transfer_s=5.0e-4)
 
 
 def recompute_time_s(
@@ -200,6 +204,12 @@ class OverlapWeights(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     device: float = 1.0
     host: float = 0.75  # Dynamo's --router-host-cache-hit-weight default
     peer: float = 0.5  # used when the caller does not price the peer with peer_credit_weight
+    disk: float = 0.5  # used while the disk read cannot be priced (KV size unknown)
+
+    def __post_init__(self) -> None:
+        for name in ("device", "host", "peer", "disk"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"OverlapWeights.{name} must be >= 0")
 
 
 def peer_credit_weight(
@@ -248,18 +258,23 @@ def overlap_credit_blocks(
     weights: OverlapWeights = OverlapWeights(),
     peer_weight: float | None = None,
     host_weight: float | None = None,
+    disk_blocks: int = 0,
+    disk_weight: float | None = None,
 ) -> float:
     """Blocks of prefill a candidate engine is credited with.
 
     Tiers are disjoint increments of one prefix: ``host_blocks`` extend the device hit,
-    ``peer_blocks`` extend both.  ``peer_weight`` and ``host_weight`` (each from
-    :func:`peer_credit_weight`, over the peer's and the host link) override
-    ``weights.peer`` and ``weights.host`` when the router can price the transfer.
+    ``disk_blocks`` extend both, ``peer_blocks`` extend all three.  ``peer_weight``,
+    ``host_weight`` and ``disk_weight`` (each from :func:`peer_credit_weight`, over
+    the peer's, the host's and the disk's link) override ``weights.peer``,
+    ``weights.host`` and ``weights.disk`` when the router can price the transfer.
     """
     peer = weights.peer if peer_weight is None else peer_weight
     host = weights.host if host_weight is None else host_weight
+    disk = weights.disk if disk_weight is None else disk_weight
     return (
         weights.device * max(0, device_blocks)
         + host * max(0, host_blocks)
+        + disk * max(0, disk_blocks)
         + peer * max(0, peer_blocks)
     )
