@@ -157,7 +157,10 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         self._kv_cache_manager = None
         self._unproven_sync_reads: dict[str, Request] = {}
         # This runs in the engine-core process, whose loop the pacing changes.
-        pacing.pace_holding_steps(config.holding_step_interval(version.is_cpu_platform()))
+        # A hold just begun is digested in the worker's next step, and a reader's
+        # confirm waits for that digest: such a step is not put off.
+        pacing.pace_holding_steps(config.holding_step_interval(version.is_cpu_platform()),
+                                  self._guard.has_holds_started)
 
     @staticmethod
     def _early_decode_inbox(vllm_config, config: SessionKVConfig) -> EarlyDecodeInbox | None:

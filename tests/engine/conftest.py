@@ -23,6 +23,7 @@ def connector_process_state_restored(monkeypatch):
                          (WorkerProc, ("_execute_worker_rpc",)),
                          (pacing, ("_busy_poll_cap_s", "_holding_interval_s", "_engine_busy",
                                    "_spin_while_busy", "_prefill_wait",
+                                   "_holding_work_waiting",
                                    "_input_queue_patched")),
                          (first_token, ("_first_token_output_patched",))):
         for name in names:

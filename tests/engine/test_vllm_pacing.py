@@ -189,3 +189,34 @@ def test_a_worker_spins_for_the_call_that_follows_execute_model():
     finally:
         pacing.set_engine_busy(False)
         ctx.destroy(linger=0)
+
+
+def test_a_holding_engine_steps_at_once_while_the_worker_has_work_waiting(
+        connector_process_state_restored):
+    """An engine that only holds blocks waits for input up to the holding interval per
+    step, unless the connector has work for the worker's next step (a hold just begun,
+    whose digest a reader's confirm waits for): then it steps at once.  On vLLM's own
+    ``EngineCoreProc._process_input_queue``, patched, with a stand-in engine core."""
+    import queue
+    import time
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    waiting = [False]
+    pacing.pace_holding_steps(0.3, lambda: waiting[0])
+    scheduler = SimpleNamespace(has_unfinished_requests=lambda: False,
+                                finished_req_ids=set(),
+                                has_finished_requests=lambda: True)
+    core = SimpleNamespace(input_queue=queue.Queue(), scheduler=scheduler,
+                           engines_running=False, batch_queue=None,
+                           is_running=lambda: True, has_work=lambda: True)
+
+    def one_pass() -> float:
+        started = time.monotonic()
+        EngineCoreProc._process_input_queue(core)
+        return time.monotonic() - started
+
+    assert one_pass() >= 0.25      # only holding: it waited out the interval
+    waiting[0] = True
+    assert one_pass() < 0.1        # a hold to digest: straight to the step

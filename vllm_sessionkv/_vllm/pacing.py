@@ -30,6 +30,11 @@ _busy_poll_cap_s: float | None = None
 _holding_interval_s: float | None = None
 
 
+# Whether the connector has something for the worker's next step (a hold begun whose
+# blocks the worker has yet to digest): a holding engine then steps at once.
+_holding_work_waiting: Callable[[], bool] | None = None
+
+
 # Whether this engine has a model to run (see set_engine_busy); the cap applies only
 # while it has none, unless spin_while_busy was turned off.
 _engine_busy = False
@@ -202,7 +207,8 @@ def wait_for_prefill_params(held: Callable[[], int], wait_s: Callable[[float], b
     _patch_input_queue()
 
 
-def pace_holding_steps(interval_s: float) -> None:
+def pace_holding_steps(interval_s: float,
+                       work_waiting: Callable[[], bool] | None = None) -> None:
     """Let an engine that only holds blocks wait for input up to ``interval_s`` per step.
 
     vLLM 0.32's engine core steps back to back while finished requests hold blocks
@@ -210,12 +216,18 @@ def pace_holding_steps(interval_s: float) -> None:
     until D has read, a D for as long as a session lease runs.  That is most of a
     core per engine.  Here such an engine first waits on its input queue: a new
     request ends the wait at once; otherwise it steps every ``interval_s``, which
-    still releases read blocks, expires leases and drives NIXL.  Patches
-    ``EngineCoreProc._process_input_queue`` for this process; idempotent.
+    still releases read blocks, expires leases and drives NIXL.  Unless
+    ``work_waiting()``: the connector has work for the worker's next step, and a peer
+    waits on it (a hold just begun, whose digest a reader's confirm waits for: waiting
+    out the interval first held every P/D read up to 20 ms, the reader asking again
+    every 2 ms).  Patches ``EngineCoreProc._process_input_queue`` for this process;
+    idempotent.
     """
-    global _holding_interval_s
+    global _holding_interval_s, _holding_work_waiting
     if interval_s <= 0:
         return
+    if work_waiting is not None:
+        _holding_work_waiting = work_waiting
     first = _holding_interval_s is None
     _holding_interval_s = interval_s if first else min(_holding_interval_s, interval_s)
     _patch_input_queue()
@@ -235,7 +247,9 @@ def _patch_input_queue() -> None:
     def process_input_queue(self) -> None:
         if self.input_queue.empty():
             prefill_wait = _prefill_wait
-            if _holding_interval_s and _only_holding_blocks(self):
+            waiting = _holding_work_waiting
+            if _holding_interval_s and _only_holding_blocks(self) and not (
+                    waiting is not None and waiting()):
                 try:
                     request = self.input_queue.get(timeout=_holding_interval_s)
                 except queue.Empty:

@@ -63,6 +63,10 @@ class GuardLedger:
         self._holds_started[request_id] = list(block_ids)
         return token
 
+    def has_holds_started(self) -> bool:
+        """Whether holds began that the next step has to tell the worker of."""
+        return bool(self._holds_started)
+
     def take_holds_started(self) -> dict[str, list[int]]:
         """Holds that began since the last step, with their blocks: for the worker to
         digest (and, in tests only, to corrupt after; ``kv_digest.py``)."""
