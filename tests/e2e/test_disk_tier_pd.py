@@ -103,18 +103,18 @@ def _session_on_disk_only(c: LocalCluster, session: str, seed: int):
     assert_same(first, post(c.colocated.url, COMPLETIONS, body), f"{session}: turn 1")
     history = prompt + first.token_ids
     blocks = len(history) // BLOCK
-    ended = _d(c, "sessionkv_session_holds_released_total", reason="lease_ended")
-    wait_until(lambda: _d(c, "sessionkv_session_holds_released_total",
-                          reason="lease_ended") > ended, 60, "the lease to end")
+    # Every hold on D ends at its lease (this turn's and any earlier test's: a hold
+    # that ended later would re-offload its blocks to host and evict others there).
+    wait_until(lambda: _d(c, "sessionkv_session_holds") == 0, 60, "D's holds to end")
     # Another session's turn on D fills its host tier: the first session's blocks are
     # evicted there and spilled to disk.
-    spilled = _d(c, "sessionkv_disk_spilled_blocks_total")
     filler = completion_body(c.spec.model, _ids(seed + 500, 820), max_tokens=4,
                              kv_transfer_params={"sessionkv": {"session_id": f"{session}-fill"}},
                              session_id=f"{session}-fill")
     post(c.decode[0].url, COMPLETIONS, filler)
-    wait_until(lambda: _d(c, "sessionkv_disk_spilled_blocks_total") >= spilled + blocks, 60,
-               "the host tier to spill the session to disk")
+    wait_until(lambda: _index_tiers(c, history, blocks).get("STORAGE") == blocks, 60,
+               f"the index to see the session's {blocks} blocks spilled to D's disk "
+               f"(now {_index_tiers(c, history, blocks)})")
     # Plain requests (nothing held, nothing written to host) evict its device copy.
     for fill_seed in (seed + 900, seed + 901):
         post(c.decode[0].url, COMPLETIONS,
