@@ -158,6 +158,35 @@ def metric_sum(url: str, name: str, **labels: str) -> float:
     return total
 
 
+PROMPT_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed")
+
+
+def prompt_sources(url: str) -> dict[str, float]:
+    """An engine's ``sessionkv_prompt_tokens_total`` by source (the four that add up
+    to its prompt tokens)."""
+    return {s: metric_sum(url, "sessionkv_prompt_tokens_total", source=s)
+            for s in PROMPT_SOURCES}
+
+
+def prefill_accounting(got: Generation, p_url: str, before: dict[str, float],
+                       prompt_tokens: int) -> dict[str, float]:
+    """P's accounting of one request: its ``x-sessionkv-prefill`` header, or, on a stream
+    whose first chunk came from D before P's answer reached the proxy (no header then),
+    the growth of P's own counters since ``before`` once they count the whole prompt.
+    Only for a test that sends P one request at a time."""
+    header = got.headers.get("x-sessionkv-prefill")
+    if header:
+        return json.loads(header)
+    grown: dict[str, float] = {}
+
+    def counted() -> bool:
+        now = prompt_sources(p_url)
+        grown.update({f"{s}_tokens": now[s] - before[s] for s in PROMPT_SOURCES})
+        return sum(grown.values()) >= prompt_tokens
+    wait_until(counted, 60, f"P's counters to count a {prompt_tokens}-token prompt")
+    return {"prompt_tokens": sum(grown.values()), **grown}
+
+
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
     """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

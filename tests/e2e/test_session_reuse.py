@@ -25,6 +25,8 @@ from helpers import (
     fresh_prefill_params,
     metric_sum,
     post,
+    prefill_accounting,
+    prompt_sources,
     reset_prefix_cache,
 )
 
@@ -81,10 +83,11 @@ def test_six_turn_conversation_reuses_kv_and_equals_baseline(pd_cluster, stream)
     for turn in range(1, 7):
         body = completion_body(pd_cluster.model, prompt, max_tokens=32, stream=stream,
                                session_id=session)
+        before = prompt_sources(p_url)
         got = post(pd_cluster.proxy, "/v1/completions", body)
         base = baseline(pd_cluster.colocated, pd_cluster.model, prompt, 32)
         assert_same(got, base, f"turn {turn}")
-        acct = json.loads(got.headers["x-sessionkv-prefill"])
+        acct = prefill_accounting(got, p_url, before, len(prompt))
         assert acct["prompt_tokens"] == len(prompt)
         # Turn 1 has no handle; later turns get D's: from the response, or when
         # streaming from Redis, where D's publisher writes it in the background.
