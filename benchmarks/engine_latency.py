@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
@@ -36,13 +37,16 @@ from sessionkv_bench.stats import pct
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 
 OUT_DIR = report.REPO / "docs" / "benchmarks"
+REAL_MODEL_CACHE = ".cache/vllm-sessionkv/smollm2-135m-instruct"   # as ci/demo.sh
 PLAIN = "plain"
 SPACINGS = ("back_to_back", "settled")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--real-model", action="store_true", help="the demo's SmolLM2-135M")
+    p.add_argument("--real-model", action="store_true",
+                   help="the demo's SmolLM2-135M, built by sessionkv-real-model into "
+                        f"$SESSIONKV_REAL_MODEL_DIR or ~/{REAL_MODEL_CACHE} if not yet")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=8, help="per engine, round and spacing")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -51,6 +55,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--base-port", type=int, default=0)
     p.add_argument("--out-dir", default=str(OUT_DIR))
     return p.parse_args(argv)
+
+
+def real_model_dir() -> str:
+    """The real model's folder, where ci/demo.sh caches it, built there if not yet."""
+    from vllm_sessionkv.dev.real_model import build_real_model
+
+    where = os.environ.get("SESSIONKV_REAL_MODEL_DIR") or str(Path.home() / REAL_MODEL_CACHE)
+    return str(build_real_model(Path(where))[0])
 
 
 async def _latency(session, url: str, body: dict) -> float:
@@ -143,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     meta = report.meta("engine_latency.py", argv, {"--out-dir": "OUT_DIR"})
     tmp = Path(tempfile.mkdtemp(prefix="skv-engine-latency-"))
     if args.real_model:
-        from engine_overhead import real_model_dir
         from vllm_sessionkv.dev.real_model import SERVED_NAME
         model, served = real_model_dir(), SERVED_NAME
     else:

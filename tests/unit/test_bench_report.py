@@ -38,3 +38,15 @@ def test_write_and_its_local_path_check(tmp_path):
         report.write(tmp_path, "y", {}, f"ran in {report.REPO}\n")
     # flock's lock file in /tmp is no path of the machine's (as the reports test says).
     report.write(tmp_path, "z", {}, "`flock /tmp/sessionkv-cluster.lock python x.py`\n")
+
+
+def test_public_command_names_path_values_and_keeps_the_rest():
+    flags = {"--model": "MODEL_DIR", "--out": "REPORT", "--log-dir": "LOG_DIR"}
+    argv = ["--real-model", "--model", "/root/.cache/m", "--rounds", "4", "--out=/tmp/r.md",
+            "--log-dir", "/tmp/logs", "--max-tokens", "48", "/work/x/data.json"]
+    assert report.public_command("x.py", argv, flags) == (
+        "python benchmarks/x.py --real-model --model MODEL_DIR --rounds 4 --out=REPORT "
+        "--log-dir LOG_DIR --max-tokens 48 data.json")
+    # The control: a command with no path in it comes back as given.
+    argv = ["--layout", "1p1d", "2p2d", "--gap-s", "1.5"]
+    assert report.public_command("x.py", argv, flags) == "python benchmarks/x.py " + " ".join(argv)
