@@ -18,16 +18,14 @@ Writes through the project's own code into a private redis-server and reads
 
     PYTHONPATH=.:proxy .venv/bin/python benchmarks/redis_memory.py [--quick] [--port 33100]
 
-Writes docs/benchmarks/redis_memory.{md,json} (``--no-report``: print only).  The
-redis-server is started by PID and stopped by PID.
+Writes docs/benchmarks/redis_memory.{md,json} with ``sessionkv_bench.report`` (``--quick``,
+``--no-report``: print only).  The redis-server is started by PID and stopped by PID.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import platform
 import random
 import subprocess
@@ -38,7 +36,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from sessionkv_bench.report import commit as git_commit
+from sessionkv_bench import report
 from sessionkv_proxy.index import TIER_DEVICE
 from sessionkv_proxy.index.redis import RedisIndex
 from sessionkv_proxy.sessions import SessionRecord, encode_record
@@ -47,8 +45,7 @@ from vllm_sessionkv.wire.hashing import encode_chain
 from vllm_sessionkv.wire.protocol import encode_handle, handle_from_params
 from vllm_sessionkv.wire.redis_keys import RedisKeys
 
-REPO = Path(__file__).resolve().parents[1]
-REPORT = REPO / "docs" / "benchmarks" / "redis_memory"
+OUT_DIR = report.REPO / "docs" / "benchmarks"
 P_URL, D_URL = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 NAMESPACE = "sessionkv"
 
@@ -149,41 +146,32 @@ async def measure(args: argparse.Namespace, url: str) -> dict:
     return out
 
 
-def report(result: dict, meta: dict) -> str:
-    r = result
+def render(r: dict, meta: dict) -> str:
     blocks_per_session = r["context_tokens"] // r["block_size"]
     per_session = (blocks_per_session * (r["index_first_engine_bytes_per_block"]
                                          + r["index_second_engine_bytes_per_block"])
                    + r["session_record_bytes_in_redis"] + r["handle_bytes_in_redis"])
-    lines = [
-        "# Redis memory per block, session record and handle",
-        "",
-        f"`{meta['command']}`, {meta['date']}, commit {meta['commit']}; "
-        f"{meta['redis']}; Python {meta['python']}; machine: {meta['machine']}. "
-        "`used_memory` deltas "
-        "(INFO memory) over writes made with the project's own code "
-        "(`benchmarks/redis_memory.py` says which).",
-        "",
-        "| what | count | bytes each in Redis | encoded |",
-        "|---|---:|---:|---:|",
-        f"| index entry, first engine holding the block | {r['blocks']:,} | "
-        f"{r['index_first_engine_bytes_per_block']:,.0f} | - |",
-        f"| index entry, a second engine holding the same block | {r['blocks']:,} | "
-        f"{r['index_second_engine_bytes_per_block']:,.0f} | - |",
-        f"| session record (with D's handle, {r['context_tokens']:,}-token context) | "
-        f"{r['sessions']:,} | {r['session_record_bytes_in_redis']:,.0f} | "
-        f"{r['session_record_bytes_encoded']:,.0f} |",
-        f"| published handle ({r['context_tokens']:,}-token context) | {r['sessions']:,} | "
-        f"{r['handle_bytes_in_redis']:,.0f} | {r['handle_bytes_encoded']:,.0f} |",
-        "",
-        f"One session at a {r['context_tokens']:,}-token context ({blocks_per_session} "
-        f"blocks of {r['block_size']} tokens) held on a P and a D, with its record and a "
-        f"published handle: about **{per_session / 1024:,.0f} KiB**. Redis itself "
-        f"used {r['empty_used_memory_bytes'] / 2**20:.1f} MiB empty and "
-        f"{r['total_used_memory_bytes'] / 2**20:.1f} MiB at the end.",
-        "",
-    ]
-    return "\n".join(lines)
+    context = f"{r['context_tokens']:,}-token context"
+    rows = [["index entry, first engine holding the block", f"{r['blocks']:,}",
+             f"{r['index_first_engine_bytes_per_block']:,.0f}", None],
+            ["index entry, a second engine holding the same block", f"{r['blocks']:,}",
+             f"{r['index_second_engine_bytes_per_block']:,.0f}", None],
+            [f"session record (with D's handle, {context})", f"{r['sessions']:,}",
+             f"{r['session_record_bytes_in_redis']:,.0f}",
+             f"{r['session_record_bytes_encoded']:,.0f}"],
+            [f"published handle ({context})", f"{r['sessions']:,}",
+             f"{r['handle_bytes_in_redis']:,.0f}", f"{r['handle_bytes_encoded']:,.0f}"]]
+    lines = report.head("Redis memory per block, session record and handle", meta)
+    lines += [f"{meta['redis']}, Python {meta['python']} (Redis memory does not depend on "
+              "the machine). `used_memory` deltas (INFO memory) over writes made with the "
+              "project's own code (`benchmarks/redis_memory.py` says which).", ""]
+    lines += report.table(["what", "count", "bytes each in Redis", "encoded"], rows)
+    lines += ["", f"One session at a {context} ({blocks_per_session} blocks of "
+              f"{r['block_size']} tokens) held on a P and a D, with its record and a "
+              f"published handle: about **{per_session / 1024:,.0f} KiB**. Redis itself "
+              f"used {r['empty_used_memory_bytes'] / 2**20:.1f} MiB empty and "
+              f"{r['total_used_memory_bytes'] / 2**20:.1f} MiB at the end."]
+    return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -199,24 +187,18 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    meta = report.meta("redis_memory.py", sys.argv[1:] if argv is None else argv, {})
     if args.quick:
         args.blocks, args.sessions = 20_000, 2_000
     result = run(args)
     version = subprocess.run(["redis-server", "--version"], capture_output=True,
                              text=True).stdout.split()[2]
-    commit = git_commit()
-    meta = {"command": "python benchmarks/redis_memory.py" + (" --quick" if args.quick else ""),
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-            "redis": f"redis-server {version.removeprefix('v=')}",
-            "python": platform.python_version(),
-            "machine": f"{os.cpu_count()} cores, {platform.machine()}, Linux "
-                       f"{platform.release()} (Redis memory does not depend on it)"}
-    text = report(result, meta)
+    meta.update(redis=f"redis-server {version.removeprefix('v=')}",
+                python=platform.python_version())
+    text = render(result, meta)
     print(text)
     if not args.no_report and not args.quick:
-        REPORT.with_suffix(".md").write_text(text)
-        REPORT.with_suffix(".json").write_text(
-            json.dumps({"meta": meta, "result": result}, indent=1) + "\n")
+        report.write(OUT_DIR, "redis_memory", {"meta": meta, "result": result}, text)
     return 0
 
 
