@@ -73,55 +73,55 @@ def _short(decision: dict[str, Any] | None) -> str:
     return " ".join(parts)
 
 
+def _pairs(old: dict, new: dict, section: str, arms: tuple[str, ...]):
+    """(key, arm, old's entry, new's entry) under ``section`` ("runs", "probes") for each
+    key (a regime, a probe) and arm that either report has."""
+    for key in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
+        for arm in arms:
+            a, b = (run.get(section, {}).get(key, {}).get(arm) for run in (old, new))
+            if a is not None or b is not None:
+                yield key, arm, a, b
+
+
 def compare_runs(old: dict, new: dict, arms: tuple[str, ...] = OUR_ARMS
                  ) -> tuple[list[str], int, int]:
     """Printable lines, the number of steps compared and the number that differ."""
     lines: list[str] = []
     compared = differ = 0
-    for regime in sorted(set(old.get("runs", {})) | set(new.get("runs", {}))):
-        for arm in arms:
-            a = old.get("runs", {}).get(regime, {}).get(arm)
-            b = new.get("runs", {}).get(regime, {}).get(arm)
-            if a is None and b is None:
-                continue
-            steps_a = (a or {}).get("step_detail", {})
-            steps_b = (b or {}).get("step_detail", {})
-            rows, n_diff = [], 0
-            n_steps = len(set(steps_a) | set(steps_b))
-            for step in sorted(set(steps_a) | set(steps_b), key=_step_order):
-                da = step_decision(steps_a[step]) if step in steps_a else None
-                db = step_decision(steps_b[step]) if step in steps_b else None
-                same = da == db
-                n_diff += not same
-                load = [accounting(steps[step].get("prefill")).get("priced_engine_load")
-                        for steps in (steps_a, steps_b) if step in steps]
-                rows.append(f"  {'  ' if same else '!='} {step:<14} {_short(da):<70} | "
-                            f"{'(same)' if same else _short(db)}"
-                            + (f"  load={load}" if any(x for x in load) else ""))
-                if not same and da and db:
-                    changed = [k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)]
-                    rows.append(f"     {'':<14} differs in: " + ", ".join(
-                        f"{k}: {da.get(k)!r} -> {db.get(k)!r}" for k in changed))
-            compared += n_steps
-            differ += n_diff
-            missing = "" if a is not None and b is not None else " (arm missing in one run)"
-            lines.append(f"{regime} / {arm}: {n_diff} of {n_steps} steps differ{missing}")
-            lines.extend(rows)
-    for probe in sorted(set(old.get("probes", {})) | set(new.get("probes", {}))):
-        for arm in arms:
-            a = old.get("probes", {}).get(probe, {}).get(arm)
-            b = new.get("probes", {}).get(probe, {}).get(arm)
-            if a is None and b is None:
-                continue
-            pa = [(s.get("step"), s.get("bytes"), s.get("computed")) for s in a or []]
-            pb = [(s.get("step"), s.get("bytes"), s.get("computed")) for s in b or []]
-            n_diff = sum(x != y for x, y in zip(pa, pb)) + abs(len(pa) - len(pb))
-            compared += max(len(pa), len(pb))
-            differ += n_diff
-            lines.append(f"{probe} / {arm}: {n_diff} of {max(len(pa), len(pb))} probe steps "
-                         f"differ (bytes, computed per step)")
-            lines.append(f"     old: {[(b_, c) for _, b_, c in pa]}")
-            lines.append(f"     new: {[(b_, c) for _, b_, c in pb]}")
+    for regime, arm, a, b in _pairs(old, new, "runs", arms):
+        steps_a = (a or {}).get("step_detail", {})
+        steps_b = (b or {}).get("step_detail", {})
+        rows, n_diff = [], 0
+        n_steps = len(set(steps_a) | set(steps_b))
+        for step in sorted(set(steps_a) | set(steps_b), key=_step_order):
+            da = step_decision(steps_a[step]) if step in steps_a else None
+            db = step_decision(steps_b[step]) if step in steps_b else None
+            same = da == db
+            n_diff += not same
+            load = [accounting(steps[step].get("prefill")).get("priced_engine_load")
+                    for steps in (steps_a, steps_b) if step in steps]
+            rows.append(f"  {'  ' if same else '!='} {step:<14} {_short(da):<70} | "
+                        f"{'(same)' if same else _short(db)}"
+                        + (f"  load={load}" if any(x for x in load) else ""))
+            if not same and da and db:
+                changed = [k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)]
+                rows.append(f"     {'':<14} differs in: " + ", ".join(
+                    f"{k}: {da.get(k)!r} -> {db.get(k)!r}" for k in changed))
+        compared += n_steps
+        differ += n_diff
+        missing = "" if a is not None and b is not None else " (arm missing in one run)"
+        lines.append(f"{regime} / {arm}: {n_diff} of {n_steps} steps differ{missing}")
+        lines.extend(rows)
+    for probe, arm, a, b in _pairs(old, new, "probes", arms):
+        pa = [(s.get("step"), s.get("bytes"), s.get("computed")) for s in a or []]
+        pb = [(s.get("step"), s.get("bytes"), s.get("computed")) for s in b or []]
+        n_diff = sum(x != y for x, y in zip(pa, pb)) + abs(len(pa) - len(pb))
+        compared += max(len(pa), len(pb))
+        differ += n_diff
+        lines.append(f"{probe} / {arm}: {n_diff} of {max(len(pa), len(pb))} probe steps "
+                     f"differ (bytes, computed per step)")
+        lines.append(f"     old: {[(b_, c) for _, b_, c in pa]}")
+        lines.append(f"     new: {[(b_, c) for _, b_, c in pb]}")
     return lines, compared, differ
 
 
