@@ -16,7 +16,7 @@ model's preamble before the code, standing in for the reasoning a client drops).
 edit stays in the history for the later turns.  A sub-agent starts from its parent's
 messages up to and including the answer of the turn it was spawned after.
 
-The ceiling for text (``text_ceiling``): each turn's rendered prompt (the token ids
+The ceiling for text (``workload_ceiling`` with the rendered prompts): each turn's prompt (the token ids
 the engine reports, ``prompt_token_ids``) is compared, by whole blocks as vLLM's
 prefix cache hashes them, with every earlier request's prompt and generated ids (all
 but the last, whose KV is never computed): :func:`agentload.workload.ceiling`, the
@@ -32,11 +32,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from agentload.workload import Ceiling, OutputKey, Session, Workload, ceiling
+from agentload.workload import OutputKey, Session, Workload
 from retokenization import measure_turn  # (the loss's one definition)
 
 __all__ = ["ChatConfig", "ChatTurn", "ChatWorkload", "Retokenization", "chat_workload",
-           "edit_answer", "retokenization_loss", "text_ceiling"]
+           "edit_answer", "retokenization_loss"]
 
 EDITS = ("none", "trim", "drop_reasoning")
 
@@ -117,6 +117,25 @@ class ChatWorkload(Workload):
 
     def prompt(self, sid, k, outputs):  # noqa: D102 - the token-id form does not exist
         raise TypeError("a chat workload's prompts are rendered by the engine: messages()")
+
+    def request(self, sid: str, k: int, answers: dict, model: str) -> tuple[str, dict]:
+        """A ``/v1/chat/completions`` turn as agent clients send it: the messages, the
+        tools (``tool_choice: none``: the model answers in text), temperature 0, the
+        session in ``prompt_cache_key``, streamed or not as the turn says; and what the
+        comparison needs: top-5 logprobs, the generated ids and the rendered prompt."""
+        turn = self.session(sid).steps[k]
+        body = {"model": model, "messages": self.messages(sid, k, answers),
+                "tools": self.tools, "tool_choice": "none", "max_tokens": turn.max_tokens,
+                "temperature": 0, "logprobs": True, "top_logprobs": 5,
+                "return_token_ids": True, "prompt_cache_key": sid, "stream": turn.stream}
+        if turn.stream:
+            body["stream_options"] = {"include_usage": True}
+        return "/v1/chat/completions", body
+
+    def answer(self, sid: str, k: int, res):
+        """The answer's text, kept in the history (None without ids or a rendered
+        prompt: nothing to compare)."""
+        return res.text if res.token_ids and res.prompt_token_ids else None
 
 
 def edit_answer(text: str, edit: str) -> str:
@@ -221,14 +240,7 @@ def chat_workload(cfg: ChatConfig, name: str = "chat") -> ChatWorkload:
     return ChatWorkload(name=name, sessions=all_sessions, think_open=None, description=desc)
 
 
-# =========================================================================== ceiling
-def text_ceiling(workload: ChatWorkload, prompts: dict[OutputKey, list[int]],
-                 outputs: dict[OutputKey, list[int]]) -> Ceiling:
-    """The token-id ceiling over the rendered prompts and the generated ids."""
-    return ceiling(((key, prompts[key], outputs[key]) for key in workload.canonical_order()),
-                   workload.block_size)
-
-
+# =========================================================================== re-tokenization
 @dataclass
 class Retokenization:
     turns: int            # turns that re-send the previous answer whole

@@ -1,4 +1,4 @@
-"""One arm's run of one workload, turned into the numbers the report shows."""
+"""One arm's run of one workload, turned into the numbers the report shows; the probes."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from sessionkv_bench.stats import pct
-
+from agentload.client import NOT_FINISHED, StepResult, run_one
+from agentload.workload import Ceiling, OutputKey, Workload
 from sessionkv_bench.arms import engine_counters
 from sessionkv_bench.client import accounting
-from sessionkv_bench.metrics import delta, scrape
-from agentload.client import StepResult
-from agentload.workload import Ceiling, OutputKey, Workload
+from sessionkv_bench.metrics import delta
+from sessionkv_bench.stats import pct
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers import Generation, compare  # noqa: E402  (the e2e tests' comparison)
@@ -28,32 +27,35 @@ BYTES = "vllm:nixl_bytes_transferred_sum"
 REQUESTS = "vllm:request_success_total"
 
 
+def equal(res: StepResult, ref: StepResult):
+    """The e2e tests' comparison: token ids, and top-5 logprobs within 2e-3."""
+    return compare(Generation(res.token_ids, res.top_logprobs, ""),
+                   Generation(ref.token_ids, ref.top_logprobs, ""))
+
+
 def mismatches(workload: Workload, results: dict[OutputKey, StepResult],
                reference: dict[OutputKey, StepResult]) -> dict:
-    """Steps whose token ids, or only top-5 logprobs, differ from the reference."""
+    """Steps whose token ids, or only top-5 logprobs, differ from the reference; the
+    steps that edited (stripped) the previous answer counted apart too."""
     out = {"compared": 0, "token": 0, "logprob_only": 0, "stripped_compared": 0,
            "stripped_token": 0, "stripped_logprob_only": 0, "max_logprob_diff": 0.0,
            "examples": []}
-    for key, res in results.items():
-        ref = reference.get(key)
+    for (sid, k), res in results.items():
+        ref = reference.get((sid, k))
         if res.error or ref is None or ref.error:
             continue
-        sid, k = key
         stripped = workload.session(sid).steps[k].strip_reasoning
-        cmp = compare(Generation(res.token_ids, res.top_logprobs, ""),
-                      Generation(ref.token_ids, ref.top_logprobs, ""))
+        cmp = equal(res, ref)
         out["compared"] += 1
         out["stripped_compared"] += stripped
         if cmp.max_logprob_diff != float("inf"):
             out["max_logprob_diff"] = max(out["max_logprob_diff"], cmp.max_logprob_diff)
-        if cmp.token_mismatches:
-            out["token"] += 1
-            out["stripped_token"] += stripped
-        elif not cmp.equal:
-            out["logprob_only"] += 1
-            out["stripped_logprob_only"] += stripped
-        if not cmp.equal and len(out["examples"]) < 5:
-            out["examples"].append(f"{sid}/{k}{' (stripped)' if stripped else ''}: {cmp}")
+        kind = "token" if cmp.token_mismatches else None if cmp.equal else "logprob_only"
+        if kind:
+            out[kind] += 1
+            out["stripped_" + kind] += stripped
+            if len(out["examples"]) < 5:
+                out["examples"].append(f"{sid}/{k}{' (stripped)' if stripped else ''}: {cmp}")
     return out
 
 
@@ -71,17 +73,18 @@ def client_computed(res: StepResult, role_of_cached: str) -> int | None:
 
 
 def summarize(workload: Workload, results: dict[OutputKey, StepResult],
-              reference: dict[OutputKey, StepResult] | None, ceil: Ceiling,
-              before: list[dict], after: list[dict], engines: list[tuple[str, str]],
-              wall_s: float) -> dict:
+              reference: dict[OutputKey, StepResult], ceil: Ceiling, before: list[dict],
+              after: list[dict], engines: list[tuple[str, str]], wall_s: float) -> dict:
     ok = {k: r for k, r in results.items() if r.error is None}
     d = [delta(a, b) for a, b in zip(after, before)]
     computed = sum(x.get(LOCAL_COMPUTE, 0.0) for x in d)
+    moved = sum(x.get(BYTES, 0.0) for x in d)
     prompt = sum(r.prompt_tokens for r in ok.values())
     reusable = sum(ceil.per_request[k][1] for k in ok if k in ceil.per_request)
-    ttft = [r.ttft_s for r in ok.values() if r.ttft_s is not None]
+    ttft = sorted(r.ttft_s for r in ok.values() if r.ttft_s is not None)
+    e2e = sorted(r.e2e_s for r in ok.values() if r.e2e_s is not None)
     itl = [x for r in ok.values() for x in r.itl_s]
-    by_role = {}
+    by_role: dict[str, dict] = {}
     for (role, url), x in zip(engines, d):
         entry = {"url": url, "requests": x.get(REQUESTS, 0.0),
                  "computed": x.get(LOCAL_COMPUTE, 0.0), "local_hit": x.get(LOCAL_HIT, 0.0),
@@ -89,16 +92,22 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         ours = {s: x.get(f"{OURS}{{{s}}}", 0.0) for s in OUR_SOURCES}
         if any(ours.values()):
             entry["sessionkv"] = ours
-        by_role[f"{role}{len([r for r in by_role if r.startswith(role)])}"] = entry
+        by_role[f"{role}{sum(r.startswith(role) for r in by_role)}"] = entry
     per_step_client: dict[int, list[int]] = {}
-    for (sid, k), r in ok.items():
-        role = engines[0][0]
-        c = client_computed(r, role)
+    for (_, k), r in ok.items():
+        c = client_computed(r, engines[0][0])
         if c is not None:
             per_step_client.setdefault(k, []).append(c)
+    routes: dict[str, int] = {}
+    for r in results.values():
+        if r.headers.get("x-sessionkv-route"):
+            routes[r.headers["x-sessionkv-route"]] = routes.get(
+                r.headers["x-sessionkv-route"], 0) + 1
+    text = [k for k, r in ok.items() if r.text != reference[k].text]
     return {
         "steps": len(results), "ok": len(ok), "errors": len(results) - len(ok),
         "first_error": next((r.error for r in results.values() if r.error), None),
+        "not_finished": sum(r.error == NOT_FINISHED for r in results.values()),
         "prompt_tokens": prompt, "computed_tokens": computed,
         "computed_per_step": computed / len(ok) if ok else None,
         "reuse_factor": prompt / computed if computed else None,
@@ -108,51 +117,52 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99),
         "ttft_mean_s": statistics.mean(ttft) if ttft else None,
         "itl_p50_s": pct(itl, 0.5), "itl_p99_s": pct(itl, 0.99),
+        "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
+        # Every round keeps its samples, so --rounds can pool them (report.pooled).
+        "ttft_samples_s": ttft, "e2e_samples_s": e2e,
         "wall_s": wall_s, "offered_rps": len(ok) / wall_s if wall_s else None,
         "prompt_tokens_per_s": prompt / wall_s if wall_s else None,
-        "bytes": sum(x.get(BYTES, 0.0) for x in d),
-        "bytes_per_step": sum(x.get(BYTES, 0.0) for x in d) / len(ok) if ok else None,
-        "engines": by_role,
-        "requests_per_engine": [e["requests"] for e in by_role.values()],
-        "mismatches": mismatches(workload, results, reference) if reference else None,
+        "bytes": moved, "bytes_per_step": moved / len(ok) if ok else None,
+        "engines": by_role, "requests_per_engine": [e["requests"] for e in by_role.values()],
+        "mismatches": mismatches(workload, results, reference),
+        "text_mismatches": len(text),
+        "text_mismatch_examples": [f"{sid}/{k}: {ok[(sid, k)].text[:80]!r} vs "
+                                   f"{reference[(sid, k)].text[:80]!r}" for sid, k in text[:3]],
+        "rendered_differently": sum(r.prompt_token_ids != reference[k].prompt_token_ids
+                                    for k, r in ok.items() if r.prompt_token_ids is not None),
+        "streamed_ok": sum(r.ttft_s is not None for r in ok.values()),
         "client_computed_by_step": {str(k): statistics.mean(v)
                                     for k, v in sorted(per_step_client.items())},
+        "routes": routes,
+        "step_detail": {f"{sid}/{k}": {
+            "prompt": r.prompt_tokens, "sent_s": round(r.sent_s, 3), "ttft_s": r.ttft_s,
+            "e2e_s": r.e2e_s, "hot": workload.session(sid).hot,
+            "route": r.headers.get("x-sessionkv-route"),
+            "reason": r.headers.get("x-sessionkv-route-reason"),
+            "handle": r.headers.get("x-sessionkv-handle"),
+            "prefill": r.headers.get("x-sessionkv-prefill"),
+            "prefill_ms": r.headers.get("x-sessionkv-prefill-ms"),
+            "error": r.error} for (sid, k), r in results.items()},
     }
 
 
-def run_probe(workload: Workload, url: str, model: str, run, reference_outputs: dict,
-              reference: dict[OutputKey, StepResult] | None, settle_s: float = 0.6) -> list:
+def run_probe(workload: Workload, url: str, model: str, run,
+              reference: dict[OutputKey, StepResult], settle_s: float = 0.6) -> list:
     """One session, step after step, alone: the engines' counters around every step
     give its KV bytes moved and its computed prompt tokens against its length."""
-    import requests
-
     sid = workload.sessions[0].sid
+    answers = {k: workload.answer(*k, r) for k, r in reference.items()}
     out = []
-    for k, step in enumerate(workload.sessions[0].steps):
-        prompt = workload.prompt(sid, k, reference_outputs)
+    for k in range(len(workload.sessions[0].steps)):
+        path, body = workload.request(sid, k, answers, model)
         before = engine_counters(run)
-        body = {"model": model, "prompt": prompt, "max_tokens": step.max_tokens,
-                "temperature": 0, "ignore_eos": True, "logprobs": 5,
-                "return_token_ids": True}
-        resp = requests.post(url + "/v1/completions", json=body,
-                             headers={"X-Session-ID": sid}, timeout=600)
+        res = run_one(url, path, body, sid)
         time.sleep(settle_s)
-        after = engine_counters(run)
-        d = [delta(a, b) for a, b in zip(after, before)]
-        entry = {"step": k, "session_tokens": len(prompt),
-                 "bytes": sum(x.get(BYTES, 0.0) for x in d),
-                 "computed": sum(x.get(LOCAL_COMPUTE, 0.0) for x in d),
-                 "status": resp.status_code, "equal": None}
-        if resp.status_code == 200 and reference:
-            choice = resp.json()["choices"][0]
-            tops = [sorted(t.values(), reverse=True)
-                    for t in (choice.get("logprobs") or {}).get("top_logprobs") or []]
-            ref = reference[(sid, k)]
-            entry["equal"] = compare(Generation(choice.get("token_ids") or [], tops, ""),
-                                     Generation(ref.token_ids, ref.top_logprobs, "")).equal
-        out.append(entry)
+        d = [delta(a, b) for a, b in zip(engine_counters(run), before)]
+        out.append({"step": k, "session_tokens": len(body["prompt"]),
+                    "bytes": sum(x.get(BYTES, 0.0) for x in d),
+                    "computed": sum(x.get(LOCAL_COMPUTE, 0.0) for x in d),
+                    "status": 200 if res.error is None else res.error[:3],
+                    "equal": equal(res, reference[(sid, k)]).equal
+                    if res.error is None else None})
     return out
-
-
-def scrape_all(urls: list[str]) -> list[dict]:
-    return [scrape(u) for u in urls]

@@ -23,11 +23,11 @@ import hashlib
 import json
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["AgentConfig", "Ceiling", "Session", "Step", "Workload", "agent_workload",
-           "block_chain", "ceiling", "mooncake_workload", "multi_turn_workload"]
+           "block_chain", "ceiling", "mooncake_workload", "workload_ceiling"]
 
 OutputKey = tuple[str, int]
 
@@ -135,8 +135,21 @@ class Workload:
         keys = self.keys()
         return sorted(keys, key=lambda key: (when(*key), key))
 
-    def total_prompt_tokens(self, outputs: dict[OutputKey, list[int]]) -> int:
-        return sum(len(self.prompt(sid, k, outputs)) for sid, k in self.keys())
+    def request(self, sid: str, k: int, answers: dict, model: str) -> tuple[str, dict]:
+        """The path and body step ``k`` of ``sid`` sends (``answers``: the earlier steps'
+        generated ids): a streamed ``/v1/completions`` of token ids, temperature 0,
+        ``ignore_eos``, top-5 logprobs and the generated ids."""
+        return "/v1/completions", {
+            "model": model, "prompt": self.prompt(sid, k, answers),
+            "max_tokens": self.session(sid).steps[k].max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "logprobs": 5, "return_token_ids": True}
+
+    def answer(self, sid: str, k: int, res):
+        """What a step's answer (a ``client.StepResult``) puts into the history: its
+        generated ids, when all of them came; else None."""
+        return res.token_ids if len(res.token_ids) == self.session(sid).steps[k].max_tokens \
+            else None
 
 
 # =========================================================================== ceiling
@@ -191,9 +204,13 @@ def ceiling(requests: Iterable[tuple[OutputKey, list[int], list[int]]],
     return Ceiling(total, reusable, per)
 
 
-def workload_ceiling(workload: Workload, outputs: dict[OutputKey, list[int]]) -> Ceiling:
-    return ceiling(((key, workload.prompt(*key, outputs), outputs[key])
-                    for key in workload.canonical_order()), workload.block_size)
+def workload_ceiling(workload: Workload, outputs: dict[OutputKey, list[int]],
+                     prompts: dict[OutputKey, list[int]] | None = None) -> Ceiling:
+    """The ceiling of a workload's requests in canonical order: ``prompts`` as sent (a
+    chat workload's, as the engine rendered them), else the token-id prompts built from
+    ``outputs``."""
+    return ceiling(((key, prompts[key] if prompts else workload.prompt(*key, outputs),
+                     outputs[key]) for key in workload.canonical_order()), workload.block_size)
 
 
 # =========================================================================== generator
@@ -287,40 +304,6 @@ def agent_workload(cfg: AgentConfig, name: str = "agent") -> Workload:
 
 
 # =========================================================================== replays
-def multi_turn_workload(conversations: list[dict], tokenize: Callable[[str], list[int]],
-                        max_output_tokens: int = 64, max_turns: int | None = None,
-                        tool_delay_s: float = 0.5, stagger_s: float = 0.3,
-                        name: str = "multi_turn") -> Workload:
-    """vLLM ``benchmarks/multi_turn`` conversations (``[{"id", "messages": [{"role",
-    "content"}, ...]}]``): each user message is a step; the model answers it with as
-    many tokens as the file's assistant answer has (capped), and its own answer, not
-    the file's, goes into the history, as the multi_turn client does by default."""
-    sessions = []
-    for i, conv in enumerate(conversations):
-        steps: list[Step] = []
-        messages = conv.get("messages") or conv.get("conversations") or []
-        for j, msg in enumerate(messages):
-            role = msg.get("role") or msg.get("from")
-            content = msg.get("content") or msg.get("value") or ""
-            if role not in ("user", "human"):
-                continue
-            answer = next((m.get("content") or m.get("value") or "" for m in messages[j + 1:]
-                           if (m.get("role") or m.get("from")) in ("assistant", "gpt")), "")
-            new = tokenize(f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n")
-            out_len = max(1, min(max_output_tokens, len(tokenize(answer)) if answer else 16))
-            steps.append(Step(new_tokens=tuple(new), max_tokens=out_len,
-                              delay_s=0.0 if not steps else tool_delay_s))
-            if max_turns and len(steps) >= max_turns:
-                break
-        if steps:
-            sid = f"{name}-{conv.get('id', i)}"
-            sessions.append(Session(sid=sid, head=(), steps=tuple(steps),
-                                    start_s=round(len(sessions) * stagger_s, 3)))
-    return Workload(name=name, sessions=sessions, think_open=None,
-                    description=f"vLLM multi_turn replay: {len(sessions)} conversations, "
-                                f"{sum(len(s.steps) for s in sessions)} turns")
-
-
 def mooncake_workload(lines: Iterable[str], block_size: int = 32, trace_block_tokens: int = 512,
                       time_scale: float = 1.0, max_requests: int | None = None,
                       max_output_tokens: int = 16, vocab_lo: int = 16, vocab_hi: int = 1000,

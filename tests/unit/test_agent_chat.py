@@ -12,9 +12,8 @@ from agentload.chat import (
     chat_workload,
     edit_answer,
     retokenization_loss,
-    text_ceiling,
 )
-from agentload.workload import Session
+from agentload.workload import Session, workload_ceiling
 
 ANSWER = "Here is the fix.\n```python\ndef f(x):\n    return x\n```\nDone."
 
@@ -65,7 +64,7 @@ def test_text_ceiling_and_retokenization_loss():
     p0 = list(range(100, 170))                     # 70 tokens: two full blocks
     out0 = list(range(200, 240))                   # 40 generated ids
     same = p0 + out0 + [7, 8, 9]                   # the answer re-rendered as its own ids
-    ceil = text_ceiling(w, {("s", 0): p0, ("s", 1): same}, {("s", 0): out0, ("s", 1): [1]})
+    ceil = workload_ceiling(w, {("s", 0): out0, ("s", 1): [1]}, {("s", 0): p0, ("s", 1): same})
     # (p0 + out0[:-1]) = 109 tokens: three full blocks are reusable by turn 1.
     assert ceil.per_request[("s", 1)] == (len(same), 96)
     retok = retokenization_loss(w, {("s", 0): p0, ("s", 1): same}, {("s", 0): out0})
@@ -75,7 +74,7 @@ def test_text_ceiling_and_retokenization_loss():
     moved = p0 + out0[:4] + [999] + out0[5:] + [7, 8, 9]
     retok = retokenization_loss(w, {("s", 0): p0, ("s", 1): moved}, {("s", 0): out0})
     assert (retok.diverged, retok.ideal_tokens, retok.kept_tokens) == (1, 96, 64)
-    ceil = text_ceiling(w, {("s", 0): p0, ("s", 1): moved}, {("s", 0): out0, ("s", 1): [1]})
+    ceil = workload_ceiling(w, {("s", 0): out0, ("s", 1): [1]}, {("s", 0): p0, ("s", 1): moved})
     assert ceil.per_request[("s", 1)][1] == 64
     # An edited previous answer is the client's doing, not re-tokenization's.
     assert retokenization_loss(_two_turns("trim"), {("s", 0): p0, ("s", 1): moved},
@@ -86,7 +85,7 @@ def test_rounds_pool_their_samples_for_the_forced_pd_comparison():
     """``--rounds``: each arm's TTFT and e2e samples from every round are pooled into
     one p50/p99 (nearest rank) per arm, and the report's forced P/D comparison uses them;
     one round alone pools nothing (its figures are the run's own)."""
-    from agentload import chat_report
+    from agentload import report
 
     def arm(ttft, e2e):
         return {"ttft_samples_s": ttft, "e2e_samples_s": e2e}
@@ -95,14 +94,14 @@ def test_rounds_pool_their_samples_for_the_forced_pd_comparison():
                                  "5-vr-cache": arm([2.0, 4.0], [6.0, 8.0])}},
                "rounds": {"2": {"chat": {"7-ours-pd": arm([3.0, 9.0], [7.0, 9.0]),
                                          "5-vr-cache": arm([1.0, 3.0], [5.0, 7.0])}}}}
-    ours = chat_report.pooled(results, "chat", "7-ours-pd")
+    ours = report.pooled(results, "chat", "7-ours-pd")
     assert ours["rounds"] == 2 and ours["ttft_n"] == 4
     assert (ours["ttft_p50_s"], ours["ttft_p99_s"]) == (2.0, 9.0)
     assert (ours["e2e_p50_s"], ours["e2e_p99_s"]) == (6.0, 9.0)
-    (line,) = chat_report._pooled_lines(results)
+    (line,) = [x for x in report.headlines(results) if "pooled" in x]
     assert "pooled over 2 rounds" in line and "TTFT p50 2.000 vs 2.000 s = 1.00" in line
     assert "p99 9.000 vs 4.000 s = 0.44" in line
     # The control: a single run is not pooled.
     del results["rounds"]
-    assert chat_report.pooled(results, "chat", "7-ours-pd") is None
-    assert chat_report._pooled_lines(results) == []
+    assert report.pooled(results, "chat", "7-ours-pd") is None
+    assert not [x for x in report.headlines(results) if "pooled" in x]

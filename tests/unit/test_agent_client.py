@@ -62,7 +62,7 @@ def test_reference_then_arm_send_the_same_prompts():
             base_arm = str(arm.make_url("")).rstrip("/")
             reference = await run_workload(WORKLOAD, lambda sid: base_ref, "m")
             outputs = {k: r.token_ids for k, r in reference.items()}
-            got = await run_workload(WORKLOAD, lambda sid: base_arm, "m", reference=outputs)
+            got = await run_workload(WORKLOAD, lambda sid: base_arm, "m", reference=reference)
         return ref_seen, arm_seen, reference, outputs, got
 
     ref_seen, arm_seen, reference, outputs, got = asyncio.run(scenario())
@@ -159,3 +159,58 @@ def test_external_engines_file_is_checked_at_start(tmp_path):
         path.write_text(json.dumps(raw))
         with pytest.raises(SystemExit, match=why):
             load_external(str(path))
+
+
+def test_chat_turns_streamed_or_not_give_ids_text_and_the_rendered_prompt():
+    """The one client reads a chat engine's answers, streamed (deltas) and not (one
+    message); an arm re-sends the reference's answers as text."""
+    from agentload.chat import ChatConfig, chat_workload
+
+    seen = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        rendered = list(range(len(json.dumps(body["messages"])) % 50 + 10))
+        ids, words = [11, 12, 13], ["a", "b", "c"]
+        tops = [{"top_logprobs": [{"logprob": -0.1}, {"logprob": -2.0}]} for _ in ids]
+        if not body["stream"]:
+            return web.json_response({"prompt_token_ids": rendered, "choices": [{
+                "message": {"content": "".join(words)}, "token_ids": ids,
+                "logprobs": {"content": tops}}]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = {"prompt_token_ids": rendered, "choices": [{"delta": {"role": "assistant"}}]}
+        await resp.write(f"data: {json.dumps(first)}\n\n".encode())
+        for t, w, top in zip(ids, words, tops):
+            chunk = {"choices": [{"delta": {"content": w}, "token_ids": [t],
+                                  "logprobs": {"content": [top]}}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    w = chat_workload(ChatConfig(sessions=2, turns=3, stream_share=0.5, subagent_share=1.0,
+                                 subagent_turns=1, tool_delay_s=0.01, stagger_s=0.01, seed=3))
+
+    async def scenario():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        async with TestServer(app) as srv:
+            base = str(srv.make_url("")).rstrip("/")
+            ref = await run_workload(w, lambda sid: base, "m")
+            got = await run_workload(w, lambda sid: base, "m", reference=ref)
+        return ref, got
+
+    ref, got = asyncio.run(scenario())
+    assert set(ref) == set(w.keys()) and all(r.error is None for r in ref.values())
+    for (sid, k), r in ref.items():
+        assert r.text == "abc" and r.token_ids == [11, 12, 13] and r.prompt_token_ids
+        assert r.top_logprobs == [[-0.1, -2.0]] * 3
+        assert r.prompt_tokens == len(r.prompt_token_ids)
+        streamed = w.session(sid).steps[k].stream
+        assert (r.ttft_s is not None) == streamed and len(r.itl_s) == (2 if streamed else 0)
+        assert got[(sid, k)].error is None and got[(sid, k)].prompt_tokens == r.prompt_tokens
+    assert {b["stream"] for b in seen} == {True, False}
+    later = [b for b in seen if len(b["messages"]) > 2]
+    assert later and all(m["content"] in ("abc", "c", "bc") or m["role"] != "assistant"
+                         for b in later for m in b["messages"])

@@ -17,7 +17,6 @@ from agentload.workload import (
     ceiling,
     mooncake_file_ceiling,
     mooncake_workload,
-    multi_turn_workload,
     pin_sessions,
     steps_per_session,
     workload_ceiling,
@@ -95,7 +94,7 @@ def test_agent_workload_is_seeded_and_reuse_ceiling_is_high():
     assert subs, "subagent_share=1.0 spawns sub-agents"
     outs = fake_outputs(w1)
     ceil = workload_ceiling(w1, outs)
-    assert ceil.prompt_tokens == w1.total_prompt_tokens(outs)
+    assert ceil.prompt_tokens == sum(len(w1.prompt(*k, outs)) for k in w1.keys())
     # Agent traffic re-sends its history: most prompt tokens are reusable.
     assert 0.7 < ceil.reusable_share < 1.0
     # Every step after the first reuses at least the shared prefix's full blocks.
@@ -147,29 +146,13 @@ def test_mooncake_shared_hash_ids_are_shared_tokens():
     assert workload_ceiling(w, outs).reusable_tokens == 64
 
 
-def test_multi_turn_replay_uses_the_models_answers():
-    conv = [{"id": "c1", "messages": [
-        {"role": "user", "content": "ab"}, {"role": "assistant", "content": "xyz"},
-        {"role": "user", "content": "cd"}, {"role": "assistant", "content": "w"}]}]
-
-    def tok(text: str) -> list[int]:
-        return [ord(ch) for ch in text]
-
-    w = multi_turn_workload(conv, tok, max_output_tokens=64)
-    s = w.sessions[0]
-    assert [st.max_tokens for st in s.steps] == [3, 1]
-    outs = {(s.sid, 0): [1, 2, 3], (s.sid, 1): [4]}
-    assert w.prompt(s.sid, 1, outs)[:len(s.steps[0].new_tokens) + 3] == \
-        list(s.steps[0].new_tokens) + [1, 2, 3]
-
-
 def test_the_host_tier_arms_run_the_host_workload_only():
     import agent_workload as bench
 
     by_name = {name: arms for name, (_, arms)
-               in bench.build_workloads(bench.parse_args(["--quick"]), None).items()}
+               in bench.build_workloads(bench.parse_args(["--quick"])).items()}
     assert by_name and not any(a.startswith("8-") for arms in by_name.values() for a in arms)
-    host = bench.build_workloads(bench.parse_args(["--quick", "--workloads", "host,r1"]), None)
+    host = bench.build_workloads(bench.parse_args(["--quick", "--workloads", "host,r1"]))
     assert host["host"][1] == ["8-ours-nohost", "8-ours-host"]
     assert not any(a.startswith("8-") for a in host["r1"][1])
 
