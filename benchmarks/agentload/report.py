@@ -398,7 +398,7 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
 
     def bars(keys_of, value, ylabel, log=False):
         def draw(ax, wname, per_arm):
-            keys = list(per_arm)
+            keys = sorted(per_arm)
             for j, (k, lab) in enumerate(keys_of):
                 ax.bar([i + 0.4 * j for i in range(len(keys))],
                        [value(per_arm[a], k) or 0 for a in keys], width=0.4, label=lab)
@@ -411,7 +411,7 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
 
     def lines(x, y, xlabel, ylabel):
         def draw(ax, wname, per_arm):
-            for i, (key, steps) in enumerate(per_arm.items()):
+            for i, (key, steps) in enumerate(sorted(per_arm.items())):
                 ax.plot([x(s) for s in steps], [y(s) for s in steps], marker="os^vD<>px"[i % 9],
                         linestyle=("-", "--", ":", "-.")[i % 4], label=key)
             ax.set_xlabel(xlabel)
