@@ -1,4 +1,4 @@
-"""Agent sessions as OpenAI chat messages in text, and the reuse ceiling for text.
+"""Agent sessions as OpenAI chat messages in text, and the re-tokenization loss.
 
 Pure: the standard library only (and ``vllm_sessionkv.wire.hashing``, torch-free).
 
@@ -16,13 +16,10 @@ model's preamble before the code, standing in for the reasoning a client drops).
 edit stays in the history for the later turns.  A sub-agent starts from its parent's
 messages up to and including the answer of the turn it was spawned after.
 
-The ceiling for text (``workload_ceiling`` with the rendered prompts): each turn's prompt (the token ids
-the engine reports, ``prompt_token_ids``) is compared, by whole blocks as vLLM's
-prefix cache hashes them, with every earlier request's prompt and generated ids (all
-but the last, whose KV is never computed): :func:`agentload.workload.ceiling`, the
-token-id ceiling, on the rendered prompts.  Where a turn re-sends the previous answer
-whole, the tokens lost at the re-tokenization boundary are the full blocks of (the
-previous prompt + the ids generated for it) that the new prompt would share if the
+The ceiling for text is the token-id one (``workload.workload_ceiling``) over the
+prompts the engine rendered (``prompt_token_ids``).  Where a turn re-sends the previous
+answer whole, the tokens lost at the re-tokenization boundary are the full blocks of
+(the previous prompt + the ids generated for it) that the new prompt would share if the
 answer came back as those ids, less the ones it shares as rendered
 (``retokenization.measure_turn``).
 """
@@ -272,7 +269,8 @@ def retokenization_loss(workload: ChatWorkload, prompts: dict[OutputKey, list[in
             diverged += 1
             if len(examples) < 5:
                 at = len(prompts[prev]) + first_diff
-                examples.append(f"{sid}/{k}: generated ids {outputs[prev][first_diff:first_diff + 3]}"
-                                f", re-rendered {prompts[(sid, k)][at:at + 3]}")
+                examples.append(f"{sid}/{k}: generated ids "
+                                f"{outputs[prev][first_diff:first_diff + 3]}, re-rendered "
+                                f"{prompts[(sid, k)][at:at + 3]}")
     return Retokenization(len(per), diverged, sum(i for i, _ in per.values()),
                           sum(kp for _, kp in per.values()), per, examples)

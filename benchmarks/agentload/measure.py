@@ -10,7 +10,6 @@ from pathlib import Path
 from agentload.client import NOT_FINISHED, StepResult, run_one
 from agentload.workload import Ceiling, OutputKey, Workload
 from sessionkv_bench.arms import engine_counters
-from sessionkv_bench.client import accounting
 from sessionkv_bench.metrics import delta
 from sessionkv_bench.stats import pct
 
@@ -59,19 +58,6 @@ def mismatches(workload: Workload, results: dict[OutputKey, StepResult],
     return out
 
 
-def client_computed(res: StepResult, role_of_cached: str) -> int | None:
-    """Prompt tokens the prefilling engine computed for this step, where the answer
-    says: our proxy's ``x-sessionkv-prefill`` header (P's accounting; a decode-only
-    step computes on D what D lacked), else the co-located engine's usage details."""
-    head = res.headers.get("x-sessionkv-prefill")
-    if head:
-        acc = accounting(head)
-        return None if "unparsed" in acc else int(acc.get("recomputed_tokens", 0))
-    if role_of_cached == "coloc" and res.cached_tokens is not None:
-        return res.prompt_tokens - res.cached_tokens
-    return None
-
-
 def summarize(workload: Workload, results: dict[OutputKey, StepResult],
               reference: dict[OutputKey, StepResult], ceil: Ceiling, before: list[dict],
               after: list[dict], engines: list[tuple[str, str]], wall_s: float) -> dict:
@@ -93,11 +79,6 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         if any(ours.values()):
             entry["sessionkv"] = ours
         by_role[f"{role}{sum(r.startswith(role) for r in by_role)}"] = entry
-    per_step_client: dict[int, list[int]] = {}
-    for (_, k), r in ok.items():
-        c = client_computed(r, engines[0][0])
-        if c is not None:
-            per_step_client.setdefault(k, []).append(c)
     routes: dict[str, int] = {}
     for r in results.values():
         if r.headers.get("x-sessionkv-route"):
@@ -131,8 +112,6 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         "rendered_differently": sum(r.prompt_token_ids != reference[k].prompt_token_ids
                                     for k, r in ok.items() if r.prompt_token_ids is not None),
         "streamed_ok": sum(r.ttft_s is not None for r in ok.values()),
-        "client_computed_by_step": {str(k): statistics.mean(v)
-                                    for k, v in sorted(per_step_client.items())},
         "routes": routes,
         "step_detail": {f"{sid}/{k}": {
             "prompt": r.prompt_tokens, "sent_s": round(r.sent_s, 3), "ttft_s": r.ttft_s,

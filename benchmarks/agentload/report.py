@@ -265,9 +265,10 @@ def headlines(results: dict) -> list[str]:
                        f"{forced_pd_split(r['7-ours-pd'])}")
         if w == "mooncake":
             fc = results["meta"].get("mooncake_file_ceiling")
-            out += [f"- mooncake: {labels[k]} reused {s['prompt_tokens'] - s['computed_tokens']:.0f}"
-                    f" of {s['reusable_tokens']} reusable tokens ({_f(s['share_of_max'], '{:.1%}')}"
-                    f" of the slice's ceiling; file ceiling {_f(fc, '{:.1%}')} of blocks)"
+            out += [f"- mooncake: {labels[k]} reused "
+                    f"{s['prompt_tokens'] - s['computed_tokens']:.0f} of {s['reusable_tokens']}"
+                    f" reusable tokens ({_f(s['share_of_max'], '{:.1%}')} of the slice's "
+                    f"ceiling; file ceiling {_f(fc, '{:.1%}')} of blocks)"
                     for k, s in r.items()]
         for key, s in r.items():
             m = s.get("mismatches") or {}
@@ -295,8 +296,8 @@ def rounds_lines(results: dict) -> list[str]:
 
 def render(results: dict) -> str:
     # (Reports written before the run recorded its commit and command: their argv.)
-    meta = {"commit": "not recorded", "command": " ".join(
-        ["python", *results["meta"].get("argv", ["benchmarks/agent_workload.py"])])} | results["meta"]
+    argv = results["meta"].get("argv", ["benchmarks/agent_workload.py"])
+    meta = {"commit": "not recorded", "command": " ".join(["python", *argv])} | results["meta"]
     pre = meta.get("prefill") or {}
     chat = meta.get("client") == "chat"
     lines = report.head(f"Agent workload benchmark{' in chat text' if chat else ''}"

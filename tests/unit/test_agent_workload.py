@@ -169,3 +169,45 @@ def test_pin_sessions_round_robins_top_level_sessions_and_keeps_subagents_with_p
     assert subs, "subagent_share=1.0 spawns sub-agents"
     assert all(pinned[s.sid] == pinned[s.parent] for s in subs)
     assert set(pinned) == {s.sid for s in w.sessions}
+
+
+def test_a_run_summary_and_every_committed_report_render():
+    """``measure.summarize`` on a made-up run of two engines, and ``report.render`` on it
+    and on every committed agent_workload*.json (the figures docs quote stay readable)."""
+    from pathlib import Path
+
+    from agentload import measure, report
+    from agentload.client import StepResult
+
+    w = agent_workload(AgentConfig(sessions=2, steps=2, prefix_tokens=64, task_tokens=8,
+                                   tool_output_tokens=16, output_tokens=4, think_tokens=1,
+                                   subagent_share=0.0, seed=2))
+    outs = fake_outputs(w)
+    ref = {k: StepResult(k, len(w.prompt(*k, outs)), 0.0, token_ids=outs[k],
+                         top_logprobs=[[-0.1]] * len(outs[k]), ttft_s=(i + 1) / 10,
+                         e2e_s=0.5, prompt_token_ids=w.prompt(*k, outs))
+           for i, k in enumerate(w.keys())}
+    got = dict(ref)
+    got[w.keys()[-1]] = StepResult(w.keys()[-1], 0, 0.0, error="500: boom")
+    ceil = workload_ceiling(w, outs)
+    before = [{measure.LOCAL_COMPUTE: 10.0}, {}]
+    after = [{measure.LOCAL_COMPUTE: 110.0, measure.BYTES: 4e6, measure.REQUESTS: 3.0},
+             {measure.LOCAL_COMPUTE: 20.0, measure.REQUESTS: 3.0}]
+    s = measure.summarize(w, got, ref, ceil, before, after, [("P", "u0"), ("D", "u1")], 2.0)
+    assert (s["steps"], s["ok"], s["errors"], s["computed_tokens"]) == (4, 3, 1, 120.0)
+    assert s["prompt_tokens"] == sum(ref[k].prompt_tokens for k in w.keys()[:-1])
+    assert s["mismatches"]["compared"] == 3 and s["mismatches"]["token"] == 0
+    assert (s["ttft_p50_s"], s["ttft_p99_s"]) == (0.2, 0.3) and s["bytes"] == 4e6
+    assert list(s["engines"]) == ["P0", "D0"] and s["requests_per_engine"] == [3.0, 3.0]
+    results = {"meta": {"date": "2026-12-06 00:00 UTC", "commit": "abc", "machine": "m",
+                        "command": "python benchmarks/agent_workload.py", "model": "tiny",
+                        "dtype": "float32", "p_blocks": 1, "d_blocks": 2, "coloc_blocks": 1,
+                        "max_model_len": 9, "workloads": {"r1": w.description}},
+               "runs": {"r1": {"7-ours": s, "1-rr": s}}, "ceilings": {}, "probes": {}}
+    text = report.render(results)
+    assert "| 7 ours in full | 3/4 |" in text and "## Headlines" in text
+    reports = sorted((Path(__file__).resolve().parents[2] / "docs" / "benchmarks")
+                     .glob("agent_workload*.json"))
+    assert reports
+    for path in reports:
+        assert "## How to read it" in report.render(json.loads(path.read_text())), path.name
