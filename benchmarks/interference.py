@@ -1,219 +1,236 @@
 #!/usr/bin/env python3
-"""Interference: does splitting P and D beat co-located chunked prefill on this
-traffic?  One command:
+"""Interference: does splitting P and D beat co-located chunked prefill on this traffic?
+``flock /tmp/sessionkv-cluster.lock python benchmarks/interference.py [--quick]``
 
-    flock /tmp/skv-cluster.lock .venv/bin/python benchmarks/interference.py
-    flock /tmp/skv-cluster.lock .venv/bin/python benchmarks/interference.py --quick
-
-Victims (a fixed pool of short streaming requests) run while an injector sends long
-prompts at a constant rate, replayed from an arrival file.  Arms, with the same
-number of servers each:
-
-* ``coloc-N``: two co-located vLLM engines with chunked prefill at
-  ``max_num_batched_tokens`` N (one arm per ``--max-num-batched-tokens`` value),
-  behind our proxy with no prefill pool (it balances on load);
-* ``pd-defaults``: one P and one D with our connector, behind our proxy with its
-  defaults (a short uncached prompt goes to D alone: conditional disaggregation);
-* ``pd-forced``: the same engines behind a second proxy that sends every request
-  through P (``--decode-only-max-uncached-tokens -1``).
-
-Each arm runs every ``--rates`` step (long prompts per second); each step resets the
-prefix caches, runs ``--duration-s`` of load and counts what follows the first
-``--warm-s``.  Reported per step: victims' ITL p50/p95/p99 (gaps between streamed
-chunks), long prompts' TTFT p50/p95/p99, the offered load, routes, and per pool the
-queueing delay, prefix-cache hit rate and KV transfers (``vllm:nixl_*``,
-``sessionkv_sync_load_wait_seconds``); per arm the goodput (the highest rate at which
-both ``--ttft-target-ms`` and ``--itl-target-ms`` hold); and a verdict.
-
-Fairness is enforced (``interfere/fairness.py``): the same number of servers and the
-same arrival file in every arm, prefix caches reset before every step, and every
-engine's resolved config read back from the engine (``/server_info``) and compared:
-a difference other than the arms' knobs (the chunked-prefill budget, the KV
-connector) and per-server keys (ports, cores) stops the run, naming the key, unless
-``--allow-diff KEY``.  ``--check-only`` starts each arm and checks only that.
-
-On CPU each engine's model thread is pinned to a core of its own (``--cores``, by
-default engine i on core i: ``VLLM_CPU_OMP_THREADS_BIND``), in both arms.
-
-GPU engines launched by the bench: ``--model /models/X --gpus 0,1 --max-model-len
-32768 --blocks N``.  Engines already running (``--external FILE --model NAME``), in
-``agent_workload.py``'s format: ``{"coloc": {"engines": [{"url": ...}, {"url": ...}]},
-"ours": {"prefill": {"url", "events", "replay"}, "decode": {"url", "events", "replay",
-"early"}}}``; engines run with ``VLLM_SERVER_DEV_MODE=1`` (config dump, cache reset)
-and ``--block-size 32``.
+Victims (short prompts streamed back to back) run while long prompts arrive at a constant
+rate: two aiperf runs started together, seeded per rate.  Arms, two servers each: coloc-N
+(two co-located engines, chunked prefill budget N, behind our proxy), pd-defaults (1 P +
+1 D, our connector and proxy), pd-forced (a second proxy on them, every request via P).
+Every step (arm, rate) starts from reset caches; its window is [t0 + warm_s, t0 +
+duration_s], t0 the first long prompt's send (rate 0: the first victim's).  Measured:
+victims' ITL over the gaps between streamed chunks (aiperf's chunk times) and by the
+engines' histogram, long prompts' TTFT, per pool requests, queueing and KV moved; per arm
+the goodput (the highest rate at which it and every lower one met both p99 targets); a
+verdict.  Fairness (``check_configs``, pure): engines' resolved configs (``/server_info``)
+may differ only in the arms' knobs (chunked-prefill budget, KV connector) and per-server
+keys, else exit 2 naming the key (say prefix caching on one side only) unless
+``--allow-diff KEY``; ``--check-only`` checks only that.  aiperf's prompts must match too.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import datetime as dt
+import hashlib
 import json
 import math
 import os
 import random
+import re
 import shlex
-import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
+from sessionkv_bench import aiperf, report
+from sessionkv_bench import arms as armlib
+from sessionkv_bench.metrics import histogram_buckets, histogram_quantile, metric_sums
+from sessionkv_bench.runner import PortPool, log
+from sessionkv_bench.stats import pct
 
-from sessionkv_bench import arms as armlib  # noqa: E402
-from sessionkv_bench.arms import SIDE_PY, call_in_side_venv, ensure_side_venv
-from sessionkv_bench.metrics import histogram_buckets, metric_sums
-from sessionkv_bench.report import machine_line
-from sessionkv_bench.runner import PortPool, env_for_bench, log  # noqa: E402
-from interfere import fairness, load, report  # noqa: E402
-
-# This bench's ports (its own range; UCX's listeners in the last hundred).
-PORTS = (32000, 32899)
-UCX_PORTS = "32900-32999"
-COLOC_ARM = armlib.ARM_BY_KEY["2-ours-coloc"]   # two co-located engines + our proxy
-PD_ARM = armlib.ARM_BY_KEY["7-ours"]            # 1P + 1D + our proxy (LocalCluster's)
-FORCE_DISAGG = ["--decode-only-max-uncached-tokens", "-1"]
-
-FULL = {"mnbt": "256,1024", "rates": "0,0.5,1,1.5", "duration_s": 20.0, "warm_s": 4.0,
-        "prompt_tokens": 1536}
-QUICK = {"mnbt": "256", "rates": "0,1", "duration_s": 10.0, "warm_s": 3.0,
+PORTS, UCX_PORTS = (32000, 32899), "32900-32999"   # this bench's own range
+FULL = {"max_num_batched_tokens": "256,1024", "rates": "0,0.5,1,1.5", "duration_s": 20.0,
+        "warm_s": 4.0, "prompt_tokens": 1536}
+QUICK = {"max_num_batched_tokens": "256", "rates": "0,1", "duration_s": 10.0, "warm_s": 3.0,
          "prompt_tokens": 1024}
+# startup_slack_s: victims run that much longer than a step, as aiperf's two runs take
+# 10-20 s each to start.
+FLAGS = {"victims": 4, "victim_prompt_tokens": 64, "victim_max_tokens": 64,
+         "injected_max_tokens": 8, "ttft_target_ms": 3000.0, "itl_target_ms": 100.0,
+         "blocks": 512, "max_model_len": 2048, "startup_slack_s": 15.0, "drain_s": 30.0,
+         "seed": 0, "dtype": "float32", "cores": "auto", "pd_modes": "defaults,forced",
+         "coloc_extra_args": "", "pd_extra_args": "", "gpus": ""}   # gpus: one per engine
+PD_ARMS = {"defaults": ("7-ours", "P/D, proxy defaults"),
+           "forced": ("7-ours-pd", "P/D, every request via P")}
+COUNTERS = ("vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+            "vllm:request_queue_time_seconds_count", "vllm:nixl_bytes_transferred_sum")
+ENGINE_ITL = "vllm:inter_token_latency_seconds"   # stamped by the engine core
+
+# Fairness: the keys the arms exist to vary (vLLM derives the encoder budget, the compile
+# ranges and a fusion bound from max_num_batched_tokens), and those of one server.
+KNOBS = (r"^scheduler_config\.(max_num_batched_tokens|max_num_encoder_input_tokens|"
+         r"encoder_cache_size)$", r"^compilation_config\.compile_ranges_endpoints$",
+         r"^compilation_config\.pass_config\.rope_kvcache_fusion_max_token_num$",
+         r"^kv_transfer_config(\.|$)")
+INSTANCE = (r"(^|\.)instance_id$", r"(^|[._])(\w+_)?port(_list)?$", r"endpoint$",
+            r"(_host|_ip|_addr)$", r"^env\.VLLM_OBJECT_STORAGE_SHM_BUFFER_NAME$",
+            r"^compilation_config\.(compilation_time|encoder_compilation_time|traced_files|"
+            r"local_cache_dir|cache_dir)$", r"^env\.VLLM_CPU_OMP_THREADS_BIND$")
+SYSTEM_KEYS = ("torch_version", "vllm_version", "cuda_runtime_version",
+               "nvidia_driver_version", "nvidia_gpu_models")
 
 
-@dataclass(frozen=True)
-class ArmPlan:
-    key: str
-    label: str
-    kind: str                  # coloc | pd
-    cluster: str               # the cluster (engines) it runs on
-    proxy: str = ""            # pd: defaults | forced
+class FairnessError(RuntimeError):
+    """A fairness rule does not hold; the message names what differs."""
 
 
-@dataclass(frozen=True)
-class ClusterPlan:
-    key: str
-    kind: str                  # coloc | pd (agentload cluster "coloc" or "ours")
-    extra_args: tuple[str, ...]
-    arms: tuple[ArmPlan, ...]
+def flatten(server_info: dict) -> dict[str, object]:
+    """``/server_info?config_format=json`` -> {dotted key: value}: the vLLM config,
+    ``env.VLLM_*`` and ``system.<SYSTEM_KEYS>``."""
+    out: dict[str, object] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = value
+    walk("", server_info.get("vllm_config") or {})
+    out |= {f"env.{k}": v for k, v in (server_info.get("vllm_env") or {}).items()}
+    system = server_info.get("system_env") or {}
+    return out | {f"system.{k}": system.get(k) for k in SYSTEM_KEYS}
 
 
+def check_configs(configs: dict[str, dict], allow: tuple[str, ...] = ()) -> list[dict]:
+    """Every key not the same on all engines (missing counts as None), as knob, instance
+    or allowed (named in ``allow``); FairnessError naming every other key and its values."""
+    diffs = []
+    for key in sorted({k for c in configs.values() for k in c}):
+        values = {label: c.get(key) for label, c in configs.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            kind = ("knob" if any(re.search(p, key) for p in KNOBS) else "instance"
+                    if any(re.search(p, key, re.IGNORECASE) for p in INSTANCE) else
+                    "allowed" if key in allow else "forbidden")
+            diffs.append({"key": key, "kind": kind, "values": values})
+    bad = [f"  {d['key']}: " + ", ".join(f"{k}={v!r}" for k, v in d["values"].items())
+           for d in diffs if d["kind"] == "forbidden"]
+    if bad:
+        raise FairnessError("engine configs differ in keys the arms must share "
+                            "(--allow-diff KEY accepts one):\n" + "\n".join(bad))
+    return diffs
+
+
+def requests_of(records: list[dict]) -> list[dict]:
+    """aiperf's per-request records -> {start_s, ttft_s, chunks_s (absolute), error}."""
+    out = []
+    for r in records:
+        m = {k: v["value"] for k, v in r.get("metrics", {}).items()}
+        start, ttft = r["metadata"]["request_start_ns"] / 1e9, m.get("time_to_first_token")
+        chunks = [] if ttft is None else [start + ttft / 1e3]
+        for gap_ms in m.get("inter_chunk_latency") or []:
+            chunks.append(chunks[-1] + gap_ms / 1e3)
+        out.append({"start_s": start, "ttft_s": None if ttft is None else ttft / 1e3,
+                    "chunks_s": chunks, "error": bool(r.get("error"))})
+    return out
+
+
+def _pcts(xs: list[float]) -> dict:
+    return {f"p{round(q * 100)}": pct(xs, q) for q in (0.5, 0.95, 0.99)}
+
+
+def summarize_step(victims: list[dict], injected: list[dict], rate: float, warm_s: float,
+                   duration_s: float) -> dict:
+    """What aiperf saw inside the step's window (the module docstring)."""
+    t0 = min(r["start_s"] for r in (injected or victims))
+    lo, hi = t0 + warm_s, t0 + duration_s
+    gaps = [b - a for r in victims for a, b in zip(r["chunks_s"], r["chunks_s"][1:])
+            if a >= lo and b <= hi]
+    # Long prompts by their place in the schedule: the i-th is due at t0 + i / rate.
+    inj = [r for i, r in enumerate(sorted(injected, key=lambda r: r["start_s"]))
+           if warm_s <= i / rate < duration_s]
+    return {"rate": rate, "offered_injected_rps": len(inj) / (hi - lo),
+            "victim_itl_s": _pcts(gaps), "victim_gaps": len(gaps),
+            "victim_ttft_s": _pcts([r["ttft_s"] for r in victims
+                                    if lo <= r["start_s"] < hi and r["ttft_s"] is not None]),
+            "victim_tokens_per_s": sum(lo <= c <= hi for r in victims for c in r["chunks_s"])
+            / (hi - lo),
+            "injected": len(inj), "injected_failed": sum(r["ttft_s"] is None for r in inj),
+            "injected_ttft_s": _pcts([r["ttft_s"] for r in inj if r["ttft_s"] is not None]),
+            "errors": sum(r["error"] for r in victims + inj),
+            "victims_cover_window": bool(victims) and min(r["start_s"] for r in victims) <= lo
+            and max((r["chunks_s"][-1] for r in victims if r["chunks_s"]), default=0) >= hi}
+
+
+def pools(engines: list[tuple[str, str]], before: list[dict], after: list[dict]) -> dict:
+    """Counter deltas per pool (coloc, P, D): requests, mean queueing, KV bytes moved."""
+    d: dict[str, dict[str, float]] = {}
+    for (role, _), b, a in zip(engines, before, after):
+        for k in COUNTERS:
+            d.setdefault(role, dict.fromkeys(COUNTERS, 0.0))[k] += a.get(k, 0.0) - b.get(k, 0.0)
+    return {role: {"requests": x[COUNTERS[0]], "kv_bytes": x[COUNTERS[3]],
+                   "queue_mean_s": x[COUNTERS[1]] / x[COUNTERS[2]] if x[COUNTERS[2]] else None}
+            for role, x in d.items()}
+
+
+def goodput(steps: dict, ttft_s: float, itl_s: float) -> float:
+    """The highest rate at which that step and every lower one met both targets."""
+    best = 0.0
+    for s in sorted(steps.values(), key=lambda s: s["rate"]):
+        itl, ttft = s["victim_itl_s"]["p99"], s["injected_ttft_s"]["p99"]
+        if (s["errors"] or s["injected_failed"] or itl is None or itl > itl_s
+                or (s["injected"] and (ttft is None or ttft > ttft_s))):
+            break
+        best = s["rate"]
+    return best
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def _trio(d: dict) -> str:
+    return "/".join(_ms(d.get(k)) for k in ("p50", "p95", "p99"))
+
+
+def verdict(arms: dict, ttft_s: float, itl_s: float) -> dict:
+    """Best co-located arm against best P/D arm by goodput, then by victims' ITL p99
+    under injection (mean over the rates); inconclusive when one misses the ITL target
+    with no long prompts at all (then its failures are not interference)."""
+    under = {k: statistics.mean(xs) if (xs := [s["victim_itl_s"]["p99"] for s in a["steps"]
+             .values() if s["rate"] > 0 and s["victim_itl_s"]["p99"] is not None]) else None
+             for k, a in arms.items()}
+    good = {k: goodput(a["steps"], ttft_s, itl_s) for k, a in arms.items() if a["steps"]}
+    c, d = (max((k for k in good if arms[k]["kind"] == kind), default=None,
+                key=lambda k: (good[k], -(under[k] or math.inf))) for kind in ("coloc", "pd"))
+    out = {"goodput": good, "itl_p99_under_injection_s": under, "best_coloc": c, "best_pd": d}
+    if c is None or d is None:
+        return out | {"decision": "inconclusive", "why": "an arm did not run"}
+    why = (f"goodput {good[c]:g} req/s of long prompts co-located ({c}), {good[d]:g} P/D "
+           f"({d}); victims' ITL p99 under injection {_ms(under[c])} against {_ms(under[d])} ms")
+    for key in (c, d):
+        base = (arms[key]["steps"].get("0") or {}).get("victim_itl_s", {}).get("p99")
+        if base is not None and base > itl_s:
+            return out | {"decision": "inconclusive", "why": f"{key} misses the victims' ITL "
+                          f"target with no long prompts at all (p99 {_ms(base)} ms at rate 0), "
+                          f"so its misses are not interference; {why}"}
+    return out | {"why": why, "decision": "disaggregate" if good[d] > good[c] else
+                  "stay co-located" if good[d] < good[c] else "inconclusive"}
+
+
+# ======================================================================= running it
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: one co-located budget, "
-                   "two rates, short steps")
-    p.add_argument("--check-only", action="store_true",
-                   help="start each arm, read back and compare the engine configs, stop")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="one co-located budget, rates 0,1")
+    p.add_argument("--check-only", action="store_true", help="start, compare configs, stop")
     p.add_argument("--model", help="HF model directory (default: generate the bench model)")
-    p.add_argument("--tiny-model", action="store_true",
-                   help="generate the tests' tiny model instead of the bench model")
-    p.add_argument("--max-num-batched-tokens", dest="mnbt",
-                   help="co-located arms' chunked-prefill budgets, comma-separated "
-                        f"(default {FULL['mnbt']}; quick {QUICK['mnbt']})")
-    p.add_argument("--pd-max-num-batched-tokens", type=int,
-                   help="the P/D engines' budget (default: vLLM's)")
-    p.add_argument("--pd-modes", default="defaults,forced",
-                   help="P/D arms: our proxy's defaults, and/or every request through P")
-    p.add_argument("--rates", help="injector rates, long prompts per second "
-                                   f"(default {FULL['rates']}; quick {QUICK['rates']})")
-    p.add_argument("--duration-s", type=float, help="load per step")
-    p.add_argument("--warm-s", type=float, help="first seconds of each step not counted")
-    p.add_argument("--drain-s", type=float, default=30.0,
-                   help="after the load stops, how long long prompts may still take to "
-                        "start answering before they count as unfinished")
-    p.add_argument("--victims", type=int, default=4, help="concurrent victim streams")
-    p.add_argument("--victim-prompt-tokens", type=int, default=64)
-    p.add_argument("--victim-max-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, help="long prompts' length (generated file)")
-    p.add_argument("--injected-max-tokens", type=int, default=8)
-    p.add_argument("--arrivals", help="arrival file (JSONL: t_s, prompt, max_tokens) "
-                                      "instead of a generated one")
-    p.add_argument("--ttft-target-ms", type=float, default=3000.0,
-                   help="long prompts' TTFT p99 target")
-    p.add_argument("--itl-target-ms", type=float, default=100.0,
-                   help="victims' ITL p99 target")
-    p.add_argument("--blocks", type=int, default=512,
-                   help="KV blocks (32 tokens) of every engine, the same in every arm")
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--dtype", default="float32",
-                   help="engines' --dtype (float32: the bench model's measured prefill "
-                        "rate in docs/benchmarks/agent_workload.md)")
-    p.add_argument("--cores", default="auto", help=armlib.CORES_HELP)
-    p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES, one per engine")
-    p.add_argument("--coloc-extra-args", default="",
-                   help="extra vLLM arguments for the co-located engines")
-    p.add_argument("--pd-extra-args", default="",
-                   help="extra vLLM arguments for the P/D engines")
-    p.add_argument("--allow-diff", action="append", default=[], metavar="KEY",
-                   help="accept engines whose configs differ in KEY (reported)")
-    p.add_argument("--external", metavar="JSON",
-                   help="engines already running: coloc (two engines) and ours (P, D)")
-    p.add_argument("--seed", type=int, default=0, help="cluster and arm order")
-    p.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"))
-    p.add_argument("--log-dir", help="engine and proxy logs (default: a temp dir)")
-    p.add_argument("--render-only", metavar="JSON",
-                   help="write the report and plot of an earlier run's JSON, run nothing")
+    p.add_argument("--tiny-model", action="store_true", help="generate the tests' tiny model")
+    p.add_argument("--allow-diff", action="append", default=[], metavar="KEY")
+    p.add_argument("--out-dir", default=str(report.REPO / "docs" / "benchmarks"))
+    p.add_argument("--log-dir", help="engine, proxy and aiperf logs (default: a temp dir)")
+    for name, default in {**FLAGS, **FULL}.items():   # FULL's: --quick's when not given
+        p.add_argument("--" + name.replace("_", "-"), type=type(default),
+                       default=None if name in FULL else default)
     args = p.parse_args(argv)
-    base = QUICK if args.quick else FULL
-    for name in ("mnbt", "rates", "duration_s", "warm_s", "prompt_tokens"):
-        if getattr(args, name) is None:
-            setattr(args, name, base[name])
-    args.rate_list = sorted({float(r) for r in str(args.rates).split(",") if r})
-    if not args.rate_list or args.rate_list[0] < 0:
-        raise SystemExit("--rates: non-negative numbers, comma-separated")
-    if not 0 <= args.warm_s < args.duration_s:
-        raise SystemExit("--warm-s must be below --duration-s")
-    args.mnbt_list = [int(x) for x in str(args.mnbt).split(",") if x]
-    args.pd_mode_list = [m for m in args.pd_modes.split(",") if m]
-    if set(args.pd_mode_list) - {"defaults", "forced"}:
-        raise SystemExit("--pd-modes: defaults and/or forced")
-    args.external_clusters = armlib.load_external(args.external) if args.external else {}
-    if args.external_clusters and not args.model:
-        raise SystemExit("--external needs --model: the model the engines serve")
+    for name, value in (QUICK if args.quick else FULL).items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    args.rate_list = sorted({float(r) for r in args.rates.split(",") if r})
+    if not args.rate_list or args.rate_list[0] < 0 or not 0 <= args.warm_s < args.duration_s:
+        p.error("--rates: non-negative numbers; --warm-s below --duration-s")
+    if set(args.pd_modes.split(",")) - set(PD_ARMS):
+        p.error("--pd-modes: defaults and/or forced")
     return args
-
-
-def plan(args) -> list[ClusterPlan]:
-    """The clusters and their arms, in a shuffled order (``--seed``)."""
-    coloc_extra = tuple(shlex.split(args.coloc_extra_args))
-    pd_extra = tuple(shlex.split(args.pd_extra_args))
-    clusters = []
-    if "coloc" in args.external_clusters:
-        clusters.append(ClusterPlan("coloc", "coloc", (), (
-            ArmPlan("coloc", "co-located (external)", "coloc", "coloc"),)))
-    elif not args.external_clusters:
-        for n in args.mnbt_list:
-            key = f"coloc-{n}"
-            clusters.append(ClusterPlan(key, "coloc",
-                                        ("--max-num-batched-tokens", str(n), *coloc_extra),
-                                        (ArmPlan(key, f"co-located, chunked prefill {n}",
-                                                 "coloc", key),)))
-    if "ours" in args.external_clusters or not args.external_clusters:
-        pd_args = pd_extra
-        if args.pd_max_num_batched_tokens:
-            pd_args = ("--max-num-batched-tokens", str(args.pd_max_num_batched_tokens),
-                       *pd_extra)
-        labels = {"defaults": "P/D, proxy defaults", "forced": "P/D, every request via P"}
-        clusters.append(ClusterPlan("pd", "pd", pd_args, tuple(
-            ArmPlan(f"pd-{m}", labels[m], "pd", "pd", m) for m in args.pd_mode_list)))
-    rng = random.Random(args.seed)
-    rng.shuffle(clusters)
-    return clusters
-
-
-def engine_options(args, model: str, extra: tuple[str, ...]) -> armlib.EngineOptions:
-    engine_env = armlib.engine_cores_env(args.cores, args.gpus)
-    return armlib.EngineOptions(
-        model=model, max_model_len=args.max_model_len, p_blocks=args.blocks,
-        d_blocks=args.blocks, coloc_blocks=args.blocks, kv_cache_gb=args.kv_cache_gb,
-        gpus=args.gpus.split(",") if args.gpus else None,
-        extra_args=["--dtype", args.dtype, *extra], external=args.external_clusters,
-        engine_env=engine_env)
 
 
 def engine_configs(cluster: str, run: armlib.Running) -> dict[str, dict]:
@@ -222,233 +239,211 @@ def engine_configs(cluster: str, run: armlib.Running) -> dict[str, dict]:
 
     out = {}
     for i, (role, url) in enumerate(run.engines):
-        resp = requests.get(url + "/server_info", params={"config_format": "json"},
-                            timeout=60)
+        resp = requests.get(url + "/server_info", params={"config_format": "json"}, timeout=60)
         if resp.status_code != 200:
-            raise fairness.FairnessError(
-                f"{url}/server_info answered {resp.status_code}: the engines must run "
-                "with VLLM_SERVER_DEV_MODE=1 so their configs can be compared")
-        out[f"{cluster}/{role}{i}"] = fairness.flatten(resp.json())
+            raise FairnessError(f"{url}/server_info answered {resp.status_code}: engines "
+                                "must run with VLLM_SERVER_DEV_MODE=1 to be compared")
+        out[f"{cluster}/{role}{i}"] = flatten(resp.json())
     return out
 
 
-def start_forced_proxy(run: armlib.Running, ports: PortPool, log_dir: Path) -> str:
-    """A second proxy on the P/D engines, the first's command line with every request
-    sent through P."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
-    argv = shlex.split(run.commands[PD_ARM.key])
-    port = ports.take()
-    argv[argv.index("--port") + 1] = str(port)
-    argv += FORCE_DISAGG
-    proc = start_process("proxy-forced", argv, log_dir)
-    run.procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy([(proc, url)], timeout_s=120)
-    run.commands["pd-forced"] = " ".join(argv)
-    return url
-
-
-def run_arm_step(run: armlib.Running, url: str, arm: ArmPlan, rate: float, arrivals,
-                 args, model: str) -> dict:
-    note = armlib.reset(run)
-    if note:
-        raise fairness.FairnessError(f"{arm.key}: prefix caches not reset: {note}")
-    before = [metric_sums(u, report.COUNTERS) for _, u in run.engines]
-    itl_before = [histogram_buckets(u, report.ENGINE_ITL) for _, u in run.engines]
-    injections = load.schedule(arrivals, rate, args.duration_s, args.step_starts[rate])
-    streams = asyncio.run(load.run_step(
-        url, model, injections, victims=args.victims,
-        victim_prompt_tokens=args.victim_prompt_tokens,
-        victim_max_tokens=args.victim_max_tokens, duration_s=args.duration_s,
-        drain_s=args.drain_s, seed=args.seed))
-    time.sleep(1.0)   # the engines' stat loggers catch up with the last step
-    after = [metric_sums(u, report.COUNTERS) for _, u in run.engines]
-    itl_after = [histogram_buckets(u, report.ENGINE_ITL) for _, u in run.engines]
-    step = report.summarize_step(streams, rate, args.warm_s, args.duration_s,
-                                 report.pools(run.engines, before, after),
-                                 report.engine_itl(itl_before, itl_after))
-    log(f"{arm.key} @ {rate:g}/s: victims ITL p50/p95/p99 "
-        f"{report.pcts_ms(step['victim_itl_s'])} ms ({step['victim_gaps']} gaps; engines' "
-        f"{report.pcts_ms(step['engine_itl_s'])} ms), long TTFT "
-        f"p50/p95/p99 {report.pcts_ms(step['injected_ttft_s'])} ms ({step['injected']} sent, "
-        f"{step['injected_unfinished']} unfinished), routes {step['routes']}, errors "
-        f"{step['errors']}")
-    return step
-
-
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+def run_step(run: armlib.Running, url: str, rate: float, a, model: str, work: Path,
+             seed: int) -> dict:
+    """Reset every cache, run the victims and (rate > 0) the injector, summarize."""
+    if note := armlib.reset(run):
+        raise FairnessError(f"prefix caches not reset: {note}")
+    loads = {"victims": (a.victim_prompt_tokens, a.victim_max_tokens, a.duration_s +
+                         a.startup_slack_s, ["--concurrency", str(a.victims)], 300)}
+    if rate:   # aiperf's first send is 1/rate after its start: t0 + duration_s is covered
+        loads["injected"] = (a.prompt_tokens, a.injected_max_tokens, a.duration_s + 1 / rate,
+                             ["--request-rate", f"{rate:g}", "--arrival-pattern", "constant"],
+                             math.ceil(rate * a.duration_s) + 3)
+    read = lambda: [(metric_sums(u, COUNTERS), histogram_buckets(u, ENGINE_ITL))  # noqa: E731
+                    for _, u in run.engines]
+    before, procs = read(), {}
+    for name, (isl, osl, duration_s, load, entries) in loads.items():
+        argv = [str(aiperf.executable()), "profile", "--url", url, "--endpoint-type",
+                "completions", "--streaming", "--model", model, "--tokenizer", model, *load,
+                "--prompt-input-tokens-mean", str(isl), "--prompt-input-tokens-stddev", "0",
+                "--prompt-output-tokens-mean", str(osl), "--prompt-output-tokens-stddev", "0",
+                "--extra-inputs", "ignore_eos:true", "--extra-inputs", "temperature:0",
+                "--benchmark-duration", f"{duration_s:g}", "--benchmark-grace-period",
+                f"{a.drain_s:g}", "--num-dataset-entries", str(entries), "--random-seed",
+                str(seed), "--output-artifact-dir", str(work / name), "--ui-type", "none",
+                "--no-server-metrics", "--no-gpu-telemetry"]
+        with open(work / f"{name}.log", "w") as out:
+            procs[name] = subprocess.Popen(argv, env=aiperf.environment(), stdout=out, stderr=out)
+    for name, proc in procs.items():
+        if proc.wait():
+            tail = (work / f"{name}.log").read_text(errors="replace").splitlines()[-8:]
+            raise RuntimeError(f"aiperf ({name}) exited {proc.returncode}: " + " | ".join(tail))
+    time.sleep(1.0)   # the engines' stat loggers catch up with the last requests
+    after, itl = read(), {}
+    for (_, b), (_, x) in zip(before, after):
+        for le, n in x.items():
+            itl[le] = itl.get(le, 0.0) + n - b.get(le, 0.0)
+    got = {n: requests_of([json.loads(x) for x in (work / n / aiperf.RECORDS).read_text()
+                           .splitlines() if x.strip()]) for n in procs}
+    return summarize_step(got["victims"], got.get("injected", []), rate, a.warm_s,
+                          a.duration_s) | {
+        "engine_itl_s": {f"p{round(q * 100)}": histogram_quantile(itl, q) for q in (.5, .95, .99)},
+        "pools": pools(run.engines, [b for b, _ in before], [x for x, _ in after]),
+        "aiperf_inputs_sha256": {n: hashlib.sha256((work / n / "inputs.json").read_bytes())
+                                 .hexdigest()[:16] for n in procs},
+        "aiperf_version": json.loads((work / "victims" / aiperf.SUMMARY).read_text())
+        .get("aiperf_version")}
 
 
-def write_report(results: dict, out_dir: Path, stem: str) -> list[str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path = out_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(results, indent=1, default=str))
-    text = report.render(results)
-    if stem != "interference":
-        text = text.replace("(interference.png)", f"({stem}.png)")
-    print(text)
-    (out_dir / f"{stem}.md").write_text(text + "\n")
-    if not SIDE_PY.exists():
-        return ["no plot: the side venv (matplotlib) is missing"]
-    err = call_in_side_venv("interfere.report", "plot", str(json_path),
-                            str(out_dir / f"{stem}.png"))
-    if err:
-        log(f"plot failed: {err}")
-        return ["plot failed"]
-    return []
+def measure(run: armlib.Running, cluster: str, arms: dict, args, model: str, work: Path,
+            res: dict) -> None:
+    """Every arm of a started cluster at every rate; a step whose victims did not cover
+    its window is a failure, other prompts than another arm's a refusal."""
+    for key, why in armlib.warm_up(run, model).items():
+        raise RuntimeError(f"warm-up through {key} failed: {why}")
+    for arm, (arm_key, label) in arms.items():
+        entry = res["arms"][arm] = {"label": label, "steps": {},
+                                    "kind": "coloc" if cluster == "coloc" else "pd"}
+        for i, rate in enumerate(args.rate_list):
+            step_dir = work / arm / f"{rate:g}"
+            step_dir.mkdir(parents=True)
+            s = entry["steps"][f"{rate:g}"] = run_step(run, run.routers[arm_key], rate, args,
+                                                       model, step_dir, args.seed * 100 + i)
+            res["meta"]["aiperf_version"] = s["aiperf_version"]
+            seen = res["fairness"]["aiperf_inputs"].setdefault(f"{rate:g}", {})
+            seen[arm] = s["aiperf_inputs_sha256"]
+            if len({json.dumps(x, sort_keys=True) for x in seen.values()}) > 1:
+                raise FairnessError(f"aiperf sent other prompts at {rate:g}/s: {seen}")
+            if not s["victims_cover_window"]:
+                res["failures"].append(f"{arm} at {rate:g}/s: the victims did not run through "
+                                       "the whole window (raise --startup-slack-s)")
+            log(f"{arm} @ {rate:g}/s: victims' ITL p50/p95/p99 {_trio(s['victim_itl_s'])} ms, "
+                f"long TTFT {_trio(s['injected_ttft_s'])} ms, {s['errors']} errors")
+
+
+def render(res: dict) -> str:
+    m, fair, v = res["meta"], res["fairness"], res["verdict"]
+    pool = lambda s, key, f: ", ".join(  # noqa: E731
+        f"{r} {f(p[key])}" for r, p in sorted(s["pools"].items()) if p[key] is not None) or "-"
+    return "\n".join(report.head("Interference: P/D against co-located chunked prefill", m) + [
+        f"aiperf {m.get('aiperf_version')}, streamed completions (`ignore_eos`, temperature 0). "
+        f"Victims: {m['victims']} streams of {m['victim_prompt_tokens']}-token prompts, "
+        f"{m['victim_max_tokens']} tokens each, back to back; long prompts of "
+        f"{m['prompt_tokens']} tokens and {m['injected_max_tokens']} output tokens at constant "
+        f"intervals. Each step {m['duration_s']:g} s from the first long prompt, the first "
+        f"{m['warm_s']:g} s not counted; nearest-rank percentiles. Targets: long prompts' TTFT "
+        f"p99 <= {m['ttft_target_ms']:g} ms, victims' ITL p99 <= {m['itl_target_ms']:g} ms. "
+        f"Model: {m['model']}, {m['dtype']}, {m['blocks']} KV blocks of 32 tokens per engine. "
+        f"Cores: {m['cores']}. The two aiperf processes run on this machine beside the engines "
+        "in every arm; aiperf costs about half a core at 8.5 req/s here (docs/measurements.md).",
+        "", f"**Verdict: {v['decision']}.** {v['why']}.", ""] + report.table(
+        ["arm", "goodput (long prompts req/s)", "victims' ITL p99 under injection (ms)"],
+        [[a["label"], v["goodput"].get(k), _ms(v["itl_p99_under_injection_s"][k])]
+         for k, a in res["arms"].items()]) + [
+        "", "Requests per pool (P's: those through P), queueing and KV moved from the engines' "
+        "counters; engines' ITL from `vllm:inter_token_latency_seconds` (without the API "
+        "server's, proxy's and client's delays).", ""] + report.table(
+        ["arm", "rate (offered) req/s", "long sent (failed)", "victims' ITL p50/p95/p99 ms",
+         "engines' ITL p50/p95/p99 ms", "victims' TTFT p50/p95/p99 ms",
+         "long TTFT p50/p95/p99 ms", "victims tok/s", "requests", "queue mean ms", "KV MB"],
+        [[a["label"], f"{s['rate']:g} ({s['offered_injected_rps']:.2f})",
+          f"{s['injected']} ({s['injected_failed']})", _trio(s["victim_itl_s"]),
+          _trio(s["engine_itl_s"]), _trio(s["victim_ttft_s"]), _trio(s["injected_ttft_s"]),
+          f"{s['victim_tokens_per_s']:.1f}", pool(s, "requests", lambda x: f"{x:.0f}"),
+          pool(s, "queue_mean_s", _ms),
+          f"{sum(p['kv_bytes'] for p in s['pools'].values()) / 1e6:.1f}"]
+         for a in res["arms"].values() for s in a["steps"].values()]) + [
+        "", "## Fairness", "", f"Servers per arm: {fair['servers']}. aiperf's prompts (sha256 "
+        "of its inputs.json) per rate, the same in every arm: " + "; ".join(
+            f"{r}/s {sorted({d for x in arms.values() for d in x.values()})}"
+            for r, arms in fair["aiperf_inputs"].items()) + ". Every engine's prefix cache and "
+        "our proxies' sessions reset before every step. Engine configs (`/server_info`) differ "
+        "in (knob: what the arms vary; allowed: `--allow-diff`; per-server keys and the "
+        "connector's other keys left out):", ""] + report.table(["key", "kind", "values"], [
+            [f"`{d['key']}`", d["kind"], "; ".join(f"{k}: `{json.dumps(x)[:60]}`"
+                                                   for k, x in d["values"].items())]
+            for d in fair["config_diffs"]]) + [
+        f"\n## {t}\n\n" + "\n".join(f"- {x}" for x in res[k])
+        for t, k in (("Notes", "notes"), ("Failures", "failures")) if res[k]]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    out_dir = Path(args.out_dir)
-    stem = "interference_quick" if args.quick else "interference"
-    if args.render_only:
-        path = Path(args.render_only)
-        results = json.loads(path.read_text())
-        meta = results["meta"]
-        results["verdict"] = report.verdict(results["arms"], meta["rates"],
-                                            meta["ttft_target_s"], meta["itl_target_s"])
-        write_report(results, out_dir, path.stem)
-        return 0
-    started = time.perf_counter()
-    signal.signal(signal.SIGTERM, _interrupt)
+    args, started = parse_args(argv), time.perf_counter()
     os.environ.setdefault("UCX_TCP_PORT_RANGE", UCX_PORTS)
-    env_for_bench()
-    failures: list[str] = []
     if not args.check_only:
-        try:
-            ensure_side_venv()
-        except (subprocess.CalledProcessError, OSError) as exc:
-            failures.append(f"side venv (matplotlib): {exc!r}")
-    workdir = Path(tempfile.mkdtemp(prefix="interference-"))
-    log_dir = Path(args.log_dir) if args.log_dir else workdir / "logs"
+        aiperf.ensure_venv()
+    work = Path(tempfile.mkdtemp(prefix="interference-"))
+    log_dir = Path(args.log_dir) if args.log_dir else work / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log(f"logs in {log_dir}")
     model = args.model
     if model is None:
         from vllm_sessionkv.dev.tiny_model import BENCH_MODEL_SIZE, generate_tiny_model
 
-        size = {} if args.tiny_model else BENCH_MODEL_SIZE
-        model = str(generate_tiny_model(workdir / "bench-model", seed=0, **size))
-    if args.arrivals:
-        arrivals_path = Path(args.arrivals)
-    else:
-        n = sum(math.ceil(args.duration_s * r) + 1 for r in args.rate_list) + 1
-        arrivals_path = load.write_arrivals(workdir / "arrivals.jsonl", n, 1.0,
-                                            args.prompt_tokens, args.injected_max_tokens,
-                                            seed=args.seed)
-    arrivals = load.read_arrivals(arrivals_path)
-    # Refuses a file too short now, not after the first arm.
-    args.step_starts = load.step_starts(arrivals, args.rate_list, args.duration_s)
-    digest = fairness.file_digest(arrivals_path)
-    clusters = plan(args)
-    prompt_lens = sorted({len(a.prompt) if isinstance(a.prompt, list) else -1
-                          for a in arrivals})
-    results: dict = {
-        "meta": {"date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                 "machine": machine_line(), "argv": sys.argv, "quick": args.quick,
-                 "model": "tests' tiny model" if args.tiny_model else (
-                     args.model or "bench model (vllm_sessionkv.dev.tiny_model."
-                                   "BENCH_MODEL_SIZE)"),
-                 "dtype": args.dtype, "max_model_len": args.max_model_len,
-                 "blocks": args.blocks, "victims": args.victims,
-                 "victim_prompt_tokens": args.victim_prompt_tokens,
-                 "victim_max_tokens": args.victim_max_tokens,
-                 "injected_prompt_tokens": prompt_lens[0] if len(prompt_lens) == 1
-                 else f"{prompt_lens[0]}-{prompt_lens[-1]}",
-                 "injected_max_tokens": arrivals[0].max_tokens,
-                 "rates": args.rate_list, "duration_s": args.duration_s,
-                 "warm_s": args.warm_s, "drain_s": args.drain_s,
-                 "ttft_target_s": args.ttft_target_ms / 1e3,
-                 "itl_target_s": args.itl_target_ms / 1e3,
-                 "arrivals": "generated" if not args.arrivals else str(arrivals_path),
-                 "order": [c.key for c in clusters], "cores": "-"},
-        "fairness": {"servers": {}, "arrival_sha256": digest, "arrivals_by_arm": {},
-                     "cache_policy": "every engine's prefix cache reset (our proxy's "
-                                     "/admin/reset, else /reset_prefix_cache) before every "
-                                     "step of every arm; each step's first --warm-s "
-                                     "seconds are its identical warm-up",
-                     "config_diffs": []},
-        "arms": {}, "commands": {}, "notes": [], "failures": failures}
+        model = str(generate_tiny_model(work / "model", seed=0,
+                                        **({} if args.tiny_model else BENCH_MODEL_SIZE)))
+    meta = report.meta("interference.py", sys.argv[1:] if argv is None else argv, {
+        "--model": "MODEL_DIR", "--out-dir": "OUT_DIR", "--log-dir": "LOG_DIR"}) | {
+        k: getattr(args, k) for k in [*FLAGS, *FULL]} | {"model": Path(model).name if args.model
+                                                        else "the tests' tiny model" if
+                                                        args.tiny_model else "the bench model"}
+    fair: dict = {"servers": {}, "config_diffs": [], "aiperf_inputs": {}}
+    res: dict = {"meta": meta, "fairness": fair, "arms": {}, "notes": [], "failures": []}
+    clusters = [(f"coloc-{n}", "coloc", ["--max-num-batched-tokens", n,
+                                         *shlex.split(args.coloc_extra_args)],
+                 {f"coloc-{n}": ("2-ours-coloc", f"co-located, chunked prefill {n}")})
+                for n in args.max_num_batched_tokens.split(",") if n]
+    clusters.append(("pd", "ours", shlex.split(args.pd_extra_args),
+                     {f"pd-{m}": PD_ARMS[m] for m in args.pd_modes.split(",") if m}))
+    random.Random(args.seed).shuffle(clusters)
     configs: dict[str, dict] = {}
-    refused = None
+    opts = dict(model=model, max_model_len=args.max_model_len, p_blocks=args.blocks,
+                d_blocks=args.blocks, coloc_blocks=args.blocks, gpus=args.gpus.split(",")
+                if args.gpus else None, engine_env=armlib.engine_cores_env(args.cores, args.gpus))
     try:
-        for cp in clusters:
-            name = "coloc" if cp.kind == "coloc" else "ours"
-            router_arm = COLOC_ARM if cp.kind == "coloc" else PD_ARM
-            log(f"=== cluster {cp.key}: arms {[a.key for a in cp.arms]}")
-            ports = PortPool(*PORTS)
-            run = armlib.start_cluster(name, [router_arm],
-                                       engine_options(args, model, cp.extra_args),
-                                       ports, log_dir / cp.key)
+        for key, cluster, extra, arms in clusters:
+            log(f"=== cluster {key}: arms {list(arms)}")
+            run = armlib.start_cluster(
+                cluster, [armlib.ARM_BY_KEY[k] for k, _ in arms.values()], armlib.EngineOptions(
+                    **opts, extra_args=["--dtype", args.dtype, *extra]), PortPool(*PORTS),
+                log_dir / key)
             try:
-                configs.update(engine_configs(cp.key, run))
-                for a in cp.arms:
-                    results["fairness"]["servers"][a.key] = len(run.engines)
-                    results["fairness"]["arrivals_by_arm"][a.key] = digest
-                fairness.check_server_counts(results["fairness"]["servers"])
-                fairness.check_same_arrivals(results["fairness"]["arrivals_by_arm"])
-                diffs = fairness.check_configs(configs, tuple(args.allow_diff))
-                results["fairness"]["config_diffs"] = [
-                    {"key": d.key, "kind": d.kind, "values": d.values} for d in diffs]
-                if args.check_only:
-                    continue
-                urls = {a.key: run.routers[router_arm.key] for a in cp.arms
-                        if a.proxy != "forced"}
-                if any(a.proxy == "forced" for a in cp.arms):
-                    urls["pd-forced"] = start_forced_proxy(run, ports, log_dir / cp.key)
-                results["commands"].update(run.commands)
-                for key, why in armlib.warm_up(run, model).items():
-                    raise RuntimeError(f"{cp.key}: warm-up through {key} failed: {why}")
-                order = list(cp.arms)
-                random.Random(args.seed + 1).shuffle(order)
-                for arm in order:
-                    entry = results["arms"].setdefault(arm.key, {
-                        "label": arm.label, "kind": arm.kind, "engines": run.engines,
-                        "router": urls[arm.key], "steps": {}})
-                    for rate in args.rate_list:
-                        entry["steps"][f"{rate:g}"] = run_arm_step(
-                            run, urls[arm.key], arm, rate, arrivals, args, model)
+                configs |= engine_configs(key, run)
+                fair["servers"] |= {arm: len(run.engines) for arm in arms}
+                if len(set(fair["servers"].values())) > 1:
+                    raise FairnessError(f"arms run on different servers: {fair['servers']}")
+                diffs = check_configs(configs, tuple(args.allow_diff))
+                fair["config_diffs"] = [d for d in diffs if re.search(   # the cores, the knobs
+                    r"THREADS_BIND|\.kv_connector$|\.kv_role$", d["key"]) or (
+                    d["kind"] != "instance" and not d["key"].startswith("kv_transfer_config."))]
+                if not args.check_only:
+                    measure(run, cluster, arms, args, model, work, res)
             finally:
                 run.stop()
-    except fairness.FairnessError as exc:
-        refused = str(exc)
-        failures.append(f"refused: {exc}")
+    except FairnessError as exc:
         log(f"REFUSED: {exc}")
-    except KeyboardInterrupt:
-        failures.append("interrupted")
-    binds = {label: c.get("env.VLLM_CPU_OMP_THREADS_BIND") for label, c in configs.items()}
-    results["meta"]["cores"] = (
-        ", ".join(f"{label} {b}" for label, b in binds.items())
-        + " (VLLM_CPU_OMP_THREADS_BIND: the core of each engine's model thread; the "
-          "proxy, the client and each engine's API-server and engine-core processes "
-          "run unpinned)") if binds else "-"
-    for d in results["fairness"]["config_diffs"]:
-        if d["kind"] != "instance":
-            log(f"config diff ({d['kind']}) {d['key']}: {d['values']}")
-    n_engines = max(results["fairness"]["servers"].values(), default=0)
-    if not args.gpus and not args.external_clusters and (os.cpu_count() or 1) < 2 * n_engines:
-        results["notes"].append(
-            f"This machine has {os.cpu_count()} cores for {n_engines} engines.  Each "
-            "engine's model thread has a core of its own, but the API servers, the engine "
-            "cores, the proxy, Redis and this client have none: their CPU time comes out "
-            "of the engines' cores in both arms and shows as gaps in the streams even "
-            "with no long prompts (the rate-0 rows; the engines' own ITL leaves the "
-            "client's and proxy's share out).  A verdict from such a machine is weak.")
-    results["meta"]["wall_s"] = time.perf_counter() - started
-    if args.check_only or refused:
-        print(json.dumps(results["fairness"], indent=1, default=str)[:4000])
-        return 2 if refused else 0
-    results["verdict"] = report.verdict(results["arms"], args.rate_list,
-                                        args.ttft_target_ms / 1e3, args.itl_target_ms / 1e3)
-    failures += write_report(results, out_dir, stem)
-    log(f"report in {out_dir / (stem + '.md')}, wall {results['meta']['wall_s']:.0f} s")
-    for f in failures:
-        print(f"FAILED: {f}")
-    return 1 if failures else 0
+        return 2
+    except RuntimeError as exc:
+        res["failures"].append(" ".join(str(exc).replace(str(work), "<work>").split())[-600:])
+        log(f"FAILED: {exc}")
+    if args.check_only:
+        log(f"fair: the engines differ in {[d['key'] for d in fair['config_diffs']]} (shown)")
+        return 1 if res["failures"] else 0
+    meta["cores"] = ", ".join(f"{k} {c.get('env.VLLM_CPU_OMP_THREADS_BIND')}" for k, c in
+                              configs.items()) + " (VLLM_CPU_OMP_THREADS_BIND: each engine's " \
+        "model thread; API servers, engine cores, proxy and aiperf unpinned)"
+    if not args.gpus and (os.cpu_count() or 1) < 4:
+        res["notes"].append(f"{os.cpu_count()} cores for 2 engines: the API servers, engine "
+                            "cores, proxy and aiperf take CPU from the engines' cores in every "
+                            "arm, seen as stream gaps even with no long prompts (rate 0). A "
+                            "verdict from such a machine is weak.")
+    meta["wall_s"] = round(time.perf_counter() - started)
+    res["verdict"] = verdict(res["arms"], args.ttft_target_ms / 1e3, args.itl_target_ms / 1e3)
+    stem = "interference_quick" if args.quick else "interference"
+    report.write(Path(args.out_dir), stem, res, render(res))
+    log(f"wrote {stem}.md, wall {meta['wall_s']} s, failures {res['failures']}")
+    return 1 if res["failures"] else 0
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     sys.exit(main())

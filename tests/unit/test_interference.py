@@ -1,14 +1,12 @@
 """The interference benchmark's pure parts: the config comparison that enforces its
-fairness rules (with negative controls), the arrival file and its replay at a rate,
-goodput and the verdict."""
+fairness rules (with negative controls), a step's window over aiperf's records, goodput
+and the verdict."""
 
 from __future__ import annotations
 
-
 import pytest
 
-
-from interfere import fairness, load, report
+import interference as bench
 
 
 def server_info(**over) -> dict:
@@ -37,7 +35,7 @@ def server_info(**over) -> dict:
 
 
 def test_flatten_takes_config_env_and_the_system_keys_that_matter():
-    flat = fairness.flatten(server_info())
+    flat = bench.flatten(server_info())
     assert flat["cache_config.enable_prefix_caching"] is True
     assert flat["env.VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert flat["system.torch_version"] == "2.13.0+cpu"
@@ -45,15 +43,14 @@ def test_flatten_takes_config_env_and_the_system_keys_that_matter():
 
 
 def test_arms_that_differ_only_in_knobs_and_per_server_keys_pass():
-    coloc = fairness.flatten(server_info(scheduler_config__max_num_batched_tokens=1024,
-                                         parallel_config__master_port=29600,
-                                         kv_events_config__endpoint="tcp://*:32011",
-                                         instance_id="b", env__VLLM_CPU_OMP_THREADS_BIND="1"))
-    pd = fairness.flatten(server_info(
+    coloc = bench.flatten(server_info(scheduler_config__max_num_batched_tokens=1024,
+                                      parallel_config__master_port=29600,
+                                      kv_events_config__endpoint="tcp://*:32011",
+                                      instance_id="b", env__VLLM_CPU_OMP_THREADS_BIND="1"))
+    pd = bench.flatten(server_info(
         kv_transfer_config={"kv_connector": "SessionKVConnector", "kv_role": "kv_producer"},
         env__VLLM_NIXL_SIDE_CHANNEL_PORT=5601))
-    diffs = fairness.check_configs({"coloc/0": coloc, "pd/P": pd})
-    kinds = {d.key: d.kind for d in diffs}
+    kinds = {d["key"]: d["kind"] for d in bench.check_configs({"coloc/0": coloc, "pd/P": pd})}
     assert kinds["scheduler_config.max_num_batched_tokens"] == "knob"
     assert kinds["kv_transfer_config.kv_connector"] == "knob"
     assert kinds["env.VLLM_CPU_OMP_THREADS_BIND"] == "instance"
@@ -70,69 +67,76 @@ def test_arms_that_differ_only_in_knobs_and_per_server_keys_pass():
     ({"env__VLLM_USE_AOT_COMPILE": True}, "env.VLLM_USE_AOT_COMPILE"),
 ])
 def test_a_forbidden_difference_is_refused_naming_the_key(override, key):
-    same = fairness.flatten(server_info())
-    other = fairness.flatten(server_info(**override))
-    assert fairness.check_configs({"a": same, "b": fairness.flatten(server_info())}) == []
-    with pytest.raises(fairness.FairnessError, match=key.replace(".", r"\.")):
-        fairness.check_configs({"a": same, "b": other})
+    same = bench.flatten(server_info())
+    other = bench.flatten(server_info(**override))
+    assert bench.check_configs({"a": same, "b": bench.flatten(server_info())}) == []
+    with pytest.raises(bench.FairnessError, match=key.replace(".", r"\.")):
+        bench.check_configs({"a": same, "b": other})
     # Named by the operator, it is accepted and reported as allowed.
-    diffs = fairness.check_configs({"a": same, "b": other}, allow=(key,))
-    assert [(d.key, d.kind) for d in diffs] == [(key, "allowed")]
+    diffs = bench.check_configs({"a": same, "b": other}, allow=(key,))
+    assert [(d["key"], d["kind"]) for d in diffs] == [(key, "allowed")]
+
+
+def test_prefix_caching_on_one_side_only_is_refused_and_nothing_else_is_named():
+    coloc = bench.flatten(server_info(cache_config__enable_prefix_caching=False,
+                                      env__VLLM_CPU_OMP_THREADS_BIND="1"))
+    pd = bench.flatten(server_info(kv_transfer_config={"kv_connector": "SessionKVConnector"}))
+    with pytest.raises(bench.FairnessError) as err:
+        bench.check_configs({"coloc/coloc0": coloc, "pd/P0": pd})
+    assert [line.split(":")[0].strip() for line in str(err.value).splitlines()[1:]] == \
+        ["cache_config.enable_prefix_caching"]
 
 
 def test_a_key_missing_on_one_engine_is_a_difference():
-    a = fairness.flatten(server_info())
+    a = bench.flatten(server_info())
     b = dict(a)
     del b["model_config.seed"]
-    with pytest.raises(fairness.FairnessError, match="model_config.seed"):
-        fairness.check_configs({"a": a, "b": b})
+    with pytest.raises(bench.FairnessError, match="model_config.seed"):
+        bench.check_configs({"a": a, "b": b})
 
 
-def test_server_counts_and_arrival_files_must_match():
-    fairness.check_server_counts({"coloc": 2, "pd": 2})
-    with pytest.raises(fairness.FairnessError, match="coloc=2, pd=3"):
-        fairness.check_server_counts({"coloc": 2, "pd": 3})
-    fairness.check_same_arrivals({"coloc": "ab" * 32, "pd": "ab" * 32})
-    with pytest.raises(fairness.FairnessError, match="different arrival files"):
-        fairness.check_same_arrivals({"coloc": "ab" * 32, "pd": "cd" * 32})
+def record(start_s: float, ttft_ms: float | None, gaps_ms: list[float], error=None) -> dict:
+    """An aiperf per-request record, cut to what the benchmark reads."""
+    metrics = {} if ttft_ms is None else {"time_to_first_token": {"value": ttft_ms}}
+    if gaps_ms:
+        metrics["inter_chunk_latency"] = {"value": gaps_ms}
+    return {"metadata": {"request_start_ns": int(start_s * 1e9)}, "metrics": metrics,
+            **({"error": error} if error else {})}
 
 
-def test_arrival_file_is_deterministic_and_replays_at_any_rate(tmp_path):
-    a = load.write_arrivals(tmp_path / "a.jsonl", 12, 1.0, 100, 8, seed=3)
-    b = load.write_arrivals(tmp_path / "b.jsonl", 12, 1.0, 100, 8, seed=3)
-    assert fairness.file_digest(a) == fairness.file_digest(b)
-    arrivals = load.read_arrivals(a)
-    assert load.file_rate(arrivals) == pytest.approx(1.0)
-    at2 = load.schedule(arrivals, 2.0, 5.0)
-    assert [round(t, 6) for t, _ in at2] == [i / 2 for i in range(10)]
-    assert [x.prompt for _, x in at2] == [x.prompt for x in arrivals[:10]]
-    assert load.schedule(arrivals, 0.0, 5.0) == []
-    with pytest.raises(ValueError, match="runs out"):
-        load.schedule(arrivals, 0.5, 60.0)
-    # Steps take consecutive slices: no prompt is sent by two steps.
-    starts = load.step_starts(arrivals, [2.0, 0.0, 1.0], 3.0)
-    assert starts == {0.0: 0, 1.0: 0, 2.0: 3}
-    assert [x.prompt for _, x in load.schedule(arrivals, 2.0, 3.0, starts[2.0])] == \
-        [x.prompt for x in arrivals[3:9]]
-    with pytest.raises(ValueError, match="runs out"):
-        load.step_starts(arrivals, [1.0, 2.0], 5.0)
+def test_chunk_times_come_from_ttft_and_the_gaps():
+    (r,) = bench.requests_of([record(100.0, 500.0, [100.0, 250.0])])
+    assert r["ttft_s"] == pytest.approx(0.5)
+    assert r["chunks_s"] == pytest.approx([100.5, 100.6, 100.85])
+    (failed,) = bench.requests_of([record(100.0, None, [], error={"code": 500})])
+    assert (failed["ttft_s"], failed["chunks_s"], failed["error"]) == (None, [], True)
 
 
-def test_a_bad_arrival_line_is_refused_naming_it(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"t_s": 0, "prompt": [1, 2]}\n{"t_s": 1, "prompt": [1], "x": 1}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        load.read_arrivals(path)
+def test_a_step_counts_only_what_falls_in_its_window():
+    """The window is [t0 + warm, t0 + duration], t0 the first long prompt's send."""
+    victims = bench.requests_of([
+        record(99.0, 100.0, [500.0, 900.0, 100.0, 5000.0]),   # chunks 99.1 99.6 100.5 100.6 105.6
+        record(101.0, 200.0, [300.0]),                        # chunks 101.2 101.5
+    ])
+    injected = bench.requests_of([record(100.0, 2000.0, [10.0]), record(100.52, 900.0, []),
+                                  record(100.98, None, [])])   # due at 100.0, 100.5, 101.0
+    s = bench.summarize_step(victims, injected, rate=2.0, warm_s=0.4, duration_s=4.0)
+    # Window [100.4, 104.0]: gaps 100.5->100.6 and 101.2->101.5; 100.6->105.6 ends outside.
+    assert s["victim_itl_s"]["p50"] == pytest.approx(0.1)
+    assert s["victim_itl_s"]["p99"] == pytest.approx(0.3)
+    assert s["victim_gaps"] == 2
+    assert s["victim_ttft_s"]["p99"] == pytest.approx(0.2)        # only the one sent inside
+    assert (s["injected"], s["injected_failed"]) == (2, 1)        # the second and third
+    assert s["injected_ttft_s"]["p50"] == pytest.approx(0.9)
+    assert s["victims_cover_window"] is True
+    short = bench.summarize_step(victims[:1], injected, 2.0, warm_s=0.4, duration_s=6.0)
+    assert short["victims_cover_window"] is False                 # last chunk 105.6 < 106
+    alone = bench.summarize_step(victims, [], 0.0, warm_s=0.4, duration_s=4.0)   # t0 = 99.0
+    assert alone["victim_gaps"] == 3 and alone["injected"] == 0
 
 
-def test_gaps_count_only_inside_the_window():
-    s = load.Stream("victim", 64, sent_s=0.5, chunk_s=[1.0, 1.1, 2.0, 2.05, 5.0])
-    assert s.ttft_s == pytest.approx(0.5)
-    assert s.gaps(1.05, 4.0) == pytest.approx([0.9, 0.05])
-
-
-def _step(rate, itl_p99, ttft_p99, unfinished=0):
-    return {"rate": rate, "errors": 0, "injected_unfinished": unfinished,
+def _step(rate, itl_p99, ttft_p99, failed=0):
+    return {"rate": rate, "errors": 0, "injected_failed": failed,
             "injected": 0 if rate == 0 else 5, "victim_itl_s": {"p99": itl_p99},
             "injected_ttft_s": {"p99": ttft_p99}}
 
@@ -140,25 +144,25 @@ def _step(rate, itl_p99, ttft_p99, unfinished=0):
 def test_goodput_is_the_highest_rate_with_every_lower_one_passing():
     steps = {"0": _step(0, 0.02, None), "1": _step(1, 0.05, 1.0),
              "2": _step(2, 0.2, 1.0), "3": _step(3, 0.05, 1.0)}
-    assert report.goodput(steps, ttft_target_s=2.0, itl_target_s=0.1) == 1
-    steps["1"] = _step(1, 0.05, 1.0, unfinished=1)
-    assert report.goodput(steps, 2.0, 0.1) == 0
+    assert bench.goodput(steps, ttft_s=2.0, itl_s=0.1) == 1
+    steps["1"] = _step(1, 0.05, 1.0, failed=1)
+    assert bench.goodput(steps, 2.0, 0.1) == 0
 
 
-def test_verdict_follows_goodput_and_says_inconclusive_on_a_tie():
-    def arms(pd_itl):
-        return {"c": {"kind": "coloc", "steps": {"0": _step(0, 0.02, None),
+def test_verdict_follows_goodput_and_says_inconclusive_on_a_tie_or_a_bad_baseline():
+    def arms(pd_itl, base=0.02):
+        return {"c": {"kind": "coloc", "steps": {"0": _step(0, base, None),
                                                   "1": _step(1, 0.3, 1.0)}},
                 "p": {"kind": "pd", "steps": {"0": _step(0, 0.02, None),
                                               "1": _step(1, pd_itl, 1.0)}}}
-    v = report.verdict(arms(0.05), [0, 1], 2.0, 0.1)
-    assert (v["decision"], v["best_pd"], v["goodput"]) == ("disaggregate", "p",
-                                                           {"c": 0, "p": 1})
-    v = report.verdict(arms(0.5), [0, 1], 2.0, 0.1)
-    assert v["decision"] == "inconclusive" and "no injected rate" in v["why"]
+    v = bench.verdict(arms(0.05), 2.0, 0.1)
+    assert (v["decision"], v["best_pd"], v["goodput"]) == ("disaggregate", "p", {"c": 0, "p": 1})
+    assert bench.verdict(arms(0.5), 2.0, 0.1)["decision"] == "inconclusive"
+    v = bench.verdict(arms(0.05, base=0.2), 2.0, 0.1)
+    assert v["decision"] == "inconclusive" and "with no long prompts at all" in v["why"]
     flipped = arms(0.05)
     flipped["c"]["kind"], flipped["p"]["kind"] = "pd", "coloc"
-    assert report.verdict(flipped, [0, 1], 2.0, 0.1)["decision"] == "stay co-located"
+    assert bench.verdict(flipped, 2.0, 0.1)["decision"] == "stay co-located"
 
 
 def test_histogram_quantile_interpolates_within_the_bucket():
@@ -172,6 +176,13 @@ def test_histogram_quantile_interpolates_within_the_bucket():
     assert histogram_quantile({0.01: 0.0, float("inf"): 0.0}, 0.5) is None
     # Past the last finite bound: that bound, not infinity.
     assert histogram_quantile({0.01: 1.0, float("inf"): 10.0}, 0.99) == 0.01
-    before = [{0.01: 50.0, 0.05: 90.0, float("inf"): 100.0}]
-    after = [{0.01: 50.0, 0.05: 90.0, float("inf"): 110.0}]
-    assert report.engine_itl(before, after)["p50"] == 0.05   # only the new, slow ones
+
+
+def test_the_quick_and_full_runs_parse():
+    quick = bench.parse_args(["--quick"])
+    assert (quick.rate_list, quick.max_num_batched_tokens, quick.duration_s) == ([0.0, 1.0],
+                                                                                "256", 10.0)
+    full = bench.parse_args(["--rates", "1,0", "--victims", "2"])
+    assert (full.rate_list, full.victims, full.prompt_tokens) == ([0.0, 1.0], 2, 1536)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--pd-modes", "sideways"])
