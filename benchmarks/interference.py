@@ -46,10 +46,10 @@ FULL = {"max_num_batched_tokens": "256,1024", "rates": "0,0.5,1,1.5", "duration_
 QUICK = {"max_num_batched_tokens": "256", "rates": "0,1", "duration_s": 10.0, "warm_s": 3.0,
          "prompt_tokens": 1024}
 # startup_slack_s: victims run that much longer than a step, as aiperf's two runs take
-# 10-20 s each to start.
+# 8-22 s each to start (the injector 17.7 s after the victims in one quick run).
 FLAGS = {"victims": 4, "victim_prompt_tokens": 64, "victim_max_tokens": 64,
          "injected_max_tokens": 8, "ttft_target_ms": 3000.0, "itl_target_ms": 100.0,
-         "blocks": 512, "max_model_len": 2048, "startup_slack_s": 15.0, "drain_s": 30.0,
+         "blocks": 512, "max_model_len": 2048, "startup_slack_s": 30.0, "drain_s": 30.0,
          "seed": 0, "dtype": "float32", "cores": "auto", "pd_modes": "defaults,forced",
          "coloc_extra_args": "", "pd_extra_args": "", "gpus": ""}   # gpus: one per engine
 PD_ARMS = {"defaults": ("7-ours", "P/D, proxy defaults"),
@@ -354,7 +354,7 @@ def render(res: dict) -> str:
          for a in res["arms"].values() for s in a["steps"].values()]) + [
         "", "## Fairness", "", f"Servers per arm: {fair['servers']}. aiperf's prompts (sha256 "
         "of its inputs.json) per rate, the same in every arm: " + "; ".join(
-            f"{r}/s {sorted({d for x in arms.values() for d in x.values()})}"
+            f"{r}/s " + ", ".join(f"{n} {d}" for n, d in next(iter(arms.values())).items())
             for r, arms in fair["aiperf_inputs"].items()) + ". Every engine's prefix cache and "
         "our proxies' sessions reset before every step. Engine configs (`/server_info`) differ "
         "in (knob: what the arms vary; allowed: `--allow-diff`; per-server keys and the "
