@@ -242,8 +242,8 @@ def summarize_soak(soak: Soak, args) -> tuple[list[str], dict]:
     lines += ["", f"KV-pressure phase ({soak.pressure_wall_s:.0f} s; the proxy's /health "
               f"before it: {soak.health_before}): D's KV {shape.decode_kv_cache_gb:g} GiB "
               f"each, {shape.sessions} sessions (`pressure_shape`); counters are P's and D's "
-              "deltas over the phase.", "",
-              LEGEND, ""] + report.table(COLUMNS[:-2], [row(ps)[:-2]]) + ["", details(ps)]
+              "deltas over the phase.", "", LEGEND.split(" **poisoned")[0], ""]
+    lines += report.table(COLUMNS[:-2], [row(ps)[:-2]]) + ["", details(ps)]
     bad = [t for t in turns if not t.ok or t.wrong]
     lines += ["", "Failed or wrong turns (the JSON has them all):", ""] if bad else []
     lines += [f"- {t.phase} t={t.started_s:.1f}-{t.ended_s:.1f} s session {t.session} turn "
