@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -278,12 +279,17 @@ def wait_engine_restarted(cluster: Cluster, name: str, url: str, old_pid: int, s
 def start_proxy_process(argv: list[str], port: int, timeout_s: float = 120.0
                         ) -> tuple[subprocess.Popen, str]:
     """Start a proxy (``argv`` serving on 127.0.0.1:``port``) beside a cluster and wait
-    for its /health; its stderr is in the assertion if it exits first."""
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    for its /health; the tail of its log is in the assertion if it exits first.
+
+    Its log goes to a file, not a pipe: a pipe nobody reads fills (64 KiB) and the
+    proxy's next log line blocks its event loop, requests and SIGTERM included."""
+    log = tempfile.NamedTemporaryFile(prefix=f"proxy-{port}-", suffix=".log", delete=False)
+    with log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while True:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert proc.poll() is None, Path(log.name).read_text(errors="replace")[-3000:]
         try:
             if requests.get(url + "/health", timeout=5).status_code == 200:
                 return proc, url

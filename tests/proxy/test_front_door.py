@@ -33,16 +33,19 @@ def proxy(tmp_path_factory, free_port):
         "max_body_bytes": MAX_BODY,
         "front": {"header_timeout_s": HEADER_TIMEOUT_S},
         "metrics_scrape_interval_s": 60.0}))
-    proc = subprocess.Popen([sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
-                             "--config", str(config), "--tokenizer", "none"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Its log to a file: a pipe nobody reads fills and blocks the proxy's event loop.
+    log = config.with_name("proxy.log")
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "sessionkv_proxy", "--port", str(port),
+                                 "--config", str(config), "--tokenizer", "none"],
+                                stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             break
         except OSError:
-            assert proc.poll() is None, proc.stderr.read().decode()
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "proxy did not listen"
             time.sleep(0.1)
     yield port, psutil.Process(proc.pid)
