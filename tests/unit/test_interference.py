@@ -186,3 +186,17 @@ def test_the_quick_and_full_runs_parse():
     assert (full.rate_list, full.victims, full.prompt_tokens) == ([0.0, 1.0], 2, 1536)
     with pytest.raises(SystemExit):
         bench.parse_args(["--pd-modes", "sideways"])
+
+
+def test_the_committed_quick_report_is_what_render_writes_from_its_json():
+    """docs/benchmarks/interference_quick.{json,md} came from one run; rendering its JSON
+    again gives its markdown, so the report's table and verdict read the fields they name."""
+    import json
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+    res = json.loads((docs / "interference_quick.json").read_text())
+    assert bench.render(res) == (docs / "interference_quick.md").read_text()
+    again = bench.verdict(res["arms"], res["meta"]["ttft_target_ms"] / 1e3,
+                          res["meta"]["itl_target_ms"] / 1e3)
+    assert again == res["verdict"]
