@@ -178,10 +178,6 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
     return results
 
 
-def _ms(x: float | None) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
-
-
 def render(results: dict) -> str:
     meta, load = results["meta"], results["load"]
     arms = any("router_cpu_s" in r.get("pooled", {}) or "failed" in r
@@ -210,9 +206,9 @@ def render(results: dict) -> str:
         lines.append(
             f"| {name} | {s['requests']} | {s['errors']} | {s['good_requests']} | "
             f"{s['goodput_rps']:.2f} ({s['aiperf_goodput_rps']:.2f}) | "
-            f"{_ms(s['ttft_p50_s'])} / {_ms(s['ttft_p99_s'])} | "
-            f"{_ms(s['itl_p50_s'])} / {_ms(s['itl_p99_s'])} | "
-            f"{_ms(s['latency_p50_s'])} / {_ms(s['latency_p99_s'])} |" + (
+            f"{report.ms(s['ttft_p50_s'])} / {report.ms(s['ttft_p99_s'])} | "
+            f"{report.ms(s['itl_p50_s'])} / {report.ms(s['itl_p99_s'])} | "
+            f"{report.ms(s['latency_p50_s'])} / {report.ms(s['latency_p99_s'])} |" + (
                 f" {s['router_cpu_s'] / max(s['requests'], 1) * 1e3:.1f} | "
                 f"{s['prefix_hits'] / s['prefix_queries'] if s['prefix_queries'] else 0:.1%} |"
                 if arms else ""))

@@ -176,12 +176,8 @@ def goodput(steps: dict, ttft_s: float, itl_s: float) -> float:
     return best
 
 
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
-
-
 def _trio(d: dict) -> str:
-    return "/".join(_ms(d.get(k)) for k in ("p50", "p95", "p99"))
+    return "/".join(report.ms(d.get(k)) for k in ("p50", "p95", "p99"))
 
 
 def verdict(arms: dict, ttft_s: float, itl_s: float) -> dict:
@@ -198,13 +194,14 @@ def verdict(arms: dict, ttft_s: float, itl_s: float) -> dict:
     if c is None or d is None:
         return out | {"decision": "inconclusive", "why": "an arm did not run"}
     why = (f"goodput {good[c]:g} req/s of long prompts co-located ({c}), {good[d]:g} P/D "
-           f"({d}); victims' ITL p99 under injection {_ms(under[c])} against {_ms(under[d])} ms")
+           f"({d}); victims' ITL p99 under injection {report.ms(under[c])} against "
+           f"{report.ms(under[d])} ms")
     for key in (c, d):
         base = (arms[key]["steps"].get("0") or {}).get("victim_itl_s", {}).get("p99")
         if base is not None and base > itl_s:
             return out | {"decision": "inconclusive", "why": f"{key} misses the victims' ITL "
-                          f"target with no long prompts at all (p99 {_ms(base)} ms at rate 0), "
-                          f"so its misses are not interference; {why}"}
+                          f"target with no long prompts at all (p99 {report.ms(base)} ms at "
+                          f"rate 0), so its misses are not interference; {why}"}
     return out | {"why": why, "decision": "disaggregate" if good[d] > good[c] else
                   "stay co-located" if good[d] < good[c] else "inconclusive"}
 
@@ -337,7 +334,7 @@ def render(res: dict) -> str:
         "in every arm; aiperf costs about half a core at 8.5 req/s here (docs/measurements.md).",
         "", f"**Verdict: {v['decision']}.** {v['why']}.", ""] + report.table(
         ["arm", "goodput (long prompts req/s)", "victims' ITL p99 under injection (ms)"],
-        [[a["label"], v["goodput"].get(k), _ms(v["itl_p99_under_injection_s"][k])]
+        [[a["label"], v["goodput"].get(k), report.ms(v["itl_p99_under_injection_s"][k])]
          for k, a in res["arms"].items()]) + [
         "", "Requests per pool (P's: those through P), queueing and KV moved from the engines' "
         "counters; engines' ITL from `vllm:inter_token_latency_seconds` (without the API "
@@ -349,7 +346,7 @@ def render(res: dict) -> str:
           f"{s['injected']} ({s['injected_failed']})", _trio(s["victim_itl_s"]),
           _trio(s["engine_itl_s"]), _trio(s["victim_ttft_s"]), _trio(s["injected_ttft_s"]),
           f"{s['victim_tokens_per_s']:.1f}", pool(s, "requests", lambda x: f"{x:.0f}"),
-          pool(s, "queue_mean_s", _ms),
+          pool(s, "queue_mean_s", report.ms),
           f"{sum(p['kv_bytes'] for p in s['pools'].values()) / 1e6:.1f}"]
          for a in res["arms"].values() for s in a["steps"].values()]) + [
         "", "## Fairness", "", f"Servers per arm: {fair['servers']}. aiperf's prompts (sha256 "

@@ -21,7 +21,7 @@ prompts the engine rendered (``prompt_token_ids``).  Where a turn re-sends the p
 answer whole, the tokens lost at the re-tokenization boundary are the full blocks of
 (the previous prompt + the ids generated for it) that the new prompt would share if the
 answer came back as those ids, less the ones it shares as rendered
-(``retokenization.measure_turn``).
+(``measure_turn``, the loss's one definition).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import random
 from dataclasses import dataclass
 
 from agentload.workload import OutputKey, Session, Workload
-from retokenization import measure_turn  # (the loss's one definition)
+from vllm_sessionkv.wire.hashing import common_prefix_len
 
 __all__ = ["ChatConfig", "ChatTurn", "ChatWorkload", "Retokenization", "chat_workload",
-           "edit_answer", "retokenization_loss"]
+           "edit_answer", "measure_turn", "retokenization_loss"]
 
 EDITS = ("none", "trim", "drop_reasoning")
 
@@ -250,6 +250,24 @@ class Retokenization:
     @property
     def lost_tokens(self) -> int:
         return self.ideal_tokens - self.kept_tokens
+
+
+def measure_turn(prev_prompt: list[int], answer: list[int], prompt: list[int],
+                 block_size: int) -> tuple[int, int, int | None]:
+    """(ideal, kept, first differing answer token or None) for one turn boundary.
+
+    What D holds after the previous turn is ``prev_prompt + answer``, KV computed for
+    all but the last sampled token, in full blocks.  ``ideal``: those blocks' tokens,
+    all of which ``prompt`` would share if the answer came back as D's own ids;
+    ``kept``: those it shares as rendered; the first differing token is counted from
+    the answer's start (negative: inside the previous prompt)."""
+    held = prev_prompt + answer
+    computed = len(held) - 1            # the last sampled token's KV is never computed
+    ideal = computed // block_size * block_size
+    common = common_prefix_len(held, prompt)
+    kept = min(common, computed) // block_size * block_size
+    first_diff = common - len(prev_prompt) if common < len(held) else None
+    return ideal, kept, first_diff
 
 
 def retokenization_loss(workload: ChatWorkload, prompts: dict[OutputKey, list[int]],

@@ -24,10 +24,6 @@ def _f(x, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def _ms(x) -> str:
-    return "-" if x is None else f"{x * 1e3:.0f}"
-
-
 def _labels() -> tuple[dict[str, str], list[str]]:
     from sessionkv_bench.arms import ARMS
 
@@ -67,7 +63,7 @@ def workload_table(runs: dict) -> list[str]:
             _f(s["share_of_max"], "{:.1%}"),
             f"{_f(s['ttft_p50_s'], '{:.3f}')}/{_f(s['ttft_p99_s'], '{:.3f}')}/"
             f"{_f(s['ttft_mean_s'], '{:.3f}')} ({s.get('streamed_ok', '-')})",
-            f"{_ms(s['itl_p50_s'])}/{_ms(s['itl_p99_s'])}", _f(s.get("e2e_p50_s")),
+            f"{report.ms(s['itl_p50_s'])}/{report.ms(s['itl_p99_s'])}", _f(s.get("e2e_p50_s")),
             f"{s['bytes'] / 1e6:.1f}",
             f"{m.get('token', 0)}/{m.get('logprob_only', 0)}/{s.get('text_mismatches', '-')} "
             f"({m.get('stripped_token', 0)}/{m.get('stripped_logprob_only', 0)} of "

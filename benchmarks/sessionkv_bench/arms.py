@@ -102,12 +102,8 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 argv += [flag, spec]
         return argv
     if kind == "toy":
-        argv = [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port)]
-        for b in prefill or []:
-            argv += ["--prefill", b.url]
-        for url in urls:
-            argv += ["--decode", url]
-        return argv
+        return [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port),
+                *_pd_flags(prefill, urls)]
     # vllm-router serves Prometheus on its own port (default 29000): keep it in range.
     common = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
               "--prometheus-port", str(ports.take())]
@@ -116,14 +112,15 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
     if kind == "vr-pd" or kind.startswith("vr-pd:"):
         # vr-pd:<policy> picks vllm-router's policy (round_robin by default).
         policy = kind.split(":", 1)[1] if ":" in kind else "round_robin"
-        argv = common + ["--vllm-pd-disaggregation", "--policy", policy,
-                         "--kv-connector", "nixl"]
-        for b in prefill or []:
-            argv += ["--prefill", b.url]
-        for url in urls:
-            argv += ["--decode", url]
-        return argv
+        return common + ["--vllm-pd-disaggregation", "--policy", policy,
+                         "--kv-connector", "nixl", *_pd_flags(prefill, urls)]
     raise ValueError(kind)
+
+
+def _pd_flags(prefill, decode_urls: list[str]) -> list[str]:
+    """``--prefill URL ... --decode URL ...``: the toy proxy's and vllm-router's P/D flags."""
+    return [*(x for b in prefill or [] for x in ("--prefill", b.url)),
+            *(x for url in decode_urls for x in ("--decode", url))]
 
 
 def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],

@@ -1,27 +1,37 @@
 """Reading engines' and routers' Prometheus metrics: sums over label sets, histogram
-means and quantiles, counter deltas.  ``requests`` is imported where it is used: the
-side venv's python imports the benchmarks without it."""
+means and quantiles, counter deltas.  ``requests`` is imported in ``_lines``, where it
+is used: the side venv's python imports the benchmarks without it."""
 
 from __future__ import annotations
 
 import math
 
 
-def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sum each named Prometheus sample over its label sets; absent names are left out."""
+def _lines(url: str) -> list[str]:
+    """The lines of an engine's or router's /metrics page."""
     import requests
 
-    text = requests.get(url + "/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
+    return requests.get(url + "/metrics", timeout=30).text.splitlines()
+
+
+def _samples(url: str):
+    """(name, line, value) of each sample on the /metrics page."""
+    for line in _lines(url):
         if line.startswith("#"):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        yield line.split("{", 1)[0].split(" ", 1)[0], line, value
+
+
+def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum each named Prometheus sample over its label sets; absent names are left out."""
+    out: dict[str, float] = {}
+    for name, _, value in _samples(url):
         if name in names:
-            try:
-                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                pass
+            out[name] = out.get(name, 0.0) + value
     return out
 
 
@@ -30,35 +40,11 @@ def metric_sum(url: str, name: str) -> float:
     return metric_sums(url, (name,)).get(name, 0.0)
 
 
-def histogram_sums(url: str) -> dict[str, float]:
-    """Sum and count of the histograms we read, summed over label sets."""
-    wanted = ("vllm:request_time_per_output_token_seconds", "vllm:request_prefill_time_seconds")
-    out: dict[str, float] = {}
-    import requests
-
-    text = requests.get(url + "/metrics", timeout=10).text
-    for line in text.splitlines():
-        for name in wanted:
-            for suffix in ("_sum", "_count"):
-                if line.startswith(name + suffix):
-                    out[name + suffix] = out.get(name + suffix, 0.0) + float(line.split()[-1])
-    return out
-
-
-def histogram_mean(before: dict, after: dict, name: str) -> float | None:
-    count = after.get(name + "_count", 0) - before.get(name + "_count", 0)
-    if count <= 0:
-        return None
-    return (after.get(name + "_sum", 0) - before.get(name + "_sum", 0)) / count
-
-
 def histogram_buckets(url: str, name: str) -> dict[float, float]:
     """A Prometheus histogram's cumulative bucket counts, ``le`` -> count, summed
     over its other labels."""
-    import requests
-
     out: dict[float, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in _lines(url):
         if line.startswith(name + "_bucket{") and 'le="' in line:
             le = float(line.split('le="', 1)[1].split('"', 1)[0])
             out[le] = out.get(le, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -89,11 +75,9 @@ def engine_counters(url: str) -> dict[str, float]:
     """Every ``sessionkv_*`` and ``vllm:nixl_*`` counter (and histogram count and sum)
     of one engine, summed over label sets that differ only in engine and model.
     Keys: ``name{label=value,...}``."""
-    import requests
-
     types: dict[str, str] = {}
     out: dict[str, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in _lines(url):
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(" ", 3)
             types[name] = kind.strip()
@@ -157,13 +141,8 @@ PLAIN_METRICS = ("vllm:prompt_tokens_total", "vllm:request_success_total",
 def scrape(url: str) -> dict[str, float]:
     """The counters above, ``name`` or ``name{source}`` -> value (summed over other
     labels)."""
-    import requests
-
     out: dict[str, float] = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for name, line, value in _samples(url):
         if name in PLAIN_METRICS:
             key = name
         elif name in SOURCE_METRICS:
@@ -171,10 +150,7 @@ def scrape(url: str) -> dict[str, float]:
             key = f"{name}{{{src}}}"
         else:
             continue
-        try:
-            out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-        except ValueError:
-            pass
+        out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -91,6 +91,11 @@ def table(header: list[str], rows: list[list]) -> list[str]:
             + ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows])
 
 
+def ms(seconds: float | None) -> str:
+    """Seconds as whole milliseconds in a table cell; ``-`` for no figure."""
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
 def write(out_dir: Path, stem: str, data: dict, markdown: str,
           plot: tuple[str, str] | None = None) -> list[Path]:
     """``stem.json`` and ``stem.md`` under ``out_dir`` and, with ``plot`` (module,

@@ -1,5 +1,5 @@
 """Running a scenario: the repository's paths, a log line, ports from the benchmarks'
-range, waiting for other vLLM servers, and arms measured in interleaved rounds.
+range, and arms measured in interleaved rounds.
 Standard library only: the side venv's python imports the benchmarks to draw their
 figures."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -17,7 +16,6 @@ REPO = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO / "benchmarks"
 PORT_LO, PORT_HI = 30000, 31999
 UCX_PORT_RANGE = "31900-31999"   # kept out of the pool: UCX listeners of the P/D engines
-OTHER_VLLM = "vllm.entrypoints|api_server|local_cluster"
 
 
 def log(msg: str) -> None:
@@ -49,23 +47,6 @@ class PortPool:
                 self._next = start + n
                 return start
         raise RuntimeError(f"no {n} consecutive free ports left in {PORT_LO}-{self._hi}")
-
-
-def wait_for_no_other_vllm(max_wait_s: float) -> None:
-    """Only one vLLM cluster may run on this machine: wait for others to finish."""
-    waited = 0.0
-    while True:
-        out = subprocess.run(["pgrep", "-f", OTHER_VLLM], capture_output=True, text=True)
-        pids = [int(p) for p in out.stdout.split() if int(p) != os.getpid()]
-        if not pids:
-            return
-        if waited >= max_wait_s:
-            raise TimeoutError(f"other vLLM processes still running after {waited:.0f}s: "
-                               f"{pids[:8]}")
-        log(f"waiting for other vLLM processes to finish ({len(pids)} running, "
-            f"{waited:.0f}s so far)")
-        time.sleep(30)
-        waited += 30
 
 
 def env_for_bench() -> None:
