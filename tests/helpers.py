@@ -146,7 +146,11 @@ _SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([0-9.eE+-]+
 
 def metric_sum(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus series over label sets matching ``labels``."""
-    text = requests.get(url + "/metrics", timeout=30).text
+    return _sum_in(requests.get(url + "/metrics", timeout=30).text, name, **labels)
+
+
+def _sum_in(text: str, name: str, **labels: str) -> float:
+    """``metric_sum`` over a /metrics page already read."""
     total = 0.0
     for line in text.splitlines():
         m = _SAMPLE_RE.match(line)
@@ -163,8 +167,9 @@ PROMPT_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomput
 
 def prompt_sources(url: str) -> dict[str, float]:
     """An engine's ``sessionkv_prompt_tokens_total`` by source (the four that add up
-    to its prompt tokens)."""
-    return {s: metric_sum(url, "sessionkv_prompt_tokens_total", source=s)
+    to its prompt tokens), from one read of its /metrics, so they are of one moment."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {s: _sum_in(text, "sessionkv_prompt_tokens_total", source=s)
             for s in PROMPT_SOURCES}
 
 
