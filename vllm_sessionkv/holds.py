@@ -65,6 +65,11 @@ class HoldTable:
         """Device blocks pinned by holds not yet asked to end."""
         return sum(h.num_blocks for h in self._holds.values() if h.ending is None)
 
+    @property
+    def ending_blocks(self) -> int:
+        """Device blocks of holds asked to end whose release is not yet reported."""
+        return sum(h.num_blocks for h in self._holds.values() if h.ending is not None)
+
     def hold(self, session_id: str, request_id: str, until_s: float,
              superseded_until_s: float, num_blocks: int = 0) -> str | None:
         """Start a hold; a session's previous hold then ends by ``superseded_until_s``

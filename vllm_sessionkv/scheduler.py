@@ -156,6 +156,10 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         # the prefix cache until it is (``_vllm/prefix_cache.py``).
         self._kv_cache_manager = None
         self._unproven_sync_reads: dict[str, Request] = {}
+        # Requests vLLM asked about this step and has not allocated yet, with the
+        # blocks each needs: with nothing running, they wait for free blocks, and
+        # session holds make room for them (``build_connector_meta``).
+        self._admission_asks: dict[str, int] = {}
         # This runs in the engine-core process, whose loop the pacing changes.
         # A hold just begun is digested in the worker's next step, and a reader's
         # confirm waits for that digest: such a step is not put off.
@@ -278,6 +282,13 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                 and self.is_bidirectional_kv_xfer_enabled)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
+        matched = self._matched_tokens(request, num_computed_tokens)
+        if matched[0] is not None:   # vLLM allocates next, if it has the blocks
+            self._admission_asks[request.request_id] = 1 + -(-(
+                request.num_tokens - num_computed_tokens) // self.block_size)
+        return matched
+
+    def _matched_tokens(self, request: Request, num_computed_tokens: int):
         self.pricing.note_live(request.request_id)
         state = self._requests.of(request.request_id, request.kv_transfer_params)
         if state.payload.early_decode_id:
@@ -332,6 +343,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         return tokens
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
+        self._admission_asks.pop(request.request_id, None)
         state = self._requests.of(request.request_id, request.kv_transfer_params)
         host_plan, state.host_plan = state.host_plan, None
         if host_plan is not None and num_external_tokens > 0 and self.host is not None:
@@ -410,6 +422,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                                                      self._requests.first_tokens())
         meta = super().build_connector_meta(scheduler_output)
         now = time.perf_counter()
+        self._make_room_for_waiting(running, now)
         # Releases first: a hold that ends unread is demoted to host by a copy in
         # the same step's host copies, which the worker runs before its releases.
         release_holds = self._holds.take_releases(now, self._guard)
@@ -430,6 +443,17 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         # to run (the worker learns it from ``idle_step``).
         pacing.set_engine_busy(running > 0)
         return meta
+
+    def _make_room_for_waiting(self, running: float, now: float) -> None:
+        """A step that runs nothing while a request asked to be admitted: vLLM found
+        no blocks for it.  Session holds end (least valuable first) to free what it
+        lacks, or one at least, step after step: a hold never keeps a request out."""
+        asks, self._admission_asks = self._admission_asks, {}
+        if not asks or running > 0:
+            return
+        free = engine_state.kv_free_blocks(self._kv_cache_manager)
+        need = max(asks.values())
+        self._holds.make_room(max(1, need - free) if free is not None else need, now)
 
     def update_connector_output(self, connector_output) -> None:
         sending = getattr(connector_output, "finished_sending", None)

@@ -59,6 +59,21 @@ def test_holds_over_the_cap_end_oldest_first_and_a_reset_ends_all():
     assert stats.data == {"session_holds": [2], "session_hold_ends_kv_pressure_dropped": [1]}
 
 
+def test_holds_under_the_cap_make_room_for_a_waiting_request_oldest_first():
+    table, ledger = holds(max_blocks=100), guard(enabled=False)
+    for i, sid in enumerate("abc"):
+        table.hold(sid, f"t{sid}", float(i), 100.0, 1.0, num_blocks=4)
+    assert table.take_releases(3.0, ledger) == set()            # 12 held, under the cap
+    assert table.make_room(5, 3.0) == 2                          # 4 is not enough: two
+    assert table.take_releases(3.0, ledger) == {"ta", "tb"}
+    # Ending holds count: the same need next step, before their release is reported,
+    # ends nothing more; a larger one ends the rest.
+    assert table.make_room(5, 3.1) == 0
+    assert table.make_room(9, 3.1) == 1 and table.take_releases(3.1, ledger) == {"tc"}
+    assert table.make_room(1, 3.2) == 0                          # nothing left to end
+    table.released(["ta", "tb", "tc"], Stats())
+
+
 def test_a_claim_delays_a_release_and_the_free_of_its_send():
     table, ledger, stats = holds(), guard(), Stats()
     token = ledger.hold_token("t1", [3, 4])

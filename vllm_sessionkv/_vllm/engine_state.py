@@ -12,6 +12,7 @@ __all__ = [
     "host_tier_events",
     "kv_bytes_per_block",
     "kv_bytes_per_token",
+    "kv_free_blocks",
     "kv_cache_group_count",
     "kv_hash_tokens",
     "kv_num_blocks",
@@ -74,6 +75,13 @@ def kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float:
 def kv_num_blocks(kv_cache_config: Any) -> int:
     """Blocks in the engine's KV cache (0 when not known)."""
     return getattr(kv_cache_config, "num_blocks", 0) or 0
+
+
+def kv_free_blocks(kv_cache_manager: Any) -> int | None:
+    """Blocks vLLM could allocate now (free or only cached), None when not known.
+    Private state used (vLLM 0.32): ``KVCacheManager.block_pool``."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    return None if pool is None else pool.get_num_free_blocks()
 
 
 def kv_bytes_per_block(kv_cache_config: Any) -> int:

@@ -2,7 +2,8 @@
 the next turn's pull under a lease (``retention.py``: from the client's hint, the
 session's observed gaps, or ``session_lease_s``), a newer turn supersedes an older
 one, holds over a share of the KV end least valuable first (``kv_pressure``; oldest
-first under ``retention: "age"``), each demoted to the host tier first where there is
+first under ``retention: "age"``), and so do holds in the way of a request D cannot
+admit for want of free blocks (``make_room``), each demoted to the host tier first where there is
 one (``retention: "value"``), a reset ends them all; the
 handle is published out of band (Redis, and the handle channel for proxies without
 Redis).  Holds end through the worker, which
@@ -115,6 +116,28 @@ class SessionHolds:
             self._withdraw_handle(req_id, "kv_pressure")
             self._ended_unread(req_id, "kv_pressure")
         return deadline
+
+    def make_room(self, blocks: int, now_s: float) -> int:
+        """End running holds, in the retention rule's order, until they and the holds
+        already ending free at least ``blocks`` (all of them if they hold fewer);
+        returns how many ended.
+
+        The cap above bounds holds to a share of the KV, so a request that needs more
+        than the rest (a long prompt on a small D) would otherwise wait, admitted by
+        nothing, until leases run out: minutes under the value rule.  A hold is worth
+        a pull later; it must never cost a request now."""
+        blocks -= self._table.ending_blocks   # freed within a step or two anyway
+        if blocks <= 0:
+            return 0
+        ended = self._table.over_cap(max(0, self._table.held_blocks - blocks),
+                                     order=self._order(now_s))
+        for req_id in ended:
+            logger.info("sessionkv hold ends early request_id=%s reason=kv_pressure (a "
+                        "waiting request needs %d more free blocks)", req_id, blocks)
+            self._to_release.add(req_id)
+            self._withdraw_handle(req_id, "kv_pressure")
+            self._ended_unread(req_id, "kv_pressure")
+        return len(ended)
 
     def _order(self, now_s: float) -> list[str] | None:
         """Running holds, first to end first, by the retention rule; None (the

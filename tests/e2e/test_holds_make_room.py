@@ -1,0 +1,63 @@
+"""Session holds make room for a request D cannot otherwise admit (issue 47).
+
+1P + 1D, D with 64 device blocks and its holds capped at half (32 blocks).  Three
+sessions' first turns, each hinted to be held for 600 s (``X-Session-Hold-S``), leave
+30 blocks held: under the cap, so none ends by it.  Then a plain request of 1,250
+tokens (40 blocks) goes straight to D: with 34 blocks free it fits only if holds end.
+Before, it waited for the holds' leases (600 s) with D running nothing (found by the
+chat_pressure benchmark: a turn waited 200 s on a small D).  Now the holds in its way
+end (``kv_pressure``, least valuable first, demoted to the host tier) and it is
+answered as the co-located server answers it; no lease ran out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import free_port_block
+from helpers import assert_same, completion_body, metric_sum, post, wait_until
+from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+BLOCK = 32
+DEVICE_BLOCKS = 64
+COMPLETIONS = "/v1/completions"
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 990 + 20 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    c = LocalCluster(ClusterSpec(
+        model=tiny_model, prefill=1, decode=1, colocated=True, redis=True,
+        base_port=free_port_block(40), block_size=BLOCK, max_model_len=2000,
+        kv_cache_space_gb=0.25, num_gpu_blocks_override=DEVICE_BLOCKS,
+        log_dir=tmp_path_factory.mktemp("make-room-logs"),
+        sessionkv={"retention": "value", "session_hold_max_kv_fraction": 0.5}))
+    with c.start(timeout_s=600):
+        yield c
+
+
+def _d(c: LocalCluster, name: str, **labels: str) -> float:
+    return metric_sum(c.decode[0].url, name, **labels)
+
+
+def test_holds_under_the_cap_end_for_a_request_that_needs_their_blocks(cluster):
+    c = cluster
+    for seed in (1, 2, 3):   # 300 prompt + 16 answer tokens: 10 blocks held each
+        body = completion_body(c.spec.model, _ids(seed, 300), max_tokens=16)
+        got = post(c.proxy_url, COMPLETIONS, body,
+                   headers={"X-Session-ID": f"room-{seed}", "X-Session-Hold-S": "600"})
+        assert_same(got, post(c.colocated.url, COMPLETIONS, body), f"session {seed}")
+    assert _d(c, "sessionkv_session_hold_leases_total", source="hint") == 3
+    assert _d(c, "sessionkv_session_holds_released_total", reason="kv_pressure") == 0
+
+    big = completion_body(c.spec.model, _ids(9, 1250), max_tokens=8)
+    got = post(c.decode[0].url, COMPLETIONS, big, timeout=120)
+    assert_same(got, post(c.colocated.url, COMPLETIONS, big), "the 40-block request")
+    wait_until(lambda: _d(c, "sessionkv_session_hold_ends_total", reason="kv_pressure") >= 1,
+               30, "D to count the holds it ended to admit the request")
+    assert _d(c, "sessionkv_session_hold_ends_total", reason="lease_ended") == 0
