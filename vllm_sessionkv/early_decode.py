@@ -14,7 +14,9 @@ through its API server and the proxy), else from the proxy (both send with
 ``wire/early_decode.EarlyDecodeSender``).  Unclaimed messages (the D request was aborted, or
 never came) and requests whose message never comes (the proxy died) both expire
 after ``timeout_s``; an expired request computes its prompt itself, so a lost
-message costs time, never correctness.
+message costs time, never correctness.  A message for a request already held is
+never expired: it waits until the request takes it or ends, however long the
+scheduler (under KV pressure) takes to come back to the request.
 
 Whoever reaches the port could push a forged ``PrefillDone`` (the id is unguessable,
 but seen by anyone on the path).  With a ``side_port_secret`` the inbox takes only
@@ -108,8 +110,12 @@ class EarlyDecodeInbox:
             params = message.kv_transfer_params
             self._arrived[message.early_decode_id] = (
                 params if isinstance(params, dict) else None, now)
+        # Only a message no request has asked for expires: one for a held request
+        # waits for it (its request takes it or ends, forget()), however long the
+        # scheduler takes to come back to it.
         cutoff = now - self.timeout_s
-        for key in [k for k, (_, at) in self._arrived.items() if at < cutoff]:
+        for key in [k for k, (_, at) in self._arrived.items()
+                    if at < cutoff and k not in self._waiting]:
             del self._arrived[key]
 
     def poll(self, early_decode_id: str) -> tuple[Outcome, dict[str, Any] | None, float]:

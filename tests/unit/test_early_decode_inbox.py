@@ -129,6 +129,31 @@ def test_unclaimed_params_expire_and_aborted_requests_are_forgotten(pair):
     assert orphan not in inbox._arrived
 
 
+def test_params_for_a_held_request_wait_for_it_however_late_it_is_polled(pair):
+    """Under KV pressure D's scheduler may not reach a held request for minutes
+    (a run of chat_pressure, 2026-12-06: polled at 23:52:33, P's push at ~23:52:40,
+    polled again at 23:56:42).  The push must still be there: expiring it with the
+    unclaimed ones turned a READY into TIMED_OUT (waited_ms=248595) for a P that had
+    answered and pushed."""
+    inbox, sender, endpoint, clock = pair
+    held = new_early_decode_id()
+    assert inbox.poll(held)[0] is Outcome.WAITING
+    clock.now += 7
+    assert sender.send(endpoint, held, P_PARAMS)
+    deadline = time.monotonic() + 5
+    while held not in inbox._arrived:     # read while the scheduler polls another
+        inbox.poll("someone-else")
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    inbox.forget("someone-else")
+    clock.now += 240                      # far past timeout_s (30) since it arrived
+    inbox.poll("yet-another")             # a drain in between expires nothing held
+    outcome, params, waited = inbox.poll(held)
+    assert outcome is Outcome.READY and params == P_PARAMS
+    assert waited == pytest.approx(247)
+    assert inbox.waiting == 1             # only "yet-another" is still held
+
+
 def test_malformed_messages_are_dropped(pair):
     inbox, _, endpoint, _ = pair
     ctx = zmq.Context()
