@@ -13,7 +13,9 @@ workload, a Mooncake trace slice, the host-tier workload (``--workloads host``: 
 gaps past the session lease, for arms 8), and *probe* sessions run alone, step after
 step, with the engines' counters read around each step.  ``--client chat``: sessions
 as OpenAI chat messages in text on the real model (``agentload/chat.py``), regimes
-``chat`` and ``chat_long``, against a ceiling over the rendered prompts.
+``chat``, ``chat_long`` and ``chat_pressure`` (``--workloads chat_pressure``, arms 9: D's
+KV a quarter of the sessions', heavy-tailed tool gaps), against a ceiling over the
+rendered prompts (the unlimited-memory reuse).
 
 Arms: ``sessionkv_bench.arms`` (two engines each; ``--cores`` gives each engine's model
 thread a core).  A co-located reference run (sessions pinned, no tool delays) fixes
@@ -47,15 +49,9 @@ from pathlib import Path
 from agentload import client, measure
 from agentload.chat import ChatConfig, chat_workload, retokenization_loss
 from agentload.report import render
-from agentload.workload import (
-    AgentConfig,
-    agent_workload,
-    mooncake_file_ceiling,
-    mooncake_workload,
-    pin_sessions,
-    without_waits,
-    workload_ceiling,
-)
+from agentload.workload import (AgentConfig, agent_workload, mooncake_file_ceiling,
+                                mooncake_workload, pin_sessions, without_waits,
+                                workload_ceiling)
 from sessionkv_bench import arms as armlib
 from sessionkv_bench import report
 from sessionkv_bench.runner import BENCH_DIR, REPO, PortPool, env_for_bench, interleaved, log
@@ -73,22 +69,15 @@ PATH_FLAGS = {"--out-dir": "OUT_DIR", "--log-dir": "LOG_DIR", "--model-dir": "MO
 # outlast the host arms' 15 s lease; its sessions need about twice their D's KV.
 FULL = {
     "p_blocks": 192, "d_blocks": 1024, "max_model_len": 4096,
-    "r1": AgentConfig(sessions=4, steps=5, prefix_tokens=512, task_tokens=48,
-                      tool_output_tokens=160, output_tokens=24, think_tokens=8,
-                      tool_delay_s=0.5, strip_share=0.3, subagent_share=0.25,
-                      subagent_steps=2, seed=1),
-    "r2": AgentConfig(sessions=6, steps=5, prefix_tokens=512, task_tokens=48,
-                      tool_output_tokens=448, output_tokens=128, think_tokens=16,
-                      tool_delay_s=0.5, strip_share=0.3, subagent_share=0.34,
-                      subagent_steps=2, seed=2),
+    # (AgentConfig's defaults for what is not given.)
+    "r1": AgentConfig(sessions=4, prefix_tokens=512, tool_output_tokens=160, seed=1),
+    "r2": AgentConfig(prefix_tokens=512, tool_output_tokens=448, output_tokens=128,
+                      think_tokens=16, subagent_share=0.34, seed=2),
     "skew": AgentConfig(sessions=8, steps=4, prefix_tokens=512, task_tokens=32,
-                        tool_output_tokens=128, output_tokens=24, think_tokens=8,
-                        tool_delay_s=0.3, strip_share=0.3, subagent_share=0.0,
+                        tool_output_tokens=128, tool_delay_s=0.3, subagent_share=0.0,
                         skew=1.5, stagger_s=0.1, seed=3),
-    "host": AgentConfig(sessions=16, steps=4, prefix_tokens=512, task_tokens=48,
-                        tool_output_tokens=256, output_tokens=24, think_tokens=8,
-                        tool_delay_s=20.0, strip_share=0.3, subagent_share=0.0,
-                        stagger_s=0.5, seed=4),
+    "host": AgentConfig(sessions=16, steps=4, prefix_tokens=512, tool_output_tokens=256,
+                        tool_delay_s=20.0, subagent_share=0.0, stagger_s=0.5, seed=4),
     "probe_steps": 6, "mooncake_requests": 40, "run_cap_s": 150.0,
 }
 QUICK = {
@@ -106,8 +95,7 @@ QUICK = {
                         skew=1.5, stagger_s=0.05, seed=3),
     "host": AgentConfig(sessions=4, steps=3, prefix_tokens=256, task_tokens=32,
                         tool_output_tokens=96, output_tokens=12, think_tokens=4,
-                        tool_delay_s=20.0, strip_share=0.0, subagent_share=0.0,
-                        stagger_s=0.3, seed=4),
+                        tool_delay_s=20.0, strip_share=0.0, subagent_share=0.0, seed=4),
     "probe_steps": 3, "mooncake_requests": 8, "run_cap_s": 120.0,
 }
 # The chat client: the real model; P holds 6,400 tokens (one max_model_len request and
@@ -118,15 +106,19 @@ QUICK = {
 # P/D arms.  --quick: the co-located pair and ours, two cluster starts.
 CHAT_FULL = {
     "p_blocks": 200, "d_blocks": 1024, "max_model_len": 6144, "run_cap_s": 180.0,
-    "chat": ChatConfig(sessions=4, turns=5, answer_tokens=96, tool_result_lines=12,
-                       trim_share=0.15, drop_share=0.15, stream_share=0.75,
-                       subagent_share=0.5, subagent_turns=2, tool_delay_s=0.5, seed=1),
+    "chat": ChatConfig(tool_result_lines=12, subagent_share=0.5, seed=1),  # else defaults
     "chat_long": ChatConfig(sessions=6, turns=6, answer_tokens=128, tool_result_lines=32,
-                            trim_share=0.1, drop_share=0.1, stream_share=0.75,
-                            subagent_share=0.0, tool_delay_s=1.0, stagger_s=1.0, seed=2),
+                            trim_share=0.1, drop_share=0.1, subagent_share=0.0,
+                            tool_delay_s=1.0, stagger_s=1.0, seed=2),
+    # Issue 47 must-show 1: tool gaps lognormal (median 2 s, p99 about 20 s), D a quarter
+    # of the sessions' KV (pressure_sizing).
+    "chat_pressure": ChatConfig(sessions=12, turns=6, answer_tokens=128, tool_result_lines=32,
+                                trim_share=0.1, drop_share=0.1, subagent_share=0.0,
+                                tool_delay_s=2.0, gap_sigma=1.0, stagger_s=1.0, seed=5),
     "arms": {"chat": ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-rr", "5-vr-cache", "7-ours",
                       "7-ours-pd"),
-             "chat_long": ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-cache", "7-ours")},
+             "chat_long": ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-cache", "7-ours"),
+             "chat_pressure": armlib.PRESSURE_ARMS},
 }
 CHAT_QUICK = {
     "p_blocks": 72, "d_blocks": 256, "max_model_len": 2048, "run_cap_s": 120.0,
@@ -134,12 +126,17 @@ CHAT_QUICK = {
     "chat": ChatConfig(sessions=2, turns=3, answer_tokens=32, tool_result_lines=24,
                        trim_share=0.34, drop_share=0.34, stream_share=0.5,
                        subagent_share=1.0, subagent_turns=1, tool_delay_s=0.2, seed=3),
-    "arms": {"chat": ("1-rr", "2-ours-coloc", "7-ours")},
+    "chat_pressure": ChatConfig(sessions=6, turns=4, answer_tokens=32, tool_result_lines=24,
+                                trim_share=0.1, drop_share=0.1, subagent_share=0.0,
+                                tool_delay_s=1.0, gap_sigma=1.0, seed=6),
+    "arms": {"chat": ("1-rr", "2-ours-coloc", "7-ours"), "chat_pressure": armlib.PRESSURE_ARMS},
 }
+CHAT_WORKLOADS = ("chat", "chat_long", "chat_pressure")
 SKEW_ARMS = ("1-rr", "2-ours-coloc", "3-nixl-rr", "7-ours")
 MOONCAKE_ARMS = ("1-rr", "2-ours-coloc", "5-vr-cache-coloc")
 HOST_ARMS = ("8-ours-nohost", "8-ours-host")
-OWN_WORKLOAD_ARMS = ("5-vr-cache-coloc", "5-vr-rr-coloc", "7-ours-pd", *HOST_ARMS)
+OWN_WORKLOAD_ARMS = ("5-vr-cache-coloc", "5-vr-rr-coloc", "7-ours-pd", *HOST_ARMS,
+                     *armlib.PRESSURE_ARMS)
 
 
 def _override(cfg, text: str | None):
@@ -165,8 +162,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ports", default="31000-31899", help="LO-HI: routers' and engines' ports")
     p.add_argument("--arms", default=",".join(a.key for a in armlib.ARMS))
     p.add_argument("--workloads", help="r1,r2,skew,mooncake (default), host; chat,chat_long "
-                                       "(--client chat)")
-    for name in ("r1", "r2", "skew", "host", "chat", "chat-long"):
+                                       "(default), chat_pressure (--client chat)")
+    for name in ("r1", "r2", "skew", "host", "chat", "chat-long", "chat-pressure"):
         p.add_argument(f"--{name}", help=f"{name} overrides: key=value,... of its config")
     p.add_argument("--report-stem")
     p.add_argument("--mooncake", default=str(DEFAULT_MOONCAKE), help="Mooncake trace JSONL")
@@ -206,7 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--external needs the coloc cluster (it serves the reference) and "
                          "--model (the model the engines serve)")
     args.cfg = {k: _override(base[k], getattr(args, k)) for k in
-                ("r1", "r2", "skew", "host", "chat", "chat_long") if k in base}
+                ("r1", "r2", "skew", "host", *CHAT_WORKLOADS) if k in base}
     args.arm_keys = [k for k in args.arms.split(",") if k]
     unknown = [k for k in args.arm_keys if k not in armlib.ARM_BY_KEY]
     if unknown:
@@ -220,7 +217,7 @@ def build_workloads(args) -> dict[str, tuple]:
     names, cfg, keys = args.workload_names, args.cfg, args.arm_keys
     if args.client == "chat":
         return {n: (chat_workload(cfg[n], name=n), [k for k in keys if k in args.base["arms"][n]])
-                for n in ("chat", "chat_long") if n in names and n in cfg}
+                for n in CHAT_WORKLOADS if n in names and n in cfg}
     regime_arms = [k for k in keys if k not in OWN_WORKLOAD_ARMS]
     out: dict[str, tuple] = {}
     for name in ("r1", "r2"):
@@ -315,6 +312,26 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, results: 
                 f"{sid}/{k}": r.text[:160] for (sid, k), r in res.items()}
         log(f"reference {wname}: {workload.n_steps} steps in {time.perf_counter() - t0:.1f}s;"
             f" ceiling {ceil.reusable_tokens}/{ceil.prompt_tokens} reusable")
+    if "chat_pressure" in reference:
+        results["meta"]["pressure"] = pressure_sizing(opts, results["ceilings"]["chat_pressure"],
+                                                      args)
+
+
+def pressure_sizing(opts, ceiling: dict, args) -> dict:
+    """The pressure arms' D: a quarter of the sessions' KV (the reference's distinct prompt
+    tokens, the ceiling's unique tokens), at least one max_model_len request and a block;
+    on P and D of ours, a host tier of D's KV bytes and a disk tier of four times that."""
+    from vllm_sessionkv.planner.model import model_shape_from_hf_config
+
+    shape = model_shape_from_hf_config(json.loads((Path(opts.model) / "config.json").read_text()))
+    block = int(shape.kv_elements_per_token) * (4 if args.dtype == "float32" else 2) * 32
+    tokens, d = ceiling["unique_tokens"], max(-(-ceiling["unique_tokens"] // 128),
+                                              args.max_model_len // 32 + 1)
+    tiers = {"host_tier_bytes": d * block, "disk_tier_bytes": 4 * d * block}
+    opts.pressure = {"d_blocks": d, "sessionkv": {
+        **tiers, "disk_tier_dir": tempfile.mkdtemp(prefix="sessionkv-disk-")}}
+    return {"session_kv_tokens": tokens, "d_blocks": d, "sessions_kv_over_d": tokens / (32 * d),
+            "coloc_blocks": (args.p_blocks + d) // 2, "kv_bytes_per_block": block, **tiers}
 
 
 def run_arm(run, key: str, wname: str, workload, model: str, reference: dict,

@@ -26,6 +26,7 @@ answer came back as those ids, less the ones it shares as rendered
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -159,6 +160,8 @@ class ChatConfig:
     subagent_share: float = 0.25
     subagent_turns: int = 2
     tool_delay_s: float = 0.5      # mean; each drawn from 0.5x-1.5x
+    # > 0: each tool delay lognormal instead, median tool_delay_s, sigma this (heavy tail)
+    gap_sigma: float = 0.0
     stagger_s: float = 0.3
     seed: int = 0
 
@@ -194,7 +197,8 @@ def chat_workload(cfg: ChatConfig, name: str = "chat") -> ChatWorkload:
     rng = random.Random(cfg.seed)
 
     def jitter(x: float) -> float:
-        return x * rng.uniform(0.5, 1.5)
+        return x * rng.lognormvariate(0.0, cfg.gap_sigma) if cfg.gap_sigma else \
+            x * rng.uniform(0.5, 1.5)
 
     def make_turns(n: int, task: str) -> tuple[ChatTurn, ...]:
         out = []
@@ -233,7 +237,10 @@ def chat_workload(cfg: ChatConfig, name: str = "chat") -> ChatWorkload:
             f"{sum(t.stream for t in turns)} of {len(turns)} turns streamed; "
             f"{sum(t.edit == 'trim' for t in turns)} trim and "
             f"{sum(t.edit == 'drop_reasoning' for t in turns)} drop the previous answer's "
-            f"first line; tool delay ~{cfg.tool_delay_s:g} s, seed {cfg.seed}")
+            f"first line; tool delay ~{cfg.tool_delay_s:g} s" + (
+                f" (lognormal median, sigma {cfg.gap_sigma:g}, p99 "
+                f"{cfg.tool_delay_s * math.exp(2.326 * cfg.gap_sigma):.0f} s)" if cfg.gap_sigma
+                else "") + f", seed {cfg.seed}")
     return ChatWorkload(name=name, sessions=all_sessions, think_open=None, description=desc)
 
 

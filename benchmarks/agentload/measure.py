@@ -24,6 +24,10 @@ OUR_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed"
                "refused_by_verification")
 BYTES = "vllm:nixl_bytes_transferred_sum"
 REQUESTS = "vllm:request_success_total"
+# Claims on held blocks the holder refused (docs/metrics.md), restores per tier.
+TIERS = {"refused_claims": "sessionkv_guard_claims_total{refused}",
+         "host_restored_blocks": "sessionkv_host_restored_blocks_total",
+         "disk_promoted_blocks": "sessionkv_disk_promoted_blocks_total"}
 
 
 def equal(res: StepResult, ref: StepResult):
@@ -74,7 +78,8 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
     for (role, url), x in zip(engines, d):
         entry = {"url": url, "requests": x.get(REQUESTS, 0.0),
                  "computed": x.get(LOCAL_COMPUTE, 0.0), "local_hit": x.get(LOCAL_HIT, 0.0),
-                 "external": x.get(EXTERNAL, 0.0), "bytes": x.get(BYTES, 0.0)}
+                 "external": x.get(EXTERNAL, 0.0), "bytes": x.get(BYTES, 0.0),
+                 **{k: x.get(name, 0.0) for k, name in TIERS.items()}}
         ours = {s: x.get(f"{OURS}{{{s}}}", 0.0) for s in OUR_SOURCES}
         if any(ours.values()):
             entry["sessionkv"] = ours
@@ -105,6 +110,7 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         "prompt_tokens_per_s": prompt / wall_s if wall_s else None,
         "bytes": moved, "bytes_per_step": moved / len(ok) if ok else None,
         "engines": by_role, "requests_per_engine": [e["requests"] for e in by_role.values()],
+        "tiers": {k: sum(e[k] for e in by_role.values()) for k in TIERS},
         "mismatches": mismatches(workload, results, reference),
         "text_mismatches": len(text),
         "text_mismatch_examples": [f"{sid}/{k}: {ok[(sid, k)].text[:80]!r} vs "

@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 from sessionkv_bench import report
+from sessionkv_bench.client import accounting as _json
 from sessionkv_bench.stats import pct
 
 # Ours against the arms it is compared with, where both ran a workload.
 PAIRS = {"7-ours": ("3-nixl-rr", "4-nixl-bidi", "5-vr-rr", "5-vr-cache", "6-ours-nopull",
                     "1-rr", "2-ours-coloc"),
          "7-ours-pd": ("5-vr-rr", "5-vr-cache"), "8-ours-host": ("8-ours-nohost",),
-         "2-ours-coloc": ("1-rr", "5-vr-cache-coloc")}
+         "2-ours-coloc": ("1-rr", "5-vr-cache-coloc"),
+         "9-ours": ("9-ours-age", "9-vr-cache", "9-coloc")}
 
 
 def _f(x, fmt: str = "{:.2f}") -> str:
@@ -64,7 +67,8 @@ def workload_table(runs: dict) -> list[str]:
             f"{_f(s['ttft_p50_s'], '{:.3f}')}/{_f(s['ttft_p99_s'], '{:.3f}')}/"
             f"{_f(s['ttft_mean_s'], '{:.3f}')} ({s.get('streamed_ok', '-')})",
             f"{report.ms(s['itl_p50_s'])}/{report.ms(s['itl_p99_s'])}", _f(s.get("e2e_p50_s")),
-            f"{s['bytes'] / 1e6:.1f}",
+            f"{s['bytes'] / 1e6:.1f}", " / ".join(f"{v:.0f}" for v in s["tiers"].values())
+            if "tiers" in s else "-",
             f"{m.get('token', 0)}/{m.get('logprob_only', 0)}/{s.get('text_mismatches', '-')} "
             f"({m.get('stripped_token', 0)}/{m.get('stripped_logprob_only', 0)} of "
             f"{m.get('stripped_compared', 0)})",
@@ -72,6 +76,7 @@ def workload_table(runs: dict) -> list[str]:
     return report.table(
         ["arm", "steps ok", "prompt tok", "computed tok", "reuse x", "share of ceiling",
          "TTFT p50/p99/mean s (streamed n)", "ITL p50/p99 ms", "e2e p50 s", "KV MB moved",
+         "refused claims / host restored / disk promoted blocks",
          "mismatches tok/lp/text (edited steps tok/lp of n)", "requests per engine",
          "prompt-token sources"], rows)
 
@@ -140,16 +145,12 @@ def decisions(s: dict) -> str | None:
     if not any(d.get("route") for d in detail.values()):
         return None
     through_p = [a for a in (_json(d.get("prefill")) for d in detail.values()) if a]
-    kinds, reasons, handles = {}, {}, {}
-    for a in through_p:
-        kinds[a.get("decision") or "no decision"] = kinds.get(a.get("decision") or
-                                                               "no decision", 0) + 1
-    for d in detail.values():
-        # The reason's words without its numbers: one count per kind of decision.
-        r = re.sub(r"\d+(\.\d+)?", "N", (d.get("reason") or d.get("route") or "?").split(" (")[0])
-        reasons[r] = reasons.get(r, 0) + 1
-        if d.get("route") == "disaggregated":
-            handles[d.get("handle") or "?"] = handles.get(d.get("handle") or "?", 0) + 1
+    kinds = Counter(a.get("decision") or "no decision" for a in through_p)
+    # The reason's words without its numbers: one count per kind of decision.
+    reasons = Counter(re.sub(r"\d+(\.\d+)?", "N", (d.get("reason") or d.get("route") or "?")
+                             .split(" (")[0]) for d in detail.values())
+    handles = Counter(d.get("handle") or "?" for d in detail.values()
+                      if d.get("route") == "disaggregated")
     pulls = [a for a in through_p if a.get("pulled_from_peer_tokens")]
     priced = (f"; priced pull {sum(a.get('priced_pull_ms', 0) for a in pulls):.0f} ms vs "
               f"recompute {sum(a.get('priced_recompute_ms', 0) for a in pulls):.0f} ms, "
@@ -159,13 +160,6 @@ def decisions(s: dict) -> str | None:
             f"({sum(a['pulled_from_peer_tokens'] for a in pulls)} tokens{priced}); P's "
             f"decisions: {counts(kinds)}; D's session handle on those: {counts(handles)}; "
             f"route reasons: {counts(reasons)}")
-
-
-def _json(text: str | None) -> dict:
-    try:
-        return json.loads(text) if text else {}
-    except ValueError:
-        return {}
 
 
 def forced_pd_split(s: dict) -> str:
@@ -236,8 +230,8 @@ def headlines(results: dict) -> list[str]:
     labels, _ = _labels()
     out = []
     for w, r in results.get("runs", {}).items():
-        s, c = r.get("7-ours"), results.get("ceilings", {}).get(w)
-        if s and c:
+        c = results.get("ceilings", {}).get(w)
+        for s in (r.get(k) for k in ("7-ours", "9-ours") if c and k in r):
             m = s["mismatches"]
             out.append(f"- ({w}) ours in full computed {s['computed_tokens']:.0f} of "
                        f"{s['prompt_tokens']} prompt tokens: reuse x{_f(s['reuse_factor'])}, "
@@ -253,7 +247,10 @@ def headlines(results: dict) -> list[str]:
                 if a and b:
                     out.append(vs_line(f"{w}, pooled over {a['rounds']} rounds: {a['ttft_n']}"
                                        f" / {b['ttft_n']} streamed steps", ours, other, a, b))
-        for key in ("7-ours", "7-ours-pd", "6-ours-nopull", "2-ours-coloc"):
+        if w == "chat_pressure":
+            out += pressure_lines(r)
+        for key in ("7-ours", "7-ours-pd", "6-ours-nopull", "2-ours-coloc", "9-ours",
+                    "9-ours-age"):
             if key in r and decisions(r[key]):
                 out.append(f"  - ({w}) {labels[key]}: {decisions(r[key])}")
         if "7-ours-pd" in r:
@@ -274,6 +271,21 @@ def headlines(results: dict) -> list[str]:
                            f"{s.get('text_mismatches', 0)} by text, of {m['compared']}; e.g. "
                            f"{m['examples'][:2]} {s.get('text_mismatch_examples', [])[:2]}")
     return out + probe_lines(results.get("probes", {}))[1]
+
+
+def pressure_lines(r: dict) -> list[str]:
+    """Issue 47's must-show 1 on chat_pressure against the unlimited-memory ceiling (the
+    reuse ceiling over the rendered prompts: every earlier request's KV kept)."""
+    ours, vr = r.get("9-ours") or {}, r.get("9-vr-cache") or {}
+    x = vr.get("ttft_p50_s") and ours.get("ttft_p50_s") and vr["ttft_p50_s"] / ours["ttft_p50_s"]
+    shares = ", ".join(f"{k} {_f(s['share_of_max'], '{:.1%}')}" for k, s in r.items())
+    return [f"- (chat_pressure) must-show 1: share of the unlimited-memory ceiling's reused "
+            f"tokens {shares} (9-ours >= 90%: {(ours.get('share_of_max') or 0) >= 0.9}); TTFT p50 9-vr-cache /"
+            f" 9-ours = {_f(x or None)} (>= 2: {(x or 0) >= 2}); answers differing from the "
+            "co-located reference by token ids or text: " + ", ".join(
+                f"{k} {s['mismatches']['token'] + s['text_mismatches']}" for k, s in r.items())
+            + ". vLLM's own offloading alone (`OffloadingConnector`) is no arm: its worker "
+            "raises on the CPU build (docs/tiers.md)."]
 
 
 def rounds_lines(results: dict) -> list[str]:
@@ -309,7 +321,10 @@ def render(results: dict) -> str:
         + (f"; the host-tier arms (8-*): D {meta['host_arms']['d_blocks']} blocks, session "
            f"lease {meta['host_arms']['lease_s']:g} s, host tier "
            f"{meta['host_arms']['host_tier_bytes'] / 2**20:.0f} MiB on each engine of arm "
-           "8-ours-host" if meta.get("host_arms") else ""),
+           "8-ours-host" if meta.get("host_arms") else "")
+        + ("; the pressure arms (9-*, KV in blocks and bytes): " + ", ".join(
+            f"{k} {v:,.{0 if isinstance(v, int) else 2}f}" for k, v in meta["pressure"].items())
+           if meta.get("pressure") else ""),
         f"- cluster order: {', '.join(results.get('order', []))} (the co-located pair first: "
         "it serves the reference); the arms sharing a cluster in a shuffled order, reversed "
         f"every other round ({meta.get('rounds', 1)} round(s)), every cache reset before "
@@ -364,7 +379,11 @@ def render(results: dict) -> str:
         "answers move with batch composition. Arm 1 (plain co-located vLLM) is the noise "
         "floor; the probe sessions (one request at a time) are the strict check.",
         "- KV MB moved: `vllm:nixl_bytes_transferred_sum` deltas on both engines; requests per "
-        "engine: `vllm:request_success_total` deltas (a P/D request counts on P and on D).",
+        "engine: `vllm:request_success_total` deltas (a P/D request counts on P and on D); "
+        "refused claims / host restored / disk promoted blocks: `sessionkv_guard_claims_total"
+        "{outcome=\"refused\"}` (claims on held blocks their holder refused), "
+        "`sessionkv_host_restored_blocks_total`, `sessionkv_disk_promoted_blocks_total` (disk "
+        "-> host reads, each then restored from the host tier) deltas, both engines.",
         "- steps ok: a run is cut after the cap; unfinished steps count as not ok."]
     lines += [f"- `{key}`: `{cmd}`" for key, cmd in sorted(results.get("commands", {}).items())]
     return "\n".join(lines + [f"- FAILED: {f}" for f in results.get("failures", [])])
@@ -420,6 +439,10 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
                               lambda s, k: s[k], "TTFT (s, log scale)", log=True))
     figure("reuse", runs, bars((("share_of_max", "share"),), lambda s, k: 100 * (s[k] or 0),
                                "% of the ceiling reused"))
+    figure("tiers", {w: r for w, r in runs.items() if w == "chat_pressure"}, bars(
+        [(k, k.replace("_", " ")) for k in ("refused_claims", "host_restored_blocks",
+                                             "disk_promoted_blocks")],
+        lambda s, k: s["tiers"][k], "count over the run"))
     figure("computed_per_step", probes, lines(lambda s: s["step"], lambda s: s["computed"],
                                               "step of the session", "prompt tokens computed"))
     figure("bytes_per_step", probes, lines(lambda s: s["session_tokens"],

@@ -14,7 +14,6 @@ side venv ``benchmarks/.venv-router``.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -170,9 +169,21 @@ ARMS = [
     # and without the host tier.
     Arm("8-ours-nohost", "8 ours, short lease, no host tier", "hostless", "cluster"),
     Arm("8-ours-host", "8 ours, short lease, host tier", "host", "cluster"),
+    # chat_pressure only (issue 47): D sized to a quarter of the sessions' KV
+    # (EngineOptions.pressure); ours with host and disk tiers, retention by value or
+    # age; vllm-router on the same P/D shape (our connector, no tiers); co-located
+    # engines with P's plus D's blocks between them behind our proxy.
+    Arm("9-ours", "9 ours in full (retention by value, host + disk tiers)", "pressure",
+        "cluster"),
+    Arm("9-ours-age", "9 ours, fixed lease (retention by age), host + disk tiers",
+        "pressure-age", "cluster"),
+    Arm("9-vr-cache", "9 vllm-router P/D cache_aware", "pressure-vr", "vr-pd:cache_aware"),
+    Arm("9-coloc", "9 co-located + our proxy, same total KV", "pcoloc", "ours"),
 ]
 ARM_BY_KEY = {a.key: a for a in ARMS}
-CLUSTERS = ("coloc", "stock", "bidi", "nopull", "ours", "hostless", "host")
+PRESSURE_ARMS = ("9-ours", "9-ours-age", "9-vr-cache", "9-coloc")
+CLUSTERS = ("coloc", "stock", "bidi", "nopull", "ours", "hostless", "host", "pressure",
+            "pressure-age", "pressure-vr", "pcoloc")
 
 @dataclass
 class EngineOptions:
@@ -191,6 +202,9 @@ class EngineOptions:
     # handle P can still use.
     host_lease_s: float = 15.0
     host_tier_bytes: int = 256 << 20
+    # The pressure arms (9-*): {"d_blocks": N, "sessionkv": their connector keys},
+    # set from the reference run (agent_workload.pressure_sizing).
+    pressure: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=lambda: ["--enable-prompt-tokens-details"])
     # Cluster name -> engines already running elsewhere (``--external``): nothing is
     # launched for that cluster, only its routers.
@@ -314,19 +328,15 @@ class Running:
 
 def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
                   log_dir: Path) -> Running:
-    from vllm_sessionkv.dev.launch import (
-        ClusterSpec,
-        EngineSpec,
-        Host,
-        LocalCluster,
-        start_engine,
-        wait_healthy,
-    )
+    from vllm_sessionkv.dev.launch import (ClusterSpec, EngineSpec, Host, LocalCluster,
+                                           start_engine, wait_healthy)
 
     t0 = time.perf_counter()
     if name in opts.external:
         return _start_external(name, arms, opts, ports, log_dir)
-    if name == "coloc":
+    if name in ("coloc", "pcoloc"):
+        blocks = opts.coloc_blocks if name == "coloc" else \
+            (opts.p_blocks + opts.pressure["d_blocks"]) // 2
         run = Running(name, [])
         backends = []
         try:
@@ -336,11 +346,11 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
                                   kv_events_port=base + 1, kv_events_replay_port=base + 2,
                                   block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
                                   kv_cache_space_gb=opts.kv_cache_gb,
-                                  num_gpu_blocks_override=opts.coloc_blocks,
+                                  num_gpu_blocks_override=blocks,
                                   extra_args=list(opts.extra_args),
                                   extra_env=dict(opts.engine_env[i]) if opts.engine_env else {},
                                   gpus=opts.gpus[i % len(opts.gpus)] if opts.gpus else None)
-                run.procs.append(start_engine(spec, f"coloc{i}", log_dir))
+                run.procs.append(start_engine(spec, f"{name}{i}", log_dir))
                 run.engines.append(("coloc", spec.url))
                 backends.append(Backend(spec.url, spec.kv_events_endpoint,
                                         spec.kv_events_replay_endpoint))
@@ -350,13 +360,13 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         except BaseException:
             run.stop()
             raise
-        log(f"cluster coloc healthy after {time.perf_counter() - t0:.0f}s")
+        log(f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
         return run
 
     # Ours with Redis: D publishes each session's handle there, the only way the proxy
     # learns it when the client streams (a streamed answer carries no handle back).
     # Without it P never has D's blocks to pull, and no D->P pull can happen.
-    ours = name in ("ours", "nopull", "hostless", "host")
+    ours = name in ("ours", "nopull", "hostless", "host", "pressure", "pressure-age")
     spec_kw: dict = {"connector": "sessionkv", "proxy": ours, "redis": ours}
     d_blocks = opts.d_blocks
     if name == "stock":
@@ -371,6 +381,12 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         spec_kw.update(sessionkv={**opts.ours_sessionkv, "session_lease_s": opts.host_lease_s,
                                   "host_tier_bytes": opts.host_tier_bytes if name == "host"
                                   else 0})
+    elif name.startswith("pressure"):
+        d_blocks = opts.pressure["d_blocks"]
+        tiers = {} if name == "pressure-vr" else dict(
+            opts.pressure["sessionkv"], retention="age" if name == "pressure-age" else "value",
+            disk_tier_dir=f"{opts.pressure['sessionkv']['disk_tier_dir']}/{name}")
+        spec_kw.update(sessionkv={**opts.ours_sessionkv, **tiers})
     else:
         spec_kw.update(sessionkv=dict(opts.ours_sessionkv))
     cluster = LocalCluster(ClusterSpec(
@@ -411,47 +427,39 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
     return run
 
 
+def _serve(run: Running, key: str, argv: list[str], port: int, log_dir: Path) -> None:
+    """Start arm ``key``'s router (``argv``, on ``port``), wait for its /health, record it."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    proc = start_process(re.sub(r"[^A-Za-z0-9_.-]+", "_", key), argv, log_dir)
+    run.procs.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy([(proc, url)], timeout_s=120)
+    run.routers[key], run.commands[key], run.pids[key] = url, " ".join(argv), proc.pid
+
+
 def _start_forced_pd_proxy(run: Running, key: str, cluster_argv: list[str],
                            ports: PortPool, log_dir: Path) -> None:
     """Arm 7-ours-pd: the cluster's proxy command (same engines, events, early decode,
     handle channels and Redis) on another port, with every turn sent P then D."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
     port = ports.take()
     argv = list(cluster_argv)
     argv[argv.index("--port") + 1] = str(port)
-    argv += ["--decode-only-max-uncached-tokens", "-1"]
-    proc = start_process(key, argv, log_dir, env=dict(os.environ))
-    run.procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy([(proc, url)], timeout_s=120)
-    run.routers[key] = url
-    run.commands[key] = " ".join(argv)
-    run.pids[key] = proc.pid
-    run.more_admins.append(url)
+    _serve(run, key, argv + ["--decode-only-max-uncached-tokens", "-1"], port, log_dir)
+    run.more_admins.append(run.routers[key])
 
 
 def _start_conversation_proxy(run: Running, key: str, p_url: str, d_url: str,
                               ports: PortPool, log_dir: Path) -> None:
     """Arm 4's conversation-keyed proxy (benchmarks/conversation_proxy.py) over P and D."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
     port = ports.take()
-    argv = [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port", str(port),
-            "--prefill", p_url, "--decode", d_url]
-    proc = start_process("conversation_proxy", argv, log_dir)
-    run.procs.append(proc)
-    wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=60)
-    run.routers[key] = f"http://127.0.0.1:{port}"
-    run.commands[key] = " ".join(argv)
-    run.pids[key] = proc.pid
+    _serve(run, key, [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port",
+                      str(port), "--prefill", p_url, "--decode", d_url], port, log_dir)
 
 
 def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
                     log_dir: Path) -> Running:
     """Routers only, over engines that run elsewhere (GPU servers, a real model)."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
     ext = opts.external[name]
 
     def backend(e: ExternalEngine) -> Backend:
@@ -477,12 +485,8 @@ def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: Port
                         argv += [flag, spec + (f",early={e.early}" if e.early else "")]
                     if ext.redis_url:
                         argv += ["--redis-url", ext.redis_url]
-                    proc = start_process(f"proxy-{name}", argv, log_dir)
-                    run.procs.append(proc)
-                    wait_healthy([(proc, f"http://127.0.0.1:{port}")], timeout_s=120)
-                    run.routers[a.key] = run.admin = f"http://127.0.0.1:{port}"
-                    run.commands[a.key] = " ".join(argv)
-                    run.pids[a.key] = proc.pid
+                    _serve(run, a.key, argv, port, log_dir)
+                    run.admin = run.routers[a.key]
                 elif a.router == "conv":
                     _start_conversation_proxy(run, a.key, ext.prefill.url, ext.decode.url,
                                               ports, log_dir)
@@ -579,7 +583,3 @@ def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int
     engine_s = d.get("vllm:request_prefill_time_seconds_sum", 0.0) / n if n else None
     return {"tokens": n_tokens, "client_s_per_1k": client_s / n_tokens * 1000,
             "engine_s_per_1k": engine_s / n_tokens * 1000 if engine_s else None}
-
-
-def describe(run: Running) -> str:
-    return json.dumps({"engines": run.engines, "routers": run.routers})

@@ -130,23 +130,27 @@ def counters_by_label(counters: dict[str, float], name: str) -> dict[str, float]
     return out
 
 
-# Counters read from every engine before and after each run.
-SOURCE_METRICS = ("vllm:prompt_tokens_by_source_total", "sessionkv_prompt_tokens_total")
+# Counters read from every engine before and after each run: name -> the label kept.
+LABELED_METRICS = {"vllm:prompt_tokens_by_source_total": "source",
+                   "sessionkv_prompt_tokens_total": "source",
+                   "sessionkv_guard_claims_total": "outcome"}
 PLAIN_METRICS = ("vllm:prompt_tokens_total", "vllm:request_success_total",
                  "vllm:nixl_bytes_transferred_sum", "vllm:generation_tokens_total",
                  "vllm:request_prefill_time_seconds_sum",
-                 "vllm:request_prefill_time_seconds_count")
+                 "vllm:request_prefill_time_seconds_count",
+                 "sessionkv_host_restored_blocks_total", "sessionkv_disk_promoted_blocks_total")
 
 
 def scrape(url: str) -> dict[str, float]:
-    """The counters above, ``name`` or ``name{source}`` -> value (summed over other
+    """The counters above, ``name`` or ``name{label value}`` -> value (summed over other
     labels)."""
     out: dict[str, float] = {}
     for name, line, value in _samples(url):
         if name in PLAIN_METRICS:
             key = name
-        elif name in SOURCE_METRICS:
-            src = line.split('source="', 1)[1].split('"', 1)[0] if 'source="' in line else "?"
+        elif name in LABELED_METRICS:
+            label = LABELED_METRICS[name] + '="'
+            src = line.split(label, 1)[1].split('"', 1)[0] if label in line else "?"
             key = f"{name}{{{src}}}"
         else:
             continue
