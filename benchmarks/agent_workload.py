@@ -39,7 +39,6 @@ import dataclasses
 import json
 import random
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,8 @@ from agentload.workload import (AgentConfig, agent_workload, mooncake_file_ceili
                                 workload_ceiling)
 from sessionkv_bench import arms as armlib
 from sessionkv_bench import report
-from sessionkv_bench.runner import BENCH_DIR, REPO, PortPool, env_for_bench, interleaved, log
+from sessionkv_bench.runner import (BENCH_DIR, REPO, PortPool, env_for_bench, interleaved,
+                                    interrupt_on_sigterm, log)
 
 DEFAULT_MOONCAKE = BENCH_DIR / "data" / "mooncake_conversation_5300_60.jsonl"
 PATH_FLAGS = {"--out-dir": "OUT_DIR", "--log-dir": "LOG_DIR", "--model-dir": "MODEL_DIR",
@@ -110,8 +110,7 @@ CHAT_FULL = {
     "chat_long": ChatConfig(sessions=6, turns=6, answer_tokens=128, tool_result_lines=32,
                             trim_share=0.1, drop_share=0.1, subagent_share=0.0,
                             tool_delay_s=1.0, stagger_s=1.0, seed=2),
-    # Issue 47 must-show 1: tool gaps lognormal (median 2 s, p99 about 20 s), D a quarter
-    # of the sessions' KV (pressure_sizing).
+    # Issue 47 must-show 1: tool gaps lognormal, median 2 s, p99 20 s; arms 9.
     "chat_pressure": ChatConfig(sessions=12, turns=6, answer_tokens=128, tool_result_lines=32,
                                 trim_share=0.1, drop_share=0.1, subagent_share=0.0,
                                 tool_delay_s=2.0, gap_sigma=1.0, stagger_s=1.0, seed=5),
@@ -313,20 +312,18 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, results: 
         log(f"reference {wname}: {workload.n_steps} steps in {time.perf_counter() - t0:.1f}s;"
             f" ceiling {ceil.reusable_tokens}/{ceil.prompt_tokens} reusable")
     if "chat_pressure" in reference:
-        results["meta"]["pressure"] = pressure_sizing(opts, results["ceilings"]["chat_pressure"],
-                                                      args)
+        results["meta"]["pressure"] = pressure_sizing(opts, reference["chat_pressure"][1], args)
 
 
-def pressure_sizing(opts, ceiling: dict, args) -> dict:
-    """The pressure arms' D: a quarter of the sessions' KV (the reference's distinct prompt
-    tokens, the ceiling's unique tokens), at least one max_model_len request and a block;
-    on P and D of ours, a host tier of D's KV bytes and a disk tier of four times that."""
+def pressure_sizing(opts, ceil, args) -> dict:
+    """Arms 9's D: a quarter of the reference's distinct prompt tokens, at least a request and
+    a block; on ours' P and D a host tier of D's KV bytes, a disk tier of four times that."""
     from vllm_sessionkv.planner.model import model_shape_from_hf_config
 
     shape = model_shape_from_hf_config(json.loads((Path(opts.model) / "config.json").read_text()))
     block = int(shape.kv_elements_per_token) * (4 if args.dtype == "float32" else 2) * 32
-    tokens, d = ceiling["unique_tokens"], max(-(-ceiling["unique_tokens"] // 128),
-                                              args.max_model_len // 32 + 1)
+    tokens = ceil.prompt_tokens - ceil.reusable_tokens
+    d = max(-(-tokens // 128), args.max_model_len // 32 + 1)
     tiers = {"host_tier_bytes": d * block, "disk_tier_bytes": 4 * d * block}
     opts.pressure = {"d_blocks": d, "sessionkv": {
         **tiers, "disk_tier_dir": tempfile.mkdtemp(prefix="sessionkv-disk-")}}
@@ -386,17 +383,13 @@ def write_report(results: dict, out_dir: Path, stem: str, paths: dict[str, str])
     return []
 
 
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.render_only:
         path = Path(args.render_only)
         return len(write_report(json.loads(path.read_text()), Path(args.out_dir), path.stem, {}))
     started = time.perf_counter()
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
     env_for_bench()
     failures: list[str] = []
     try:

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import re
-import signal
 import sys
 import tempfile
 import threading
@@ -36,8 +35,8 @@ from pathlib import Path
 
 from sessionkv_bench import report
 from sessionkv_bench.client import accounting
-from sessionkv_bench.metrics import counter_deltas, counter_sum, counters_by_label, engine_counters
-from sessionkv_bench.runner import log
+from sessionkv_bench.metrics import counter_sum, counters_by_label, delta, engine_counters
+from sessionkv_bench.runner import interrupt_on_sigterm, log
 from sessionkv_bench.stats import pct
 
 FIRST_TOKEN_ID = 10          # below: the tiny model's special tokens
@@ -244,7 +243,7 @@ def measure(engines: dict[str, str], traffic) -> dict[str, dict[str, float]]:
     before = {name: engine_counters(url) for name, url in engines.items()}
     traffic()
     time.sleep(2.0)   # the engines' stat loggers catch up with the last turn
-    return {name: counter_deltas(before[name], engine_counters(url))
+    return {name: delta(engine_counters(url), before[name])
             for name, url in engines.items()}
 
 
@@ -421,16 +420,12 @@ def tiny_model(workdir: Path) -> tuple[str, dict]:
     return model, json.loads((Path(model) / "config.json").read_text())
 
 
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
 
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
     os.environ.setdefault("UCX_TCP_PORT_RANGE", f"{args.base_port + 900}-{args.base_port + 999}")
     started, workdir = time.monotonic(), Path(tempfile.mkdtemp(prefix="sessionkv-kv-pressure-"))
     log_dir = args.log_dir or workdir / "logs"

@@ -5,27 +5,27 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from agentload.client import NOT_FINISHED, StepResult, run_one
 from agentload.workload import Ceiling, OutputKey, Workload
 from sessionkv_bench.arms import engine_counters
-from sessionkv_bench.metrics import delta
+from sessionkv_bench.metrics import counter_sum, delta
 from sessionkv_bench.stats import pct
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from helpers import Generation, compare  # noqa: E402  (the e2e tests' comparison)
 
-LOCAL_COMPUTE = "vllm:prompt_tokens_by_source_total{local_compute}"
-LOCAL_HIT = "vllm:prompt_tokens_by_source_total{local_cache_hit}"
-EXTERNAL = "vllm:prompt_tokens_by_source_total{external_kv_transfer}"
+LOCAL_COMPUTE = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+LOCAL_HIT = "vllm:prompt_tokens_by_source_total{source=local_cache_hit}"
+EXTERNAL = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 OURS = "sessionkv_prompt_tokens_total"
 OUR_SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
                "refused_by_verification")
 BYTES = "vllm:nixl_bytes_transferred_sum"
 REQUESTS = "vllm:request_success_total"
-# Claims on held blocks the holder refused (docs/metrics.md), restores per tier.
-TIERS = {"refused_claims": "sessionkv_guard_claims_total{refused}",
+TIERS = {"refused_claims": "sessionkv_guard_claims_total{outcome=refused}",   # by the holder
          "host_restored_blocks": "sessionkv_host_restored_blocks_total",
          "disk_promoted_blocks": "sessionkv_disk_promoted_blocks_total"}
 
@@ -76,19 +76,16 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
     itl = [x for r in ok.values() for x in r.itl_s]
     by_role: dict[str, dict] = {}
     for (role, url), x in zip(engines, d):
-        entry = {"url": url, "requests": x.get(REQUESTS, 0.0),
+        entry = {"url": url, "requests": counter_sum(x, REQUESTS),
                  "computed": x.get(LOCAL_COMPUTE, 0.0), "local_hit": x.get(LOCAL_HIT, 0.0),
                  "external": x.get(EXTERNAL, 0.0), "bytes": x.get(BYTES, 0.0),
                  **{k: x.get(name, 0.0) for k, name in TIERS.items()}}
-        ours = {s: x.get(f"{OURS}{{{s}}}", 0.0) for s in OUR_SOURCES}
+        ours = {s: x.get(f"{OURS}{{source={s}}}", 0.0) for s in OUR_SOURCES}
         if any(ours.values()):
             entry["sessionkv"] = ours
         by_role[f"{role}{sum(r.startswith(role) for r in by_role)}"] = entry
-    routes: dict[str, int] = {}
-    for r in results.values():
-        if r.headers.get("x-sessionkv-route"):
-            routes[r.headers["x-sessionkv-route"]] = routes.get(
-                r.headers["x-sessionkv-route"], 0) + 1
+    routes = Counter(r.headers["x-sessionkv-route"] for r in results.values()
+                     if r.headers.get("x-sessionkv-route"))
     text = [k for k, r in ok.items() if r.text != reference[k].text]
     return {
         "steps": len(results), "ok": len(ok), "errors": len(results) - len(ok),
@@ -106,8 +103,7 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
         # Every round keeps its samples, so --rounds can pool them (report.pooled).
         "ttft_samples_s": ttft, "e2e_samples_s": e2e,
-        "wall_s": wall_s, "offered_rps": len(ok) / wall_s if wall_s else None,
-        "prompt_tokens_per_s": prompt / wall_s if wall_s else None,
+        "wall_s": wall_s,
         "bytes": moved, "bytes_per_step": moved / len(ok) if ok else None,
         "engines": by_role, "requests_per_engine": [e["requests"] for e in by_role.values()],
         "tiers": {k: sum(e[k] for e in by_role.values()) for k in TIERS},
@@ -118,7 +114,7 @@ def summarize(workload: Workload, results: dict[OutputKey, StepResult],
         "rendered_differently": sum(r.prompt_token_ids != reference[k].prompt_token_ids
                                     for k, r in ok.items() if r.prompt_token_ids is not None),
         "streamed_ok": sum(r.ttft_s is not None for r in ok.values()),
-        "routes": routes,
+        "routes": dict(routes),
         "step_detail": {f"{sid}/{k}": {
             "prompt": r.prompt_tokens, "sent_s": round(r.sent_s, 3), "ttft_s": r.ttft_s,
             "e2e_s": r.e2e_s, "hot": workload.session(sid).hot,

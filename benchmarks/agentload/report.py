@@ -280,9 +280,9 @@ def pressure_lines(r: dict) -> list[str]:
     x = vr.get("ttft_p50_s") and ours.get("ttft_p50_s") and vr["ttft_p50_s"] / ours["ttft_p50_s"]
     shares = ", ".join(f"{k} {_f(s['share_of_max'], '{:.1%}')}" for k, s in r.items())
     return [f"- (chat_pressure) must-show 1: share of the unlimited-memory ceiling's reused "
-            f"tokens {shares} (9-ours >= 90%: {(ours.get('share_of_max') or 0) >= 0.9}); TTFT p50 9-vr-cache /"
-            f" 9-ours = {_f(x or None)} (>= 2: {(x or 0) >= 2}); answers differing from the "
-            "co-located reference by token ids or text: " + ", ".join(
+            f"tokens {shares} (9-ours >= 90%: {(ours.get('share_of_max') or 0) >= 0.9}); TTFT "
+            f"p50 9-vr-cache / 9-ours = {_f(x or None)} (>= 2: {(x or 0) >= 2}); answers "
+            "differing from the co-located reference by token ids or text: " + ", ".join(
                 f"{k} {s['mismatches']['token'] + s['text_mismatches']}" for k, s in r.items())
             + ". vLLM's own offloading alone (`OffloadingConnector`) is no arm: its worker "
             "raises on the CPU build (docs/tiers.md)."]
@@ -380,10 +380,10 @@ def render(results: dict) -> str:
         "floor; the probe sessions (one request at a time) are the strict check.",
         "- KV MB moved: `vllm:nixl_bytes_transferred_sum` deltas on both engines; requests per "
         "engine: `vllm:request_success_total` deltas (a P/D request counts on P and on D); "
-        "refused claims / host restored / disk promoted blocks: `sessionkv_guard_claims_total"
-        "{outcome=\"refused\"}` (claims on held blocks their holder refused), "
-        "`sessionkv_host_restored_blocks_total`, `sessionkv_disk_promoted_blocks_total` (disk "
-        "-> host reads, each then restored from the host tier) deltas, both engines.",
+        "refused claims / host restored / disk promoted blocks: deltas of `sessionkv_guard_"
+        "claims_total{outcome=\"refused\"}` (claims on held blocks their holder refused), `"
+        "sessionkv_host_restored_blocks_total`, `sessionkv_disk_promoted_blocks_total` (disk ->"
+        " host reads, then restored from the host tier), both engines.",
         "- steps ok: a run is cut after the cap; unfinished steps count as not ok."]
     lines += [f"- `{key}`: `{cmd}`" for key, cmd in sorted(results.get("commands", {}).items())]
     return "\n".join(lines + [f"- FAILED: {f}" for f in results.get("failures", [])])
@@ -416,9 +416,11 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
         def draw(ax, wname, per_arm):
             keys = sorted(per_arm)
             for j, (k, lab) in enumerate(keys_of):
-                ax.bar([i + 0.4 * j for i in range(len(keys))],
-                       [value(per_arm[a], k) or 0 for a in keys], width=0.4, label=lab)
-            ax.set_xticks([i + 0.2 for i in range(len(keys))], keys, rotation=45, fontsize=7,
+                ax.bar([i + 0.8 / len(keys_of) * j for i in range(len(keys))],
+                       [value(per_arm[a], k) or 0 for a in keys], width=0.8 / len(keys_of),
+                       label=lab)
+            ax.set_xticks([i + 0.4 - 0.4 / len(keys_of) for i in range(len(keys))], keys,
+                          rotation=45, fontsize=7,
                           ha="right")
             ax.set_ylabel(ylabel)
             ax.set_yscale("log" if log else "linear")
@@ -439,9 +441,8 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
                               lambda s, k: s[k], "TTFT (s, log scale)", log=True))
     figure("reuse", runs, bars((("share_of_max", "share"),), lambda s, k: 100 * (s[k] or 0),
                                "% of the ceiling reused"))
-    figure("tiers", {w: r for w, r in runs.items() if w == "chat_pressure"}, bars(
-        [(k, k.replace("_", " ")) for k in ("refused_claims", "host_restored_blocks",
-                                             "disk_promoted_blocks")],
+    figure("tiers", {w: r for w, r in runs.items() if w == "chat_pressure"}, bars([(k, k.replace(
+        "_", " ")) for k in ("refused_claims", "host_restored_blocks", "disk_promoted_blocks")],
         lambda s, k: s["tiers"][k], "count over the run"))
     figure("computed_per_step", probes, lines(lambda s: s["step"], lambda s: s["computed"],
                                               "step of the session", "prompt tokens computed"))

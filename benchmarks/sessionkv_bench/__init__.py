@@ -1,7 +1,7 @@
 """What the benchmarks share, as one package; scenarios are scripts on top of it.
 
 - ``stats``: the one percentile (nearest rank).
-- ``client``: the one SSE parser, token-id prompt bodies, a closed loop.
+- ``client``: the one SSE parser, the accounting header, token-id prompt bodies.
 - ``aiperf``: the load generator of load-only scenarios (its own venv, its export read
   into our figures).
 - ``arms``: one interface to every arm: ``start_cluster(name, arms, opts, ports,

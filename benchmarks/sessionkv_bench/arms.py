@@ -25,7 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from sessionkv_bench.metrics import delta, scrape
+from sessionkv_bench.metrics import delta
+from sessionkv_bench.metrics import engine_counters as counters
 from sessionkv_bench.runner import BENCH_DIR, PortPool, log
 
 SIDE_VENV = BENCH_DIR / ".venv-router"
@@ -70,6 +71,7 @@ class Backend:
     url: str
     events: str | None = None     # tcp://127.0.0.1:PORT, the engine's KV-event publisher
     replay: str | None = None
+    early: str | None = None      # tcp://HOST:PORT, D's early-decode inbox (our proxy)
 
 
 @dataclass
@@ -97,7 +99,8 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
         argv += shlex.split(os.environ.get("ROUTER_BENCH_OURS_ARGS", ""))
         for flag, group in (("--prefill", prefill or []), ("--decode", decode)):
             for b in group:
-                spec = f"url={b.url},events={b.events},replay={b.replay}" if b.events else b.url
+                spec = f"url={b.url},events={b.events},replay={b.replay}" + (
+                    f",early={b.early}" if b.early else "") if b.events else b.url
                 argv += [flag, spec]
         return argv
     if kind == "toy":
@@ -169,16 +172,11 @@ ARMS = [
     # and without the host tier.
     Arm("8-ours-nohost", "8 ours, short lease, no host tier", "hostless", "cluster"),
     Arm("8-ours-host", "8 ours, short lease, host tier", "host", "cluster"),
-    # chat_pressure only (issue 47): D sized to a quarter of the sessions' KV
-    # (EngineOptions.pressure); ours with host and disk tiers, retention by value or
-    # age; vllm-router on the same P/D shape (our connector, no tiers); co-located
-    # engines with P's plus D's blocks between them behind our proxy.
-    Arm("9-ours", "9 ours in full (retention by value, host + disk tiers)", "pressure",
-        "cluster"),
-    Arm("9-ours-age", "9 ours, fixed lease (retention by age), host + disk tiers",
-        "pressure-age", "cluster"),
+    # chat_pressure only (EngineOptions.pressure); 9-vr-cache on our connector sans tiers.
+    Arm("9-ours", "9 ours in full: retention by value, host + disk tiers", "pressure", "cluster"),
+    Arm("9-ours-age", "9 ours, fixed lease (by age), host + disk", "pressure-age", "cluster"),
     Arm("9-vr-cache", "9 vllm-router P/D cache_aware", "pressure-vr", "vr-pd:cache_aware"),
-    Arm("9-coloc", "9 co-located + our proxy, same total KV", "pcoloc", "ours"),
+    Arm("9-coloc", "9 co-located + our proxy, P's + D's KV", "pcoloc", "ours"),
 ]
 ARM_BY_KEY = {a.key: a for a in ARMS}
 PRESSURE_ARMS = ("9-ours", "9-ours-age", "9-vr-cache", "9-coloc")
@@ -202,8 +200,7 @@ class EngineOptions:
     # handle P can still use.
     host_lease_s: float = 15.0
     host_tier_bytes: int = 256 << 20
-    # The pressure arms (9-*): {"d_blocks": N, "sessionkv": their connector keys},
-    # set from the reference run (agent_workload.pressure_sizing).
+    # Arms 9: {"d_blocks": N, "sessionkv": {...}}, set by agent_workload.pressure_sizing.
     pressure: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=lambda: ["--enable-prompt-tokens-details"])
     # Cluster name -> engines already running elsewhere (``--external``): nothing is
@@ -463,7 +460,7 @@ def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: Port
     ext = opts.external[name]
 
     def backend(e: ExternalEngine) -> Backend:
-        return Backend(e.url, e.events, e.replay)
+        return Backend(e.url, e.events, e.replay, e.early)
 
     run = Running(name, [])
     try:
@@ -477,15 +474,10 @@ def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: Port
             for a in arms:
                 if a.router == "cluster":
                     port = ports.take()
-                    argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
-                            "--port", str(port), "--policy", "cost",
-                            "--block-size", str(BLOCK_SIZE), "--tokenizer", opts.model]
-                    for flag, e in (("--prefill", ext.prefill), ("--decode", ext.decode)):
-                        spec = f"url={e.url},events={e.events},replay={e.replay}"
-                        argv += [flag, spec + (f",early={e.early}" if e.early else "")]
-                    if ext.redis_url:
-                        argv += ["--redis-url", ext.redis_url]
-                    _serve(run, a.key, argv, port, log_dir)
+                    argv = router_argv("ours", port, [backend(ext.decode)], ports,
+                                       [backend(ext.prefill)])
+                    _serve(run, a.key, argv + ["--policy", "cost", "--tokenizer", opts.model] + (
+                        ["--redis-url", ext.redis_url] if ext.redis_url else []), port, log_dir)
                     run.admin = run.routers[a.key]
                 elif a.router == "conv":
                     _start_conversation_proxy(run, a.key, ext.prefill.url, ext.decode.url,
@@ -532,7 +524,7 @@ def reset(run: Running) -> str:
 
 
 def engine_counters(run: Running) -> list[dict[str, float]]:
-    return [scrape(url) for _, url in run.engines]
+    return [counters(url, ("vllm:", "sessionkv_")) for _, url in run.engines]
 
 
 def warm_up(run: Running, model: str) -> dict[str, str]:
@@ -570,7 +562,7 @@ def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int
     import requests
 
     rng = random.Random(11)
-    before = scrape(url)
+    before = counters(url, ("vllm:request_prefill",))
     t0 = time.perf_counter()
     for _ in range(reps):
         body = {"model": model, "prompt": [rng.randrange(16, 1000) for _ in range(n_tokens)],
@@ -578,7 +570,7 @@ def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int
         requests.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
     client_s = (time.perf_counter() - t0) / reps
     time.sleep(0.5)
-    d = delta(scrape(url), before)
+    d = delta(counters(url, ("vllm:request_prefill",)), before)
     n = d.get("vllm:request_prefill_time_seconds_count", 0.0)
     engine_s = d.get("vllm:request_prefill_time_seconds_sum", 0.0) / n if n else None
     return {"tokens": n_tokens, "client_s_per_1k": client_s / n_tokens * 1000,

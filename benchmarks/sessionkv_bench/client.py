@@ -1,10 +1,9 @@
-"""The benchmarks' HTTP client side: the one SSE parser, prompts of token ids, and a
-closed loop of streamed requests.  aiohttp is imported where it is used: the side
-venv's python imports the benchmarks (for their figures) without it."""
+"""The benchmarks' HTTP client side: the one SSE parser, the accounting header, prompts of
+token ids.  Standard library only: the side venv's python imports the benchmarks (for
+their figures)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 
@@ -37,20 +36,3 @@ def completion_bodies(model: str, n: int, prompt_len: int, max_tokens: int, seed
         bodies.append({"model": model, "prompt": ids, "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True})
     return bodies
-
-
-async def closed_loop(one, url: str, bodies: list[dict], concurrency: int) -> list:
-    """``await one(session, url, body)`` for every body, ``concurrency`` at a time over
-    one HTTP session; the results in completion order."""
-    import aiohttp
-
-    queue: asyncio.Queue = asyncio.Queue()
-    for body in bodies:
-        queue.put_nowait(body)
-    out: list = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        async def worker():
-            while not queue.empty():
-                out.append(await one(session, url, queue.get_nowait()))
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return out

@@ -35,11 +35,6 @@ def metric_sums(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def metric_sum(url: str, name: str) -> float:
-    """One Prometheus sample's value summed over its label sets (0 when absent)."""
-    return metric_sums(url, (name,)).get(name, 0.0)
-
-
 def histogram_buckets(url: str, name: str) -> dict[float, float]:
     """A Prometheus histogram's cumulative bucket counts, ``le`` -> count, summed
     over its other labels."""
@@ -71,9 +66,10 @@ def histogram_quantile(buckets: dict[float, float], q: float) -> float | None:
 
 
 # ------------------------------------------------------------ engine counters
-def engine_counters(url: str) -> dict[str, float]:
-    """Every ``sessionkv_*`` and ``vllm:nixl_*`` counter (and histogram count and sum)
-    of one engine, summed over label sets that differ only in engine and model.
+def engine_counters(url: str, prefixes: tuple[str, ...] = ("sessionkv_", "vllm:nixl_")
+                    ) -> dict[str, float]:
+    """Every counter (and histogram count and sum) of one engine named with one of
+    ``prefixes``, summed over label sets that differ only in engine and model.
     Keys: ``name{label=value,...}``."""
     types: dict[str, str] = {}
     out: dict[str, float] = {}
@@ -84,7 +80,7 @@ def engine_counters(url: str) -> dict[str, float]:
             continue
         if not line or line.startswith("#"):
             continue
-        if not line.startswith(("sessionkv_", "vllm:nixl_")):
+        if not line.startswith(prefixes):
             continue
         head, _, value = line.rpartition(" ")
         name, _, labels = head.partition("{")
@@ -109,12 +105,6 @@ def engine_counters(url: str) -> dict[str, float]:
     return out
 
 
-def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What each counter of :func:`engine_counters` moved by (only those that moved)."""
-    return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())
-            if round(v - before.get(k, 0.0), 6)}
-
-
 def counter_sum(counters: dict[str, float], *needles: str) -> float:
     """The counters whose key holds every needle, summed."""
     return sum(v for k, v in counters.items() if all(n in k for n in needles))
@@ -130,33 +120,7 @@ def counters_by_label(counters: dict[str, float], name: str) -> dict[str, float]
     return out
 
 
-# Counters read from every engine before and after each run: name -> the label kept.
-LABELED_METRICS = {"vllm:prompt_tokens_by_source_total": "source",
-                   "sessionkv_prompt_tokens_total": "source",
-                   "sessionkv_guard_claims_total": "outcome"}
-PLAIN_METRICS = ("vllm:prompt_tokens_total", "vllm:request_success_total",
-                 "vllm:nixl_bytes_transferred_sum", "vllm:generation_tokens_total",
-                 "vllm:request_prefill_time_seconds_sum",
-                 "vllm:request_prefill_time_seconds_count",
-                 "sessionkv_host_restored_blocks_total", "sessionkv_disk_promoted_blocks_total")
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The counters above, ``name`` or ``name{label value}`` -> value (summed over other
-    labels)."""
-    out: dict[str, float] = {}
-    for name, line, value in _samples(url):
-        if name in PLAIN_METRICS:
-            key = name
-        elif name in LABELED_METRICS:
-            label = LABELED_METRICS[name] + '="'
-            src = line.split(label, 1)[1].split('"', 1)[0] if label in line else "?"
-            key = f"{name}{{{src}}}"
-        else:
-            continue
-        out[key] = out.get(key, 0.0) + value
-    return out
-
-
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
+    """What each counter of :func:`engine_counters` moved by (only those that moved)."""
+    return {k: round(v - before.get(k, 0.0), 6) for k, v in sorted(after.items())
+            if round(v - before.get(k, 0.0), 6)}

@@ -6,6 +6,7 @@ figures."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -21,6 +22,12 @@ UCX_PORT_RANGE = "31900-31999"   # kept out of the pool: UCX listeners of the P/
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM raises KeyboardInterrupt, so a run stops as on Ctrl-C and writes its report."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 class PortPool:
