@@ -110,10 +110,10 @@ CHAT_FULL = {
     "chat_long": ChatConfig(sessions=6, turns=6, answer_tokens=128, tool_result_lines=32,
                             trim_share=0.1, drop_share=0.1, subagent_share=0.0,
                             tool_delay_s=1.0, stagger_s=1.0, seed=2),
-    # Issue 47 must-show 1: tool gaps lognormal, median 2 s, p99 20 s; arms 9.
-    "chat_pressure": ChatConfig(sessions=12, turns=6, answer_tokens=128, tool_result_lines=32,
+    # Issue 47 must-show 1: tool gaps lognormal, median 5 s, p99 51 s; arms 9.
+    "chat_pressure": ChatConfig(sessions=12, turns=6, answer_tokens=64, tool_result_lines=32,
                                 trim_share=0.1, drop_share=0.1, subagent_share=0.0,
-                                tool_delay_s=2.0, gap_sigma=1.0, stagger_s=1.0, seed=5),
+                                tool_delay_s=5.0, gap_sigma=1.0, stagger_s=1.0, seed=5),
     "arms": {"chat": ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-rr", "5-vr-cache", "7-ours",
                       "7-ours-pd"),
              "chat_long": ("1-rr", "2-ours-coloc", "3-nixl-rr", "5-vr-cache", "7-ours"),
@@ -127,7 +127,7 @@ CHAT_QUICK = {
                        subagent_share=1.0, subagent_turns=1, tool_delay_s=0.2, seed=3),
     "chat_pressure": ChatConfig(sessions=6, turns=4, answer_tokens=32, tool_result_lines=24,
                                 trim_share=0.1, drop_share=0.1, subagent_share=0.0,
-                                tool_delay_s=1.0, gap_sigma=1.0, seed=6),
+                                tool_delay_s=3.0, gap_sigma=1.0, seed=6),
     "arms": {"chat": ("1-rr", "2-ours-coloc", "7-ours"), "chat_pressure": armlib.PRESSURE_ARMS},
 }
 CHAT_WORKLOADS = ("chat", "chat_long", "chat_pressure")
