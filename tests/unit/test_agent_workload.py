@@ -157,6 +157,56 @@ def test_the_host_tier_arms_run_the_host_workload_only():
     assert not any(a.startswith("8-") for a in host["r1"][1])
 
 
+def test_chat_pressure_gaps_are_heavy_tailed_seeded_and_off_by_default():
+    """``gap_sigma``: tool delays lognormal around the median ``tool_delay_s``; 0 keeps
+    the 0.5x-1.5x draw (chat and chat_long unchanged); the pressure arms run only
+    chat_pressure, which no default workload list names."""
+    import dataclasses
+    import statistics
+
+    import agent_workload as bench
+    from agentload.chat import ChatConfig, chat_workload
+
+    def gaps(cfg):
+        return [t.delay_s for s in chat_workload(cfg).sessions for t in s.steps[1:]]
+
+    base = ChatConfig(sessions=12, turns=6, tool_delay_s=5.0, seed=5)
+    assert all(2.5 <= g <= 7.5 for g in gaps(base))
+    heavy = gaps(dataclasses.replace(base, gap_sigma=1.0))
+    assert heavy == gaps(dataclasses.replace(base, gap_sigma=1.0))
+    assert 3.0 < statistics.median(heavy) < 8.0 and max(heavy) > 5 * statistics.median(heavy)
+    args = bench.parse_args(["--client", "chat", "--workloads", "chat_pressure", "--quick"])
+    assert bench.build_workloads(args)["chat_pressure"][1] == list(bench.armlib.PRESSURE_ARMS)
+    for argv in (["--client", "chat"], ["--client", "chat", "--quick"], []):
+        assert not any(a.startswith("9-") for _, arms in
+                       bench.build_workloads(bench.parse_args(argv)).values() for a in arms)
+
+
+def test_pressure_sizing_gives_d_a_quarter_of_the_sessions_kv(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import agent_workload as bench
+
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    (tmp_path / "config.json").write_text(json.dumps({   # SmolLM2-135M's shape
+        "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+        "intermediate_size": 1536}))
+    opts = bench.armlib.EngineOptions(model=str(tmp_path), max_model_len=2048, p_blocks=72,
+                                      d_blocks=256, coloc_blocks=164)
+    args = SimpleNamespace(dtype="float32", max_model_len=2048, p_blocks=72)
+    meta = bench.pressure_sizing(opts, SimpleNamespace(prompt_tokens=50_000,
+                                                       reusable_tokens=10_000), args)
+    block = 30 * 2 * 3 * 64 * 4 * 32
+    assert meta["d_blocks"] == opts.pressure["d_blocks"] == 313   # 40,000 tokens / 128
+    assert meta["kv_bytes_per_block"] == block and meta["coloc_blocks"] == (72 + 313) // 2
+    assert opts.pressure["sessionkv"]["host_tier_bytes"] == 313 * block
+    assert opts.pressure["sessionkv"]["disk_tier_bytes"] == 4 * 313 * block
+    # A small workload: D still holds one max_model_len request and a block.
+    assert bench.pressure_sizing(opts, SimpleNamespace(prompt_tokens=100, reusable_tokens=0),
+                                 args)["d_blocks"] == 65
+
+
 def test_pin_sessions_round_robins_top_level_sessions_and_keeps_subagents_with_parents():
     cfg = AgentConfig(sessions=3, steps=3, prefix_tokens=64, task_tokens=8,
                       tool_output_tokens=16, output_tokens=4, think_tokens=0,
