@@ -39,6 +39,7 @@ import dataclasses
 import json
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -506,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         failures.append("interrupted")
     meta["wall_s"] = time.perf_counter() - started
+    if opts.pressure:   # the disk tiers' files
+        shutil.rmtree(opts.pressure["sessionkv"]["disk_tier_dir"], ignore_errors=True)
     stem = args.report_stem or ("agent_workload" + ("_chat" if args.client == "chat" else "")
                                 + ("_quick" if args.quick else ""))
     failures += write_report(results, Path(args.out_dir), stem, {
