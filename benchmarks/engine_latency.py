@@ -32,6 +32,7 @@ from pathlib import Path
 
 from sessionkv_bench import report
 from sessionkv_bench.client import completion_bodies, sse_chunks
+from sessionkv_bench.metrics import metric_sums
 from sessionkv_bench.stats import pct
 
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
@@ -40,6 +41,10 @@ OUT_DIR = report.REPO / "docs" / "benchmarks"
 REAL_MODEL_CACHE = ".cache/vllm-sessionkv/smollm2-135m-instruct"   # as ci/demo.sh
 PLAIN = "plain"
 SPACINGS = ("back_to_back", "settled")
+# vLLM's own request timings: e2e from the API server's arrival to the last token,
+# inference from the engine core's first schedule to it, and the queue between.
+ENGINE_TIMES = ("vllm:e2e_request_latency_seconds_sum", "vllm:request_queue_time_seconds_sum",
+                "vllm:request_inference_time_seconds_sum", "vllm:e2e_request_latency_seconds_count")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,6 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--settle-s", type=float, default=1.5)
     p.add_argument("--base-port", type=int, default=0)
+    p.add_argument("--cores", default="auto", help="the launcher's --cores (P,D,plain)")
     p.add_argument("--out-dir", default=str(OUT_DIR))
     return p.parse_args(argv)
 
@@ -74,7 +80,9 @@ async def _latency(session, url: str, body: dict) -> float:
     return time.perf_counter() - started
 
 
-async def measure(urls: dict[str, str], model: str, args) -> list[dict]:
+async def measure(urls: dict[str, str], model: str, args, spans: list[dict]) -> list[dict]:
+    """The samples; ``spans`` gets each engine's ENGINE_TIMES over each (round,
+    spacing) block, read between blocks."""
     import aiohttp
 
     names = list(urls)
@@ -88,6 +96,7 @@ async def measure(urls: dict[str, str], model: str, args) -> list[dict]:
             order = names if rnd % 2 == 0 else names[::-1]
             for spacing in SPACINGS:
                 previous = None
+                before = {n: metric_sums(u, ENGINE_TIMES) for n, u in urls.items()}
                 await asyncio.sleep(args.settle_s)
                 for _ in range(args.requests):
                     for name in order:
@@ -97,6 +106,11 @@ async def measure(urls: dict[str, str], model: str, args) -> list[dict]:
                         samples.append({"round": rnd, "spacing": spacing, "engine": name,
                                         "after": previous, "latency_s": s})
                         previous = name
+                for n, u in urls.items():
+                    after = metric_sums(u, ENGINE_TIMES)
+                    spans.append({"round": rnd, "spacing": spacing, "engine": n} | {
+                        k.split(":")[1]: after.get(k, 0.0) - before[n].get(k, 0.0)
+                        for k in ENGINE_TIMES})
     return samples
 
 
@@ -128,6 +142,23 @@ def summarize(samples: list[dict], names: list[str]) -> dict:
     return out
 
 
+def engine_split(samples: list[dict], spans: list[dict], names: list[str]) -> dict:
+    """Per spacing and engine, mean seconds: the client's latency, vLLM's e2e (API server
+    arrival to last token), and its queue and inference parts (ENGINE_TIMES)."""
+    out: dict = {}
+    for spacing in SPACINGS:
+        for name in names:
+            sp = [s for s in spans if s["spacing"] == spacing and s["engine"] == name]
+            n = sum(s["e2e_request_latency_seconds_count"] for s in sp) or 1.0
+            client = [r["latency_s"] for r in samples
+                      if r["spacing"] == spacing and r["engine"] == name]
+            out.setdefault(spacing, {})[name] = {"client": sum(client) / len(client)} | {
+                part: sum(s[f"{key}_seconds_sum"] for s in sp) / n for part, key in (
+                    ("e2e", "e2e_request_latency"), ("queue", "request_queue_time"),
+                    ("inference", "request_inference_time"))}
+    return out
+
+
 def render(result: dict) -> str:
     def r(x):
         return "-" if x is None else f"{x:.2f}x"
@@ -146,6 +177,20 @@ def render(result: dict) -> str:
     lines += report.table(["spacing", "engine", "latency p50", "latency p99",
                            "rounds (p50)", "p50 after the plain engine",
                            "p50 after a connector engine"], rows)
+    split = result.get("engine_split")
+    if split:
+        lines += ["", "Where the time goes: means in ms (ratio to the plain engine's). vLLM's "
+                  "e2e runs from its API server's arrival of the request to its last token; "
+                  "queue and inference are the engine core's parts of it; the client's "
+                  "latency less e2e is the HTTP exchange and the stream's end.", ""]
+        lines += report.table(["spacing", "engine", "client", "vLLM e2e", "queue", "inference",
+                               "e2e less queue and inference", "client less e2e"], [
+            [spacing, name] + [f"{f[k] * 1e3:.1f} ({f[k] / fig[PLAIN][k]:.2f}x)" if fig[PLAIN][k]
+                               else f"{f[k] * 1e3:.1f}" for k in ("client", "e2e", "queue",
+                                                                   "inference")]
+            + [f"{(f['e2e'] - f['queue'] - f['inference']) * 1e3:.1f}",
+               f"{(f['client'] - f['e2e']) * 1e3:.1f}"]
+            for spacing, fig in split.items() for name, f in fig.items()])
     return "\n".join(lines) + "\n"
 
 
@@ -162,19 +207,21 @@ def main(argv: list[str] | None = None) -> int:
         model, served = str(generate_tiny_model(tmp / "sessionkv-tiny-model")), \
             "sessionkv-tiny-model"
     spec = ClusterSpec(model=model, served_model_name=served, colocated=True,
-                       base_port=args.base_port, log_dir=tmp / "logs")
+                       base_port=args.base_port, log_dir=tmp / "logs", cores=args.cores)
     cluster = LocalCluster(spec)
     print(cluster.core_plan.rule, flush=True)
     with cluster.start():
         urls = {"P": cluster.prefill[0].url, "D": cluster.decode[0].url,
                 PLAIN: cluster.colocated.url}
-        samples = asyncio.run(measure(urls, served, args))
+        spans: list[dict] = []
+        samples = asyncio.run(measure(urls, served, args, spans))
     result = {"meta": meta,
               "model": "SmolLM2-135M-Instruct" if args.real_model else "tiny model",
               "cores": cluster.core_plan.rule, "rounds": args.rounds,
               "requests_per_engine": args.rounds * args.requests,
               "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
-              "figures": summarize(samples, list(urls)), "samples": samples}
+              "figures": summarize(samples, list(urls)), "samples": samples,
+              "engine_split": engine_split(samples, spans, list(urls)), "spans": spans}
     stem = "engine_latency_real" if args.real_model else "engine_latency"
     markdown = render(result)
     report.write(Path(args.out_dir), stem, result, markdown)
