@@ -193,25 +193,23 @@ def render(results: dict) -> str:
         "aiperf's benchmark duration, summed over rounds. Percentiles: nearest rank over "
         "the pooled requests. Targets: " + ", ".join(
             f"`{n}` ({d})" for n, d in meta["targets"].items()) + ".", "",
-        "| target | requests | errors | good | goodput req/s (aiperf's) | TTFT p50 / p99 ms "
-        "| ITL p50 / p99 ms | latency p50 / p99 ms |" + (
-            " router CPU ms / request | prefix hits |" if arms else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|---|" if arms else ""),
     ]
+    rows = []
     for name, res in results["targets"].items():
         if "failed" in res:
-            lines.append(f"| {name} | failed: {res['failed'][:200]} |")
+            rows.append([name, f"failed: {res['failed'][:200]}"])
             continue
         s = res["pooled"]
-        lines.append(
-            f"| {name} | {s['requests']} | {s['errors']} | {s['good_requests']} | "
-            f"{s['goodput_rps']:.2f} ({s['aiperf_goodput_rps']:.2f}) | "
-            f"{report.ms(s['ttft_p50_s'])} / {report.ms(s['ttft_p99_s'])} | "
-            f"{report.ms(s['itl_p50_s'])} / {report.ms(s['itl_p99_s'])} | "
-            f"{report.ms(s['latency_p50_s'])} / {report.ms(s['latency_p99_s'])} |" + (
-                f" {s['router_cpu_s'] / max(s['requests'], 1) * 1e3:.1f} | "
-                f"{s['prefix_hits'] / s['prefix_queries'] if s['prefix_queries'] else 0:.1%} |"
-                if arms else ""))
+        rows.append([name, s["requests"], s["errors"], s["good_requests"],
+                     f"{s['goodput_rps']:.2f} ({s['aiperf_goodput_rps']:.2f})"] + [
+            f"{report.ms(s[k + '_p50_s'])} / {report.ms(s[k + '_p99_s'])}"
+            for k in ("ttft", "itl", "latency")] + ([
+                f"{s['router_cpu_s'] / max(s['requests'], 1) * 1e3:.1f}",
+                f"{s['prefix_hits'] / s['prefix_queries'] if s['prefix_queries'] else 0:.1%}"]
+                if arms else []))
+    lines += report.table(["target", "requests", "errors", "good", "goodput req/s (aiperf's)",
+                           "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "latency p50 / p99 ms"]
+                          + (["router CPU ms / request", "prefix hits"] if arms else []), rows)
     if arms:
         lines += ["", "Router CPU: the router process's user and system time over the "
                   "requests, all rounds. Prefix hits: the engines' prefix-cache hits over "
@@ -223,16 +221,6 @@ def render(results: dict) -> str:
 def write(results: dict, out_dir: Path, stem: str) -> None:
     report.write(out_dir, stem, results, render(results))
     log(f"wrote {out_dir / stem}.md")
-
-
-def _launcher_cluster(args, work: Path):
-    from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
-    from vllm_sessionkv.dev.tiny_model import generate_tiny_model
-
-    model = str(generate_tiny_model(work / "tiny-llama", seed=0))
-    spec = ClusterSpec(model=model, served_model_name="tiny", colocated=True, redis=True,
-                       base_port=args.base_port, log_dir=work / "logs")
-    return LocalCluster(spec), model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,9 +242,14 @@ def main(argv: list[str] | None = None) -> int:
             results = measure(targets, args.model, args.tokenizer, load, args.rounds, work)
         elif args.arms:
             results = measure_arms(args, load, work, meta)
-        else:
-            cluster, model = _launcher_cluster(args, work)
-            with cluster:
+        else:   # the launcher's default cluster on the tiny model
+            from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+            from vllm_sessionkv.dev.tiny_model import generate_tiny_model
+
+            model = str(generate_tiny_model(work / "tiny-llama", seed=0))
+            with LocalCluster(ClusterSpec(model=model, served_model_name="tiny", colocated=True,
+                                          redis=True, base_port=args.base_port,
+                                          log_dir=work / "logs")) as cluster:
                 targets = {"ours": cluster.proxy_url, "colocated": cluster.colocated.url}
                 meta["targets"] = {
                     "ours": "our proxy over 1 P + 1 D with our connector, Redis, the "

@@ -2,7 +2,7 @@
 to each engine, one request at a time, engines interleaved request by request.
 
     python benchmarks/engine_latency.py                  # tiny model
-    python benchmarks/engine_latency.py --real-model     # the demo's model
+    python benchmarks/engine_latency.py --model-dir DIR  # the real model (sessionkv-real-model DIR)
 
 The cluster is what ``examples/local_cluster.py --colocated-port N`` starts (1 P and
 1 D with our connector, the proxy, a plain co-located engine; cores ``auto``).  Each
@@ -16,15 +16,15 @@ reversed every other round), in two spacings:
 
 A request's figure is its whole latency (sent to last byte); an engine's figure pools
 its requests over the rounds (``sessionkv_bench.stats.pct``), as a ratio to the plain
-engine's.  Back-to-back requests are also split by the engine served just before, so
-the cost of a neighbour's spin shows apart from the engine's own.
+engine's; vLLM's own timings of each engine, read between rounds, split it into the
+engine core's part, the API server's and the HTTP exchange.  ``--cores`` moves the
+engines' model threads (a plain engine's spin costs whoever computes beside it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import tempfile
 import time
@@ -38,20 +38,18 @@ from sessionkv_bench.stats import pct
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 
 OUT_DIR = report.REPO / "docs" / "benchmarks"
-REAL_MODEL_CACHE = ".cache/vllm-sessionkv/smollm2-135m-instruct"   # as ci/demo.sh
 PLAIN = "plain"
 SPACINGS = ("back_to_back", "settled")
 # vLLM's own request timings: e2e from the API server's arrival to the last token,
-# inference from the engine core's first schedule to it, and the queue between.
-ENGINE_TIMES = ("vllm:e2e_request_latency_seconds_sum", "vllm:request_queue_time_seconds_sum",
-                "vllm:request_inference_time_seconds_sum", "vllm:e2e_request_latency_seconds_count")
+# inference from the engine core's first schedule of the request to it.
+ENGINE_TIMES = ("vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count",
+                "vllm:request_inference_time_seconds_sum")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--real-model", action="store_true",
-                   help="the demo's SmolLM2-135M, built by sessionkv-real-model into "
-                        f"$SESSIONKV_REAL_MODEL_DIR or ~/{REAL_MODEL_CACHE} if not yet")
+    p.add_argument("--model-dir", help="the real model's folder (sessionkv-real-model DIR); "
+                                       "default: the tests' tiny model")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=8, help="per engine, round and spacing")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -61,14 +59,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cores", default="auto", help="the launcher's --cores (P,D,plain)")
     p.add_argument("--out-dir", default=str(OUT_DIR))
     return p.parse_args(argv)
-
-
-def real_model_dir() -> str:
-    """The real model's folder, where ci/demo.sh caches it, built there if not yet."""
-    from vllm_sessionkv.dev.real_model import build_real_model
-
-    where = os.environ.get("SESSIONKV_REAL_MODEL_DIR") or str(Path.home() / REAL_MODEL_CACHE)
-    return str(build_real_model(Path(where))[0])
 
 
 async def _latency(session, url: str, body: dict) -> float:
@@ -81,21 +71,18 @@ async def _latency(session, url: str, body: dict) -> float:
 
 
 async def measure(urls: dict[str, str], model: str, args, spans: list[dict]) -> list[dict]:
-    """The samples; ``spans`` gets each engine's ENGINE_TIMES over each (round,
-    spacing) block, read between blocks."""
+    """The samples; ``spans`` gets each engine's ENGINE_TIMES over each spacing's block."""
     import aiohttp
 
     names = list(urls)
     bodies = iter(completion_bodies(model, 100_000, args.prompt_len, args.max_tokens, 1))
     samples: list[dict] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        for name in names:   # warm-up
-            for _ in range(4):
-                await _latency(session, urls[name], {**next(bodies), "model": model})
+        for name in names * 4:   # warm-up
+            await _latency(session, urls[name], {**next(bodies), "model": model})
         for rnd in range(args.rounds):
             order = names if rnd % 2 == 0 else names[::-1]
             for spacing in SPACINGS:
-                previous = None
                 before = {n: metric_sums(u, ENGINE_TIMES) for n, u in urls.items()}
                 await asyncio.sleep(args.settle_s)
                 for _ in range(args.requests):
@@ -104,8 +91,7 @@ async def measure(urls: dict[str, str], model: str, args, spans: list[dict]) -> 
                             await asyncio.sleep(args.settle_s)
                         s = await _latency(session, urls[name], {**next(bodies), "model": model})
                         samples.append({"round": rnd, "spacing": spacing, "engine": name,
-                                        "after": previous, "latency_s": s})
-                        previous = name
+                                        "latency_s": s})
                 for n, u in urls.items():
                     after = metric_sums(u, ENGINE_TIMES)
                     spans.append({"round": rnd, "spacing": spacing, "engine": n} | {
@@ -115,8 +101,7 @@ async def measure(urls: dict[str, str], model: str, args, spans: list[dict]) -> 
 
 
 def summarize(samples: list[dict], names: list[str]) -> dict:
-    def p50(rows):
-        return pct([r["latency_s"] for r in rows], 0.5)
+    p50 = lambda rows: pct([r["latency_s"] for r in rows], 0.5)  # noqa: E731
 
     out: dict = {}
     for spacing in SPACINGS:
@@ -133,39 +118,28 @@ def summarize(samples: list[dict], names: list[str]) -> dict:
                 [r["latency_s"] for r in mine], 0.99) / pct(
                 [r["latency_s"] for r in rows if r["engine"] == PLAIN], 0.99),
                 "rounds": [round(x, 2) for x in per_round], "n": len(mine)}
-            if spacing == "back_to_back":
-                after_plain = [r for r in mine if r["after"] == PLAIN]
-                after_ours = [r for r in mine if r["after"] not in (None, PLAIN)]
-                fig[name]["after_plain_ratio"] = p50(after_plain) / base if after_plain else None
-                fig[name]["after_connector_ratio"] = p50(after_ours) / base if after_ours else None
         out[spacing] = fig
     return out
 
 
 def engine_split(samples: list[dict], spans: list[dict], names: list[str]) -> dict:
-    """Per spacing and engine, mean seconds: the client's latency, vLLM's e2e (API server
-    arrival to last token), and its queue and inference parts (ENGINE_TIMES)."""
+    """Per spacing and engine, mean seconds: the client's latency, vLLM's e2e and
+    inference (ENGINE_TIMES)."""
     out: dict = {}
-    for spacing in SPACINGS:
-        for name in names:
-            sp = [s for s in spans if s["spacing"] == spacing and s["engine"] == name]
-            n = sum(s["e2e_request_latency_seconds_count"] for s in sp) or 1.0
-            client = [r["latency_s"] for r in samples
-                      if r["spacing"] == spacing and r["engine"] == name]
-            out.setdefault(spacing, {})[name] = {"client": sum(client) / len(client)} | {
-                part: sum(s[f"{key}_seconds_sum"] for s in sp) / n for part, key in (
-                    ("e2e", "e2e_request_latency"), ("queue", "request_queue_time"),
-                    ("inference", "request_inference_time"))}
+    for spacing, name in ((sp, n) for sp in SPACINGS for n in names):
+        sp = [s for s in spans if s["spacing"] == spacing and s["engine"] == name]
+        n = sum(s["e2e_request_latency_seconds_count"] for s in sp) or 1.0
+        client = [r["latency_s"] for r in samples if (r["spacing"], r["engine"]) == (spacing, name)]
+        out.setdefault(spacing, {})[name] = {
+            "client": sum(client) / len(client),
+            "e2e": sum(s["e2e_request_latency_seconds_sum"] for s in sp) / n,
+            "inference": sum(s["request_inference_time_seconds_sum"] for s in sp) / n}
     return out
 
 
 def render(result: dict) -> str:
-    def r(x):
-        return "-" if x is None else f"{x:.2f}x"
-
-    rows = [[spacing, name, r(f["p50_ratio"]), r(f["p99_ratio"]),
-             ", ".join(f"{x:.2f}" for x in f["rounds"]), r(f.get("after_plain_ratio")),
-             r(f.get("after_connector_ratio"))]
+    rows = [[spacing, name, f"{f['p50_ratio']:.2f}x", f"{f['p99_ratio']:.2f}x",
+             ", ".join(f"{x:.2f}" for x in f["rounds"])]
             for spacing, fig in result["figures"].items() for name, f in fig.items()]
     lines = report.head(f"Whole-request latency, engine by engine ({result['model']})",
                         result["meta"])
@@ -174,58 +148,53 @@ def render(result: dict) -> str:
               f"{result['requests_per_engine']} requests per engine and spacing, pooled "
               f"over {result['rounds']} rounds; {result['max_tokens']} streamed tokens "
               f"after a {result['prompt_len']}-token prompt.", ""]
-    lines += report.table(["spacing", "engine", "latency p50", "latency p99",
-                           "rounds (p50)", "p50 after the plain engine",
-                           "p50 after a connector engine"], rows)
-    split = result.get("engine_split")
-    if split:
-        lines += ["", "Where the time goes: means in ms (ratio to the plain engine's). vLLM's "
-                  "e2e runs from its API server's arrival of the request to its last token; "
-                  "queue and inference are the engine core's parts of it; the client's "
-                  "latency less e2e is the HTTP exchange and the stream's end.", ""]
-        lines += report.table(["spacing", "engine", "client", "vLLM e2e", "queue", "inference",
-                               "e2e less queue and inference", "client less e2e"], [
-            [spacing, name] + [f"{f[k] * 1e3:.1f} ({f[k] / fig[PLAIN][k]:.2f}x)" if fig[PLAIN][k]
-                               else f"{f[k] * 1e3:.1f}" for k in ("client", "e2e", "queue",
-                                                                   "inference")]
-            + [f"{(f['e2e'] - f['queue'] - f['inference']) * 1e3:.1f}",
-               f"{(f['client'] - f['e2e']) * 1e3:.1f}"]
-            for spacing, fig in split.items() for name, f in fig.items()])
+    lines += report.table(["spacing", "engine", "latency p50", "latency p99", "rounds (p50)"],
+                          rows)
+    lines += ["", "Where the time goes: means in ms (ratio to the plain engine's). vLLM's e2e "
+              "runs from its API server's arrival of the request to its last token, its "
+              "inference from the engine core's first schedule of it; e2e less inference is "
+              "the API server's and the queue's part, the client's latency less e2e the HTTP "
+              "exchange.", ""]
+    lines += report.table(["spacing", "engine", "client", "vLLM e2e", "inference",
+                           "e2e less inference", "client less e2e"], [
+        [spacing, name] + [f"{f[k] * 1e3:.1f} ({f[k] / fig[PLAIN][k]:.2f}x)"
+                           for k in ("client", "e2e", "inference")]
+        + [f"{(f['e2e'] - f['inference']) * 1e3:.1f}", f"{(f['client'] - f['e2e']) * 1e3:.1f}"]
+        for spacing, fig in result["engine_split"].items() for name, f in fig.items()])
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
-    meta = report.meta("engine_latency.py", argv, {"--out-dir": "OUT_DIR"})
+    meta = report.meta("engine_latency.py", argv, {"--out-dir": "OUT_DIR",
+                                                   "--model-dir": "MODEL_DIR"})
     tmp = Path(tempfile.mkdtemp(prefix="skv-engine-latency-"))
-    if args.real_model:
+    if args.model_dir:
         from vllm_sessionkv.dev.real_model import SERVED_NAME
-        model, served = real_model_dir(), SERVED_NAME
+        model, served = args.model_dir, SERVED_NAME
     else:
         from vllm_sessionkv.dev.tiny_model import generate_tiny_model
-        model, served = str(generate_tiny_model(tmp / "sessionkv-tiny-model")), \
-            "sessionkv-tiny-model"
-    spec = ClusterSpec(model=model, served_model_name=served, colocated=True,
-                       base_port=args.base_port, log_dir=tmp / "logs", cores=args.cores)
-    cluster = LocalCluster(spec)
+        served = "sessionkv-tiny-model"
+        model = str(generate_tiny_model(tmp / served))
+    cluster = LocalCluster(ClusterSpec(model=model, served_model_name=served, colocated=True,
+                                       base_port=args.base_port, log_dir=tmp / "logs",
+                                       cores=args.cores))
     print(cluster.core_plan.rule, flush=True)
     with cluster.start():
         urls = {"P": cluster.prefill[0].url, "D": cluster.decode[0].url,
                 PLAIN: cluster.colocated.url}
-        spans: list[dict] = []
-        samples = asyncio.run(measure(urls, served, args, spans))
+        samples = asyncio.run(measure(urls, served, args, spans := []))
     result = {"meta": meta,
-              "model": "SmolLM2-135M-Instruct" if args.real_model else "tiny model",
+              "model": "SmolLM2-135M-Instruct" if args.model_dir else "tiny model",
               "cores": cluster.core_plan.rule, "rounds": args.rounds,
               "requests_per_engine": args.rounds * args.requests,
               "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
               "figures": summarize(samples, list(urls)), "samples": samples,
               "engine_split": engine_split(samples, spans, list(urls)), "spans": spans}
-    stem = "engine_latency_real" if args.real_model else "engine_latency"
-    markdown = render(result)
-    report.write(Path(args.out_dir), stem, result, markdown)
-    print(markdown)
+    stem = "engine_latency_real" if args.model_dir else "engine_latency"
+    report.write(Path(args.out_dir), stem, result, render(result))
+    print(render(result))
     return 0
 
 
