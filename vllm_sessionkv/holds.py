@@ -11,8 +11,9 @@ A hold ends in one of five ways, all normal outcomes (``RELEASE_REASONS``):
   ends ``superseded_hold_grace_s`` later, in case a pull of it is in flight;
 * ``reset``: an operator reset the engine's caches;
 * ``kv_pressure``: holds pinned more of the engine's KV than
-  ``session_hold_max_kv_fraction``; the least valuable ended first (``retention.py``;
-  the oldest under ``retention: "age"``).  Sessions can outnumber
+  ``session_hold_max_kv_fraction``, or a request D could not admit needed their
+  blocks; the least valuable ended first (``retention.py``; the oldest under
+  ``retention: "age"``).  Sessions can outnumber
   what device KV holds, and a held block cannot be evicted: without the cap, held
   sessions would keep new requests waiting for a lease to end.  With a host tier
   the session's KV is already on host (written through at the end of its turn), so
