@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from cluster import free_port_block
-from helpers import assert_same, completion_body, metric_sum, post, wait_until
+from helpers import assert_same, completion_body, metric_sum, post, token_ids, wait_until
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.cluster
@@ -23,10 +23,6 @@ pytestmark = pytest.mark.cluster
 BLOCK = 32
 DEVICE_BLOCKS = 64
 COMPLETIONS = "/v1/completions"
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    return [(seed * 7919 + i * 104729) % 990 + 20 for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +44,14 @@ def _d(c: LocalCluster, name: str, **labels: str) -> float:
 def test_holds_under_the_cap_end_for_a_request_that_needs_their_blocks(cluster):
     c = cluster
     for seed in (1, 2, 3):   # 300 prompt + 16 answer tokens: 10 blocks held each
-        body = completion_body(c.spec.model, _ids(seed, 300), max_tokens=16)
+        body = completion_body(c.spec.model, token_ids(seed, 300), max_tokens=16)
         got = post(c.proxy_url, COMPLETIONS, body,
                    headers={"X-Session-ID": f"room-{seed}", "X-Session-Hold-S": "600"})
         assert_same(got, post(c.colocated.url, COMPLETIONS, body), f"session {seed}")
     assert _d(c, "sessionkv_session_hold_leases_total", source="hint") == 3
     assert _d(c, "sessionkv_session_holds_released_total", reason="kv_pressure") == 0
 
-    big = completion_body(c.spec.model, _ids(9, 1250), max_tokens=8)
+    big = completion_body(c.spec.model, token_ids(9, 1250), max_tokens=8)
     got = post(c.decode[0].url, COMPLETIONS, big, timeout=120)
     assert_same(got, post(c.colocated.url, COMPLETIONS, big), "the 40-block request")
     wait_until(lambda: _d(c, "sessionkv_session_hold_ends_total", reason="kv_pressure") >= 1,
