@@ -155,12 +155,14 @@ def own_redis(tmp_path):
 
 @pytest.fixture(scope="module")
 def drill_cluster(tiny_model, perturbed_model, tmp_path_factory):
-    """pd_cluster's shape with every engine in float32, for the session drill: its
-    forced P/D turns reuse KV that D computed token by token in decode (D's partial
-    last block, pulled by P), where the co-located server recomputes those tokens in a
-    prefill.  In bfloat16 on some CPUs the two differ in logprobs with equal tokens
-    (6 of 12 turns of one session, up to 0.18; float32: 0 of 12), so a strict
-    comparison in bfloat16 would test the CPU's rounding, not the KV."""
+    """pd_cluster's shape with every engine in float32, for the session drill.  In
+    bfloat16 on some CPUs (an Intel Xeon here) its forced P/D turns differ from the
+    co-located server in logprobs with equal tokens (one session alone: 6 of 12 turns,
+    up to 0.18; the same engines through the launcher's own routing: 0 of 12; float32:
+    0 of 12), so a strict comparison in bfloat16 would test the CPU's rounding, not the
+    KV.  Likely why, not proven: those turns reuse KV D computed token by token in
+    decode (the partial last block P pulls) where the co-located server recomputes the
+    same tokens in a prefill."""
     with cluster_with_baselines(tiny_model, perturbed_model,
                                 tmp_path_factory.mktemp("drill-cluster-logs"), [
         "--prefill", "1", "--decode", "1", "--redis", "--dtype", "float32",
