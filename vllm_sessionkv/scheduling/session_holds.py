@@ -107,14 +107,10 @@ class SessionHolds:
             self._count(f"session_hold_leases_{facts.lease.source.value}")
         if demote is not None and self._retention.mode is Retention.VALUE:
             self._demote[request_id] = demote
-        for req_id in self._table.over_cap(self._max_held_blocks, keep=request_id,
-                                           order=self._order(now_s)):
-            logger.info("sessionkv hold ends early request_id=%s reason=kv_pressure "
-                        "(holds over %.0f%% of the KV blocks)", req_id,
-                        self._max_kv_fraction * 100)
-            self._to_release.add(req_id)
-            self._withdraw_handle(req_id, "kv_pressure")
-            self._ended_unread(req_id, "kv_pressure")
+        self._end_for_pressure(
+            self._table.over_cap(self._max_held_blocks, keep=request_id,
+                                 order=self._order(now_s)),
+            f"holds over {self._max_kv_fraction * 100:.0f}% of the KV blocks")
         return deadline
 
     def make_room(self, blocks: int, now_s: float) -> int:
@@ -131,13 +127,18 @@ class SessionHolds:
             return 0
         ended = self._table.over_cap(max(0, self._table.held_blocks - blocks),
                                      order=self._order(now_s))
-        for req_id in ended:
-            logger.info("sessionkv hold ends early request_id=%s reason=kv_pressure (a "
-                        "waiting request needs %d more free blocks)", req_id, blocks)
+        self._end_for_pressure(ended, f"a waiting request needs {blocks} more free blocks")
+        return len(ended)
+
+    def _end_for_pressure(self, request_ids: list[str], why: str) -> None:
+        """End these holds early (``kv_pressure``): released at the next step, their
+        handles withdrawn, their KV demoted where it can be."""
+        for req_id in request_ids:
+            logger.info("sessionkv hold ends early request_id=%s reason=kv_pressure (%s)",
+                        req_id, why)
             self._to_release.add(req_id)
             self._withdraw_handle(req_id, "kv_pressure")
             self._ended_unread(req_id, "kv_pressure")
-        return len(ended)
 
     def _order(self, now_s: float) -> list[str] | None:
         """Running holds, first to end first, by the retention rule; None (the
