@@ -15,6 +15,7 @@ each request's state in one ``RequestState`` (its payload decoded once):
   lease (``session_holds``), the turn's hash chain is exported in
   ``kv_transfer_params["sessionkv"]`` and published out of band, with a token the
   pull guard checks (``guard_ledger``); requests without a session free at once.
+* **Admission on D** (``admission``): holds end for a request vLLM finds no blocks for.
 * **First-token handoff** (``first_token``) and **early decode** (``early_decode``).
 * **Accounting** (``accounting``): where each prompt token came from.
 """
@@ -49,6 +50,7 @@ from vllm_sessionkv.scheduling.accounting import (
     accounting,
     record_accounting,
 )
+from vllm_sessionkv.scheduling.admission import Admission
 from vllm_sessionkv.scheduling.early_decode import EarlyDecode
 from vllm_sessionkv.scheduling.first_token import FirstTokenHandoff
 from vllm_sessionkv.scheduling.guard_ledger import GuardLedger
@@ -119,6 +121,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             recompute=lambda: self.pricing.recompute_model,
             gap_history=config.retention_gap_history,
             max_sessions=config.retention_max_sessions)
+        self._admission = Admission(self._holds, self.block_size)
         # This process's start (unix ns), in every handle: a proxy that has seen a
         # later start of this engine's URL drops older handles (session_holds.py).
         self._epoch = time.time_ns() if config.withdraw_handles else 0
@@ -156,10 +159,6 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         # the prefix cache until it is (``_vllm/prefix_cache.py``).
         self._kv_cache_manager = None
         self._unproven_sync_reads: dict[str, Request] = {}
-        # Requests vLLM asked about this step and has not allocated yet, with the
-        # blocks each needs: with nothing running, they wait for free blocks, and
-        # session holds make room for them (``build_connector_meta``).
-        self._admission_asks: dict[str, int] = {}
         # This runs in the engine-core process, whose loop the pacing changes.
         # A hold just begun is digested in the worker's next step, and a reader's
         # confirm waits for that digest: such a step is not put off.
@@ -284,8 +283,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int):
         matched = self._matched_tokens(request, num_computed_tokens)
         if matched[0] is not None:   # vLLM allocates next, if it has the blocks
-            self._admission_asks[request.request_id] = 1 + -(-(
-                request.num_tokens - num_computed_tokens) // self.block_size)
+            self._admission.asked(request.request_id,
+                                  request.num_tokens - num_computed_tokens)
         return matched
 
     def _matched_tokens(self, request: Request, num_computed_tokens: int):
@@ -343,7 +342,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         return tokens
 
     def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int):
-        self._admission_asks.pop(request.request_id, None)
+        self._admission.allocated(request.request_id)
         state = self._requests.of(request.request_id, request.kv_transfer_params)
         host_plan, state.host_plan = state.host_plan, None
         if host_plan is not None and num_external_tokens > 0 and self.host is not None:
@@ -422,7 +421,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                                                      self._requests.first_tokens())
         meta = super().build_connector_meta(scheduler_output)
         now = time.perf_counter()
-        self._make_room_for_waiting(running, now)
+        self._admission.make_room(
+            running, lambda: engine_state.kv_free_blocks(self._kv_cache_manager), now)
         # Releases first: a hold that ends unread is demoted to host by a copy in
         # the same step's host copies, which the worker runs before its releases.
         release_holds = self._holds.take_releases(now, self._guard)
@@ -443,17 +443,6 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         # to run (the worker learns it from ``idle_step``).
         pacing.set_engine_busy(running > 0)
         return meta
-
-    def _make_room_for_waiting(self, running: float, now: float) -> None:
-        """A step that runs nothing while a request asked to be admitted: vLLM found
-        no blocks for it.  Session holds end (least valuable first) to free what it
-        lacks, or one at least, step after step: a hold never keeps a request out."""
-        asks, self._admission_asks = self._admission_asks, {}
-        if not asks or running > 0:
-            return
-        free = engine_state.kv_free_blocks(self._kv_cache_manager)
-        need = max(asks.values())
-        self._holds.make_room(max(1, need - free) if free is not None else need, now)
 
     def update_connector_output(self, connector_output) -> None:
         sending = getattr(connector_output, "finished_sending", None)

@@ -1,5 +1,6 @@
 """Session holds and the guard's ledger as the scheduler drives them, on plain data:
-a hold's lease, supersession, the KV cap, a reset, a claim that delays a release."""
+a hold's lease, supersession, the KV cap, a reset, room made for a request D cannot
+admit, a claim that delays a release."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import itertools
 
 from vllm_sessionkv.guard import GuardCall, GuardOp, decode_answer, encode_call
 from vllm_sessionkv.publisher import HandlePublisher
+from vllm_sessionkv.scheduling.admission import Admission
 from vllm_sessionkv.scheduling.guard_ledger import GuardLedger
 from vllm_sessionkv.scheduling.session_holds import SessionHolds
 
@@ -72,6 +74,26 @@ def test_holds_under_the_cap_make_room_for_a_waiting_request_oldest_first():
     assert table.make_room(9, 3.1) == 1 and table.take_releases(3.1, ledger) == {"tc"}
     assert table.make_room(1, 3.2) == 0                          # nothing left to end
     table.released(["ta", "tb", "tc"], Stats())
+
+
+def test_admission_ends_holds_for_a_request_left_unallocated_with_nothing_running():
+    table, ledger = holds(max_blocks=100), guard(enabled=False)
+    for i, sid in enumerate("abc"):
+        table.hold(sid, f"t{sid}", float(i), 100.0, 1.0, num_blocks=4)
+    admission = Admission(table, block_size=16)
+    admission.asked("small", 1)
+    admission.allocated("small")
+    assert admission.make_room(0.0, lambda: 0, 3.0) == 0       # it was admitted
+    admission.asked("big", 16 * 9)                              # 9 blocks and one more
+    assert admission.make_room(1.0, lambda: 0, 3.0) == 0       # the step runs something
+    assert admission.make_room(0.0, lambda: 0, 3.0) == 0       # asks are one step's
+    admission.asked("big", 16 * 9)
+    assert admission.make_room(0.0, lambda: 5, 3.0) == 2       # lacks 5: two holds of 4
+    assert table.take_releases(3.0, ledger) == {"ta", "tb"}
+    table.released(["ta", "tb"], Stats())
+    admission.asked("big", 16 * 9)                              # fits by the count: one
+    assert admission.make_room(0.0, lambda: 20, 3.1) == 1
+    assert table.take_releases(3.1, ledger) == {"tc"}
 
 
 def test_a_claim_delays_a_release_and_the_free_of_its_send():

@@ -12,6 +12,7 @@ and tested on plain data (``tests/unit/test_scheduling_*.py``).
 * ``host_restore``: restores from and offloads to the host-DRAM tier.
 * ``session_holds``: holds on D (lease, supersession, the KV cap, reset) and the
   handle's publication.
+* ``admission``: holds that end for a request D cannot admit for want of blocks.
 * ``guard_ledger``: the pull guard, holder and reader side.
 * ``first_token``: whether D continues from P's token.
 * ``early_decode``: D waiting for P's parameters; P pushing them.
