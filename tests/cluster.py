@@ -21,9 +21,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import requests
+
+if TYPE_CHECKING:
+    from vllm_sessionkv.dev.launch import LocalCluster
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 240.0
@@ -172,6 +176,24 @@ def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
         cluster.teardown_report.update(stop_cluster(cluster))
         alive = cluster.teardown_report.get("alive")
         assert not alive, f"processes left after SIGTERM to local_cluster.py: {alive}"
+
+
+@contextmanager
+def small_kv_cluster(model: str, log_dir: Path, block_size: int, device_blocks: int,
+                     sessionkv: dict) -> Iterator[LocalCluster]:
+    """1P + 1D with Redis and a co-located server (the baseline), from
+    ``dev/launch.py``: P's and D's device KV ``device_blocks`` blocks of
+    ``block_size`` tokens, for what D's session holds do when its KV runs short.
+    ``sessionkv`` is the connector's config; stopped on exit."""
+    from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+
+    cluster = LocalCluster(ClusterSpec(
+        model=model, prefill=1, decode=1, colocated=True, redis=True,
+        base_port=free_port_block(40), block_size=block_size, max_model_len=2000,
+        kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=device_blocks,
+        log_dir=log_dir, sessionkv=sessionkv))
+    with cluster.start(timeout_s=600):
+        yield cluster
 
 
 def launcher_child(cluster: Cluster, port: int | None = None, argv_has: str | None = None

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster import free_port_block
+from cluster import small_kv_cluster
 from helpers import assert_same, completion_body, metric_sum, post, token_ids, wait_until
-from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.launch import LocalCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -27,13 +27,9 @@ COMPLETIONS = "/v1/completions"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    c = LocalCluster(ClusterSpec(
-        model=tiny_model, prefill=1, decode=1, colocated=True, redis=True,
-        base_port=free_port_block(40), block_size=BLOCK, max_model_len=2000,
-        kv_cache_space_gb=0.25, num_gpu_blocks_override=DEVICE_BLOCKS,
-        log_dir=tmp_path_factory.mktemp("make-room-logs"),
-        sessionkv={"retention": "value", "session_hold_max_kv_fraction": 0.5}))
-    with c.start(timeout_s=600):
+    sessionkv = {"retention": "value", "session_hold_max_kv_fraction": 0.5}
+    with small_kv_cluster(tiny_model, tmp_path_factory.mktemp("make-room-logs"), BLOCK,
+                          DEVICE_BLOCKS, sessionkv) as c:
         yield c
 
 

@@ -16,9 +16,9 @@ import json
 
 import pytest
 
-from cluster import free_port_block
+from cluster import small_kv_cluster
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
-from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.launch import LocalCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -35,16 +35,12 @@ def _ids(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    c = LocalCluster(ClusterSpec(
-        model=tiny_model, prefill=1, decode=1, colocated=True, redis=True,
-        base_port=free_port_block(40), block_size=BLOCK, max_model_len=2000,
-        kv_cache_space_gb=0.25, num_gpu_blocks_override=DEVICE_BLOCKS,
-        log_dir=tmp_path_factory.mktemp("retention-logs"),
-        sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "retention": "value",
-                   # Pull whenever verified KV exists: which hold survives is under
-                   # test, not the tiny model's pull price.
-                   "cost": {"per_transfer_s": 0.0, "recompute_s_per_token": 1.0}}))
-    with c.start(timeout_s=600):
+    sessionkv = {"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "retention": "value",
+                 # Pull whenever verified KV exists: which hold survives is under
+                 # test, not the tiny model's pull price.
+                 "cost": {"per_transfer_s": 0.0, "recompute_s_per_token": 1.0}}
+    with small_kv_cluster(tiny_model, tmp_path_factory.mktemp("retention-logs"), BLOCK,
+                          DEVICE_BLOCKS, sessionkv) as c:
         yield c
 
 
