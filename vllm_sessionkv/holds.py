@@ -98,9 +98,11 @@ class HoldTable:
                 out[request_id] = hold.ending
         return out
 
-    def running(self) -> list[tuple[str, bool]]:
-        """(request id, superseded) of each hold not yet asked to end, oldest first."""
-        return [(rid, h.superseded) for rid, h in self._holds.items() if h.ending is None]
+    def running(self) -> list[tuple[str, str, bool]]:
+        """(request id, session id, superseded) of each hold not yet asked to end,
+        oldest first."""
+        return [(rid, h.session_id, h.superseded) for rid, h in self._holds.items()
+                if h.ending is None]
 
     def over_cap(self, max_blocks: int, keep: str | None = None,
                  order: list[str] | None = None) -> list[str]:

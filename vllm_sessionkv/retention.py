@@ -27,7 +27,10 @@ One rule, on plain data (no clock, no vLLM: the caller passes the time and the f
     contexts worth more per byte.
 
   Superseded holds (a newer turn of the session holds its own blocks) go first; ties
-  go oldest first.
+  go oldest first.  A hold whose session's next turn already waits on this engine
+  (sent early while P prefills, so P's pull of the hold is on its way) has a certain
+  reuse: it ends last, after every hold whose next turn is only expected, since
+  ending it now turns a pull that is coming into a refused claim and a recompute.
 
 ``Retention.AGE`` is the rule before: every lease ``default_lease_s``, oldest first
 (superseded first).  It is the switch for comparisons (``retention: "age"``).
@@ -106,6 +109,7 @@ class HoldFacts:
     held_tokens: int
     held_bytes: int
     superseded: bool = False
+    awaited: bool = False    # the session's next turn waits on this engine
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class HoldValue:
     saved_s_per_byte: float
     superseded: bool
     started_s: float
+    awaited: bool = False
 
 
 def gap_quantile_s(gaps_s: Sequence[float], q: float) -> float:
@@ -152,6 +157,8 @@ def lease(history: SessionHistory, params: RetentionParams, pressure: float) -> 
 
 def _reuse(hold: HoldFacts, now_s: float) -> float:
     """Expected reuse of the hold, ``now_s - started_s`` into it (0..1)."""
+    if hold.awaited:
+        return 1.0
     t = max(0.0, now_s - hold.started_s)
     if hold.lease.source is LeaseSource.HINT:
         return 1.0 if t < (hold.history.hint_s or 0.0) else 0.0
@@ -170,18 +177,20 @@ def value(hold: HoldFacts, now_s: float, recompute: RecomputeModel) -> HoldValue
     reuse = 0.0 if hold.superseded else _reuse(hold, now_s)
     return HoldValue(request_id=hold.request_id, value=reuse * saved, reuse=reuse,
                      saved_s_per_byte=saved, superseded=hold.superseded,
-                     started_s=hold.started_s)
+                     started_s=hold.started_s, awaited=hold.awaited)
 
 
 def eviction_order(holds: Iterable[HoldFacts], now_s: float, params: RetentionParams,
                    recompute: RecomputeModel) -> list[HoldValue]:
     """The running holds in the order they end under pressure, first to end first:
-    superseded first, then by value (``Retention.VALUE``) or by age (``AGE``), ties
+    superseded first, then by value (``Retention.VALUE``: holds whose next turn
+    already waits last) or by age (``AGE``, the rule before: it ignores that), ties
     oldest first."""
     values = [value(h, now_s, recompute) for h in holds]
     if params.mode is Retention.AGE:
         return sorted(values, key=lambda v: (not v.superseded, v.started_s))
-    return sorted(values, key=lambda v: (not v.superseded, v.value, v.started_s))
+    return sorted(values, key=lambda v: (not v.superseded, v.awaited, v.value,
+                                         v.started_s))
 
 
 class GapHistory:

@@ -295,7 +295,12 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             params = self._early.params_when_ready(request.request_id, state.payload,
                                                    self.stats)
             if self._early.waiting(params):
+                session_id = (engine_state.request_session_id(request)
+                              or state.payload.session_id)
+                if session_id:
+                    self._holds.turn_waiting(session_id, request.request_id)
                 return None, False   # vLLM asks again at the next step; no blocks held
+            self._holds.turn_done_waiting(request.request_id)
             request.kv_transfer_params = params
             state = self._requests.of(request.request_id, params)
         self._early.connect(state.payload)
@@ -511,6 +516,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if state.first_token_id is not None:
             vllm_first_token.forget_first_token(request.request_id)
         self._early.forget(state.payload)   # aborted while waiting for P
+        self._holds.turn_done_waiting(request.request_id)
         acct = None
         if state.plan is not None or state.local_hit_tokens is not None:
             acct = accounting(request.num_prompt_tokens, state.plan,

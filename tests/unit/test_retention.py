@@ -4,6 +4,8 @@ order on the same holds; and D's session holds ending by it, demoting first."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vllm_sessionkv.config import ConfigError, parse_config
@@ -146,6 +148,19 @@ def test_an_expired_hint_ends_before_an_unhinted_hold():
         ["hint0", "plain"]
 
 
+def test_a_hold_whose_next_turn_waits_here_ends_last_by_value_not_by_age():
+    # "hinted" is worth the most by value; "waited"'s session has a turn here waiting
+    # for P, whose pull of it is on its way.
+    holds = [dataclasses.replace(_facts("waited", 0.0), awaited=True),
+             _facts("hinted", 5.0, hint_s=600.0), _facts("plain", 10.0)]
+    by_value = eviction_order(holds, 20.0, PARAMS, LINEAR)
+    assert [v.request_id for v in by_value] == ["plain", "hinted", "waited"]
+    assert by_value[-1].reuse == 1.0
+    # The age rule (the comparison arm) ignores it: oldest first.
+    assert [v.request_id for v in eviction_order(holds, 20.0, AGE, LINEAR)] == \
+        ["waited", "hinted", "plain"]
+
+
 # -------------------------------------------------------------------------- gaps
 
 def test_gap_history_is_bounded_per_session_and_in_sessions():
@@ -210,6 +225,20 @@ def test_session_holds_end_by_value_and_demote_first(params, ended):
         assert stats.data["session_hold_ends_kv_pressure_dropped"] == 1
         assert "session_hold_leases_hint" not in stats.data
     assert stats.data["session_hold_leases_default"] == (2 if params is PARAMS else 3)
+
+
+def test_a_turn_waiting_for_p_keeps_its_sessions_hold_until_it_is_done_waiting():
+    """Over the cap, the hold of a session whose next turn waits here (early decode)
+    ends last; once that turn got P's parameters, the order is the value's again."""
+    table, ledger = _table(PARAMS), GuardLedger("D", False, 5.0)
+    _hold(table, "a", "ta", 0.0)
+    _hold(table, "b", "tb", 1.0, hint_s=600.0)
+    table.turn_waiting("a", "next-a")
+    _hold(table, "c", "tc", 2.0)                         # 12 > 8 blocks: one ends
+    assert table.take_releases(3.0, ledger) == {"tb"}    # not "ta", the least valuable
+    table.turn_done_waiting("next-a")
+    _hold(table, "d", "td", 4.0)                         # over again
+    assert table.take_releases(5.0, ledger) == {"ta"}
 
 
 def test_a_demotion_without_room_counts_as_dropped_and_a_lease_end_demotes_too():

@@ -78,11 +78,23 @@ class SessionHolds:
         self._publisher = publisher
         self._channel = channel
         self._reported = 0   # sessionkv_session_holds, sent on change
+        # Requests sent early (early decode) waiting here for P's parameters, by
+        # request id -> session id: P's pull of the session's hold is on its way.
+        self._waiting_turns: dict[str, str] = {}
 
     def turn_arrived(self, session_id: str, now_s: float) -> None:
         """A turn of ``session_id`` reached this engine: the gap since its last held
         turn ended joins the session's history."""
         self._gaps.turn_arrived(session_id, now_s)
+
+    def turn_waiting(self, session_id: str, request_id: str) -> None:
+        """A turn of ``session_id`` waits here for P (early decode): its P will pull
+        the session's hold, so the hold ends last under pressure (``retention``)."""
+        self._waiting_turns[request_id] = session_id
+
+    def turn_done_waiting(self, request_id: str) -> None:
+        """The request got P's parameters, or ended."""
+        self._waiting_turns.pop(request_id, None)
 
     def lease(self, session_id: str, hint_s: float | None) -> tuple[Lease, SessionHistory]:
         """The lease of a hold of ``session_id`` beginning now (``retention.lease``),
@@ -144,10 +156,12 @@ class SessionHolds:
         """Running holds, first to end first, by the retention rule; None (the
         table's age order) when a hold has no facts."""
         running = self._table.running()
-        if any(rid not in self._facts for rid, _ in running):
+        if any(rid not in self._facts for rid, _, _ in running):
             return None
-        facts = [dataclasses.replace(self._facts[rid], superseded=superseded)
-                 if superseded else self._facts[rid] for rid, superseded in running]
+        waiting = set(self._waiting_turns.values())
+        facts = [dataclasses.replace(self._facts[rid], superseded=superseded,
+                                     awaited=session_id in waiting)
+                 for rid, session_id, superseded in running]
         ordered = eviction_order(facts, now_s, self._retention, self._recompute())
         if ordered and logger.isEnabledFor(logging.DEBUG):
             logger.debug("sessionkv hold order (first to end first): %s", " ".join(
