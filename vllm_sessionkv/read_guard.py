@@ -31,9 +31,15 @@ logger = logging.getLogger("vllm.sessionkv.read_guard")
 # Tokens of reads the scheduler asked to guard whose read never came (aborted
 # requests): the oldest are dropped past this many.
 _MAX_EXPECTED = 1 << 16
-# A confirm answered DIGEST_PENDING is asked again this much later (within its
-# original deadline).
+# A confirm answered DIGEST_PENDING is asked again this much later, doubling up to
+# the most below.  The holder digests a hold at the end of its next engine step, which
+# on a real model under load can outlast ``timeout_s``: each pending answer (the
+# holder is alive and the claim stands) moves the confirm's deadline ``timeout_s``
+# on, up to ``digest_wait_s`` after the confirm was first sent (the claim's own
+# life on the holder).  Recomputing a whole prompt costs far more than waiting out
+# one holder step.
 _DIGEST_REASK_S = 2e-3
+_DIGEST_REASK_MAX_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -71,14 +77,19 @@ class _Pending:
     op: GuardOp
     deadline_s: float
     digests: tuple[int, ...] | None = None   # CONFIRM: the reader's, to compare
+    give_up_s: float = 0.0        # CONFIRM: the latest a pending digest moves it to
+    reask_s: float = _DIGEST_REASK_S
 
 
 class ReadGuard:
     def __init__(self, reader_engine_id: str, member: str, timeout_s: float,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None,
+                 digest_wait_s: float | None = None) -> None:
         self.reader_engine_id = reader_engine_id
         self.member = member
         self.timeout_s = timeout_s
+        self.digest_wait_s = timeout_s if digest_wait_s is None else max(
+            timeout_s, digest_wait_s)
         self._context = context or zmq.Context()
         self._owns_context = context is None
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
@@ -140,7 +151,8 @@ class ReadGuard:
             if pending.read.request_id not in self._confirming:
                 continue   # released meanwhile
             self._send(pending.read, GuardOp.CONFIRM, now_s, digests=pending.digests,
-                       deadline_s=pending.deadline_s)
+                       deadline_s=pending.deadline_s, give_up_s=pending.give_up_s,
+                       reask_s=pending.reask_s)
         for sock in self._sockets.values():
             while True:
                 try:
@@ -170,8 +182,10 @@ class ReadGuard:
                 out.refused.append((read.request_id, reason))
             return
         if reason == DIGEST_PENDING:
-            if now_s < pending.deadline_s:
-                self._reask.append((now_s + _DIGEST_REASK_S, pending))
+            if now_s < pending.give_up_s:
+                pending.deadline_s = min(pending.give_up_s, now_s + self.timeout_s)
+                self._reask.append((now_s + pending.reask_s, pending))
+                pending.reask_s = min(2 * pending.reask_s, _DIGEST_REASK_MAX_S)
                 return
             reason = "timeout"
         self._granted.pop(read.request_id, None)
@@ -193,7 +207,8 @@ class ReadGuard:
 
     def _send(self, read: GuardedRead, op: GuardOp, now_s: float,
               await_answer: bool = True, digests: tuple[int, ...] | None = None,
-              deadline_s: float | None = None) -> None:
+              deadline_s: float | None = None, give_up_s: float | None = None,
+              reask_s: float = _DIGEST_REASK_S) -> None:
         seq = next(self._seq)
         blocks = (tuple(remote for _, remote in read.digest_pairs)
                   if digests is not None else ())
@@ -204,7 +219,9 @@ class ReadGuard:
         if await_answer:
             self._pending[seq] = _Pending(
                 read=read, op=op, digests=digests,
-                deadline_s=now_s + self.timeout_s if deadline_s is None else deadline_s)
+                deadline_s=now_s + self.timeout_s if deadline_s is None else deadline_s,
+                give_up_s=now_s + self.digest_wait_s if give_up_s is None else give_up_s,
+                reask_s=reask_s)
         try:
             self._socket(read.host, read.port).send_multipart(
                 (b"", encode_call(call)), zmq.NOBLOCK)

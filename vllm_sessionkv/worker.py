@@ -69,7 +69,8 @@ class SessionKVWorker(nixl_state.NixlPullConnectorWorker):
         self._refuted: set[str] = set()
         if config.pull_guard:
             self._guard = ReadGuard(engine_id, member=nixl_state.worker_member(self),
-                                    timeout_s=config.pull_guard_timeout_s)
+                                    timeout_s=config.pull_guard_timeout_s,
+                                    digest_wait_s=config.pull_claim_ttl_s)
             self._post_read = nixl_state.gate_reads(self, self._before_read)
         # The content digest (kv_digest.py): of holds as they begin, for the scheduler
         # (build_connector_worker_meta); of guarded reads, compared at their confirm.

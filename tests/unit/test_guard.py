@@ -536,3 +536,39 @@ def test_reader_times_out_on_a_silent_holder(silent_holder):
         assert _poll_until(guard, lambda p: p.refused).refused == [("r1", "timeout")]
     finally:
         guard.close()
+
+
+@pytest.mark.parametrize("digest_wait_s, outcome", [(5.0, "confirmed"), (None, "timeout")])
+def test_a_pending_digest_waits_past_the_timeout_up_to_the_claims_life(
+        guard_holder, digest_wait_s, outcome):
+    """The holder digests a hold at the end of its next step, which can outlast the
+    reader's timeout (a real model's long prefill step): each DIGEST_PENDING answer
+    moves the confirm's deadline on, up to ``digest_wait_s``.  Without it (the
+    control, the rule before) the confirm times out and the read is recomputed."""
+    ledger, port = guard_holder.ledger, guard_holder.port
+    ledger.digests = True
+    ledger.add("x", 7)
+    guard = ReadGuard("P", member="tp0", timeout_s=0.3, digest_wait_s=digest_wait_s)
+    try:
+        guard.expect({"r1": 7})
+        guard.claim(GuardedRead(request_id="r1", holder_engine_id="D", holder_request_id="x",
+                                token=7, host="127.0.0.1", port=port,
+                                local_blocks=frozenset({3}), digest_pairs=((3, 5),)),
+                    time.perf_counter())
+        assert _poll_until(guard, lambda p: p.granted).granted == ["r1"]
+        guard.confirm("r1", time.perf_counter(), digests=(50,))
+        later = time.perf_counter() + 0.8          # well past the 0.3 s timeout
+        while time.perf_counter() < later:
+            polled = guard.poll(time.perf_counter())
+            assert not polled.confirmed
+            if polled.refuted:
+                assert outcome == "timeout" and polled.refuted[0][1] == "timeout"
+                return
+            time.sleep(0.005)
+        assert outcome == "confirmed", "the control's confirm did not time out"
+        with guard_holder._answering:               # the holder's step ended
+            ledger.set_digests("x", {"tp0": {5: 50}})
+        done = _poll_until(guard, lambda p: p.confirmed or p.refuted)
+        assert done.confirmed == ["r1"] and done.digest_checks == ["matched"]
+    finally:
+        guard.close()

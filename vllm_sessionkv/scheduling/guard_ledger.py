@@ -16,7 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from vllm_sessionkv.guard import SendLedger, decode_call, encode_answer, new_hold_token
+from vllm_sessionkv.guard import (
+    DIGEST_PENDING,
+    SendLedger,
+    decode_call,
+    encode_answer,
+    new_hold_token,
+)
 from vllm_sessionkv.scheduling.counters import StatsSink, record_growth
 
 __all__ = ["GuardLedger"]
@@ -48,8 +54,11 @@ class GuardLedger:
             return None
         answer = self._ledger.answer(call, now_s)
         if not answer.ok:
-            logger.info("sessionkv guard %s refused request_id=%s reader=%s reason=%s",
-                        call.op.value, call.request_id, call.reader, answer.reason)
+            # A pending digest is no refusal: the reader asks again (read_guard.py),
+            # every few milliseconds at first.
+            log = logger.debug if answer.reason == DIGEST_PENDING else logger.info
+            log("sessionkv guard %s refused request_id=%s reader=%s reason=%s",
+                call.op.value, call.request_id, call.reader, answer.reason)
         return encode_answer(answer)
 
     def hold_token(self, request_id: str, block_ids: list[int]) -> int:
