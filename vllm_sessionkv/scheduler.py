@@ -28,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_sessionkv._vllm import (
+    arrivals,
     engine_state,
     nixl_state,
     pacing,
@@ -154,6 +155,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             if config.first_token_handoff else None)
         self._early = EarlyDecode(self._early_decode_inbox(vllm_config, config),
                                   config.side_port_secret)
+        if self._early.inbox is not None:
+            # A turn sent early marks its session's hold awaited when it arrives.
+            arrivals.on_request_added(self._request_arrived)
         # vLLM's KV cache manager (bound after construction) and the requests whose
         # synchronous read has not been seen good yet: their blocks are kept out of
         # the prefix cache until it is (``_vllm/prefix_cache.py``).
@@ -181,6 +185,18 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         pacing.wait_for_prefill_params(lambda: inbox.waiting, inbox.wait,
                                        max_wait_s=_HELD_STEP_INTERVAL_S)
         return inbox
+
+    def _request_arrived(self, request: Request) -> None:
+        """vLLM queued a request (``_vllm/arrivals.py``).  A turn sent early, while P
+        prefills, means P is about to pull its session's hold: the hold ends last
+        under pressure from now, not from when the scheduler first asks about the
+        request, which on a full D can be long after P's claim."""
+        state = self._requests.of(request.request_id, request.kv_transfer_params)
+        if not state.payload.early_decode_id:
+            return
+        session_id = engine_state.request_session_id(request) or state.payload.session_id
+        if session_id:
+            self._holds.turn_waiting(session_id, request.request_id)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager

@@ -16,16 +16,17 @@ def connector_process_state_restored(monkeypatch):
     from vllm.v1.engine.core import EngineCoreProc
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
-    from vllm_sessionkv._vllm import first_token, pacing
+    from vllm_sessionkv._vllm import arrivals, first_token, pacing
 
-    for owner, names in ((SpinCondition, ("wait",)), (Scheduler, ("update_from_output",)),
+    for owner, names in ((SpinCondition, ("wait",)), (Scheduler, ("update_from_output", "add_request")),
                          (EngineCoreProc, ("_process_input_queue",)),
                          (WorkerProc, ("_execute_worker_rpc",)),
                          (pacing, ("_busy_poll_cap_s", "_holding_interval_s", "_engine_busy",
                                    "_spin_while_busy", "_prefill_wait",
                                    "_holding_work_waiting",
                                    "_input_queue_patched")),
-                         (first_token, ("_first_token_output_patched",))):
+                         (first_token, ("_first_token_output_patched",)),
+                         (arrivals, ("_listener", "_add_request_patched"))):
         for name in names:
             monkeypatch.setattr(owner, name, getattr(owner, name))
     yield
