@@ -31,8 +31,10 @@ logger = logging.getLogger("vllm.sessionkv.read_guard")
 # Tokens of reads the scheduler asked to guard whose read never came (aborted
 # requests): the oldest are dropped past this many.
 _MAX_EXPECTED = 1 << 16
-# A confirm answered DIGEST_PENDING is asked again this much later, doubling up to
-# the most below.  The holder digests a hold at the end of its next engine step, which
+# A confirm answered DIGEST_PENDING is asked again after a tenth of the time it has
+# waited so far, within the bounds below: a digest due in milliseconds (the usual
+# case, the holder's next step) is asked for every 2 ms, adding at most a tenth to
+# the wait; one seconds away, every 100 ms.  The holder digests a hold at the end of its next engine step, which
 # on a real model under load can outlast ``timeout_s``: each pending answer (the
 # holder is alive and the claim stands) moves the confirm's deadline ``timeout_s``
 # on, up to ``digest_wait_s`` after the confirm was first sent (the claim's own
@@ -40,6 +42,7 @@ _MAX_EXPECTED = 1 << 16
 # one holder step.
 _DIGEST_REASK_S = 2e-3
 _DIGEST_REASK_MAX_S = 0.1
+_DIGEST_REASK_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class _Pending:
     deadline_s: float
     digests: tuple[int, ...] | None = None   # CONFIRM: the reader's, to compare
     give_up_s: float = 0.0        # CONFIRM: the latest a pending digest moves it to
-    reask_s: float = _DIGEST_REASK_S
+    first_sent_s: float = 0.0     # CONFIRM: when it was first asked
 
 
 class ReadGuard:
@@ -152,7 +155,7 @@ class ReadGuard:
                 continue   # released meanwhile
             self._send(pending.read, GuardOp.CONFIRM, now_s, digests=pending.digests,
                        deadline_s=pending.deadline_s, give_up_s=pending.give_up_s,
-                       reask_s=pending.reask_s)
+                       first_sent_s=pending.first_sent_s)
         for sock in self._sockets.values():
             while True:
                 try:
@@ -184,8 +187,9 @@ class ReadGuard:
         if reason == DIGEST_PENDING:
             if now_s < pending.give_up_s:
                 pending.deadline_s = min(pending.give_up_s, now_s + self.timeout_s)
-                self._reask.append((now_s + pending.reask_s, pending))
-                pending.reask_s = min(2 * pending.reask_s, _DIGEST_REASK_MAX_S)
+                waited = now_s - pending.first_sent_s
+                self._reask.append((now_s + min(_DIGEST_REASK_MAX_S, max(
+                    _DIGEST_REASK_S, _DIGEST_REASK_SHARE * waited)), pending))
                 return
             reason = "timeout"
         self._granted.pop(read.request_id, None)
@@ -208,7 +212,7 @@ class ReadGuard:
     def _send(self, read: GuardedRead, op: GuardOp, now_s: float,
               await_answer: bool = True, digests: tuple[int, ...] | None = None,
               deadline_s: float | None = None, give_up_s: float | None = None,
-              reask_s: float = _DIGEST_REASK_S) -> None:
+              first_sent_s: float | None = None) -> None:
         seq = next(self._seq)
         blocks = (tuple(remote for _, remote in read.digest_pairs)
                   if digests is not None else ())
@@ -221,7 +225,7 @@ class ReadGuard:
                 read=read, op=op, digests=digests,
                 deadline_s=now_s + self.timeout_s if deadline_s is None else deadline_s,
                 give_up_s=now_s + self.digest_wait_s if give_up_s is None else give_up_s,
-                reask_s=reask_s)
+                first_sent_s=now_s if first_sent_s is None else first_sent_s)
         try:
             self._socket(read.host, read.port).send_multipart(
                 (b"", encode_call(call)), zmq.NOBLOCK)
