@@ -6,6 +6,8 @@ meeting both).  The chat and router scenario: load only, aiperf the load generat
     python benchmarks/chat_goodput.py --arms 1-rr,2-ours-coloc,5-vr-cache-coloc,3-nixl-rr,5-vr-rr,5-vr-cache,7-ours,7-ours-pd
     python benchmarks/chat_goodput.py --target ours=http://127.0.0.1:8000 \\
         --target colocated=http://127.0.0.1:8100 --model NAME --tokenizer DIR
+    python benchmarks/chat_goodput.py --arms 7-ours,5-vr-rr,5-vr-cache,1-rr,3-nixl-rr \\
+        --model-dir MODEL_DIR --rates 0.25,0.5,1 --stem chat_goodput_sweep
 
 Without ``--target`` or ``--arms`` it starts the launcher's default cluster
 (``LocalCluster``: Redis, our proxy, 1 P + 1 D with our connector, a plain co-located
@@ -17,7 +19,10 @@ the tiny model or ``--model-dir``), every cache reset before each arm's run, and
 each arm's router CPU time per request and the engines' prefix-cache hit rate are
 reported beside aiperf's figures.  Each round runs every target (of a cluster) once,
 in reverse order every other round; a target's figures pool its requests over the
-rounds.  aiperf runs from its own venv (``sessionkv_bench.aiperf``).  Writes
+rounds.  ``--rates`` sweeps the offered request rate (aiperf's ``--request-rate``,
+``--concurrency`` its ceiling): every target runs at every rate, and each target's
+goodput is its best over the rates (the rate sweep's headline, plotted against the
+offered rate).  aiperf runs from its own venv (``sessionkv_bench.aiperf``).  Writes
 ``docs/benchmarks/chat_goodput.{md,json}`` (``chat_goodput_quick.*`` with ``--quick``;
 ``--stem`` names others); ``--render-only JSON`` writes the report again from a run's
 JSON.
@@ -26,6 +31,7 @@ JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -64,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--isl", type=int, default=128, help="new prompt tokens a turn")
     p.add_argument("--osl", type=int, default=32, help="answer tokens a turn")
     p.add_argument("--concurrency", type=int, default=3)
+    p.add_argument("--rates", default="",
+                   help="comma-separated request rates (requests a second) to sweep, "
+                        "--concurrency their ceiling; none: concurrency alone")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--itl-slo-ms", type=float, default=200.0)
@@ -78,18 +87,48 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--target needs --model and --tokenizer")
     if args.target and args.arms:
         p.error("--target and --arms exclude each other")
+    try:
+        args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        p.error(f"--rates: not a list of numbers: {args.rates!r}")
+    if any(r <= 0 for r in args.rates):
+        p.error("--rates: each rate must be above 0")
     return args
 
 
-def measure(targets: dict[str, str], model: str, tokenizer: str, load: aiperf.ChatLoad,
-            rounds: int, work: Path, around=None) -> dict:
-    """Every target once a round (order reversed every other round); per target its
-    pooled figures and each round's.  ``around(name, run)``, when given, returns the
-    figures of one run (it calls ``run()``, aiperf's summary, between its own reads)."""
+def run_name(target: str, rate: float | None) -> str:
+    """A target at one offered rate: ``7-ours@0.5`` (the target alone without one)."""
+    return target if rate is None else f"{target}@{rate:g}"
+
+
+def split_run(name: str) -> tuple[str, float | None]:
+    target, _, rate = name.partition("@")
+    return target, float(rate) if rate else None
+
+
+def loads_at(base: aiperf.ChatLoad, targets: dict[str, str], rates: list[float]
+             ) -> tuple[dict[str, str], dict[str, aiperf.ChatLoad]]:
+    """Each target at each rate (or alone): run name -> URL, run name -> its load."""
+    urls, loads = {}, {}
+    for name, url in targets.items():
+        for rate in rates or [None]:
+            key = run_name(name, rate)
+            urls[key] = url
+            loads[key] = dataclasses.replace(base, request_rate=rate)
+    return urls, loads
+
+
+def measure(targets: dict[str, str], model: str, tokenizer: str,
+            loads: dict[str, aiperf.ChatLoad], rounds: int, work: Path, around=None) -> dict:
+    """Every run (a target at a load: ``loads_at``) once a round (order reversed every
+    other round); per run its pooled figures and each round's.  ``around(name, run)``,
+    when given, returns the figures of one run (it calls ``run()``, aiperf's summary,
+    between its own reads)."""
     def one(name: str, r: int) -> dict:
         out = work / f"{name}-round{r}"
-        run = lambda: aiperf.run(targets[name], model, tokenizer, load, out,  # noqa: E731
-                                 work / f"{name}-round{r}.log") | {"dir": str(out)}
+        run = lambda: aiperf.run(targets[name], model, tokenizer,  # noqa: E731
+                                 loads[name], out, work / f"{name}-round{r}.log"
+                                 ) | {"dir": str(out)}
         try:
             return around(name, run) if around else run()
         except RuntimeError as exc:
@@ -105,7 +144,7 @@ def measure(targets: dict[str, str], model: str, tokenizer: str, load: aiperf.Ch
         if failed:
             out[name] = {"failed": failed[0], "rounds": rs}
             continue
-        pooled = aiperf.summarize([Path(x.pop("dir")) for x in rs], load)
+        pooled = aiperf.summarize([Path(x.pop("dir")) for x in rs], loads[name])
         for key in ("router_cpu_s", "prefix_hits", "prefix_queries"):
             if key in rs[0]:
                 pooled[key] = sum(x[key] for x in rs)
@@ -160,17 +199,19 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
             def around(key: str, one) -> dict:
                 note = armlib.reset(run)
                 hits0 = [metric_sums(u, HITS) for u in engines]
-                cpu0 = cpu_seconds(run.pids[key])
+                pid = run.pids[split_run(key)[0]]
+                cpu0 = cpu_seconds(pid)
                 res = one()
-                res["router_cpu_s"] = cpu_seconds(run.pids[key]) - cpu0
+                res["router_cpu_s"] = cpu_seconds(pid) - cpu0
                 hits = [metric_sums(u, HITS) for u in engines]
                 for name, field in zip(HITS, ("prefix_hits", "prefix_queries")):
                     res[field] = sum(h.get(name, 0.0) - h0.get(name, 0.0)
                                      for h, h0 in zip(hits, hits0))
                 return res | ({"reset_note": note} if note else {})
 
-            targets = {a.key: run.routers[a.key] for a in arms if a.key in run.routers}
-            results |= measure(targets, model, model, load, args.rounds, work, around)
+            targets, loads = loads_at(load, {a.key: run.routers[a.key] for a in arms
+                                             if a.key in run.routers}, args.rates)
+            results |= measure(targets, model, model, loads, args.rounds, work, around)
             for a in arms:
                 meta["targets"][a.key] = a.label
         finally:
@@ -178,15 +219,54 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
     return results
 
 
+def best_goodput(results: dict) -> dict[str, tuple[float, float | None]]:
+    """Each target's best goodput over its runs and the rate it came at (the sweep's
+    headline; a target run once has its one figure)."""
+    best: dict[str, tuple[float, float | None]] = {}
+    for name, res in results["targets"].items():
+        if "pooled" not in res:
+            continue
+        target, rate = split_run(name)
+        g = res["pooled"]["goodput_rps"] or 0.0
+        if target not in best or g > best[target][0]:
+            best[target] = (g, rate)
+    return best
+
+
+def sweep_lines(results: dict) -> list[str]:
+    """The rate sweep's headline: each target's best goodput, and ours (every target
+    whose key names ours) over the best of the others'."""
+    best = best_goodput(results)
+    if not best:
+        return []
+    names = results["meta"].get("targets", {})
+    rows = [[t, names.get(t, ""), f"{g:.3f}", f"{r:g}" if r is not None else "-"]
+            for t, (g, r) in sorted(best.items(), key=lambda kv: -kv[1][0])]
+    lines = ["## Goodput by target: the best over the offered rates", ""]
+    lines += report.table(["target", "what", "goodput req/s", "at rate req/s"], rows)
+    peers = {t: g for t, (g, _) in best.items() if "ours" not in t}
+    if peers and any("ours" in t for t in best):
+        peer, peer_g = max(peers.items(), key=lambda kv: kv[1])
+        lines += [""] + [
+            f"- `{t}` / best peer `{peer}`: {g / peer_g:.2f}x" if peer_g else
+            f"- `{t}`: {g:.3f} req/s; no peer met the SLOs at any rate"
+            for t, (g, _) in best.items() if "ours" in t]
+    return lines + [""]
+
+
 def render(results: dict) -> str:
     meta, load = results["meta"], results["load"]
+    rates = load.get("rates") or []
     arms = any("router_cpu_s" in r.get("pooled", {}) or "failed" in r
                for r in results["targets"].values())
+    pacing = (f"requests paced at each of {', '.join(f'{r:g}' for r in rates)} a second "
+              f"(aiperf's `--request-rate`), at most {load['concurrency']} at once"
+              if rates else f"{load['concurrency']} sessions at once")
     lines = report.head("Chat goodput (aiperf multi-turn sessions)", meta) + [
         f"aiperf {meta['aiperf_version']}: {load['conversations']} chat sessions x "
         f"{load['turns']} turns, {load['isl']} new prompt tokens and {load['osl']} answer "
-        f"tokens a turn (`ignore_eos`, temperature 0), {load['concurrency']} sessions at "
-        f"once, session header `{load['session_header']}`; {meta['rounds']} round(s), each "
+        f"tokens a turn (`ignore_eos`, temperature 0), {pacing}, session header "
+        f"`{load['session_header']}`; {meta['rounds']} round(s), each "
         "target once a round, pooled. A request is good when its TTFT is at most "
         f"{load['ttft_slo_ms']:g} ms and its ITL (decode time over answer tokens less one) "
         f"at most {load['itl_slo_ms']:g} ms; goodput is good requests per second of "
@@ -194,21 +274,26 @@ def render(results: dict) -> str:
         "the pooled requests. Targets: " + ", ".join(
             f"`{n}` ({d})" for n, d in meta["targets"].items()) + ".", "",
     ]
+    if rates:
+        lines += sweep_lines(results)
     rows = []
     for name, res in results["targets"].items():
+        target, rate = split_run(name)
+        head = [target] + ([f"{rate:g}"] if rates else [])
         if "failed" in res:
-            rows.append([name, f"failed: {res['failed'][:200]}"])
+            rows.append(head + [f"failed: {res['failed'][:200]}"])
             continue
         s = res["pooled"]
-        rows.append([name, s["requests"], s["errors"], s["good_requests"],
-                     f"{s['goodput_rps']:.2f} ({s['aiperf_goodput_rps']:.2f})"] + [
+        rows.append(head + [s["requests"], s["errors"], s["good_requests"],
+                            f"{s['goodput_rps']:.2f} ({s['aiperf_goodput_rps']:.2f})"] + [
             f"{report.ms(s[k + '_p50_s'])} / {report.ms(s[k + '_p99_s'])}"
             for k in ("ttft", "itl", "latency")] + ([
                 f"{s['router_cpu_s'] / max(s['requests'], 1) * 1e3:.1f}",
                 f"{s['prefix_hits'] / s['prefix_queries'] if s['prefix_queries'] else 0:.1%}"]
                 if arms else []))
-    lines += report.table(["target", "requests", "errors", "good", "goodput req/s (aiperf's)",
-                           "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "latency p50 / p99 ms"]
+    lines += report.table(["target"] + (["rate req/s"] if rates else [])
+                          + ["requests", "errors", "good", "goodput req/s (aiperf's)",
+                             "TTFT p50 / p99 ms", "ITL p50 / p99 ms", "latency p50 / p99 ms"]
                           + (["router CPU ms / request", "prefix hits"] if arms else []), rows)
     if arms:
         lines += ["", "Router CPU: the router process's user and system time over the "
@@ -218,8 +303,42 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(json_path: str, out_dir: str, stem: str) -> None:
+    """``stem``_sweep.png: goodput, TTFT p99 and ITL p99 against the offered rate, a
+    line per target (run by the side venv's python: matplotlib lives there)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    series: dict[str, list[tuple[float, dict]]] = {}
+    for name, res in data["targets"].items():
+        target, rate = split_run(name)
+        if rate is not None and "pooled" in res:
+            series.setdefault(target, []).append((rate, res["pooled"]))
+    if not series:
+        return
+    panels = (("goodput_rps", "goodput (req/s meeting both SLOs)", 1.0),
+              ("ttft_p99_s", "TTFT p99 (ms)", 1e3), ("itl_p99_s", "ITL p99 (ms)", 1e3))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))
+    for ax, (key, label, scale) in zip(axes, panels):
+        for target, points in sorted(series.items()):
+            points.sort(key=lambda p: p[0])
+            ax.plot([r for r, _ in points], [(p[key] or 0.0) * scale for _, p in points],
+                    marker="o", label=target)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / f"{stem}_sweep.png", dpi=100)
+    plt.close(fig)
+
+
 def write(results: dict, out_dir: Path, stem: str) -> None:
-    report.write(out_dir, stem, results, render(results))
+    swept = bool(results["load"].get("rates"))
+    report.write(out_dir, stem, results, render(results),
+                 plot=("chat_goodput", "plot") if swept else None)
     log(f"wrote {out_dir / stem}.md")
 
 
@@ -237,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="chat-goodput-") as tmp:
         work = Path(tmp)
         if args.target:
-            targets = dict(t.split("=", 1) for t in args.target)
-            meta["targets"] = {n: "given by URL" for n in targets}
-            results = measure(targets, args.model, args.tokenizer, load, args.rounds, work)
+            given = dict(t.split("=", 1) for t in args.target)
+            meta["targets"] = {n: "given by URL" for n in given}
+            targets, loads = loads_at(load, given, args.rates)
+            results = measure(targets, args.model, args.tokenizer, loads, args.rounds, work)
         elif args.arms:
             results = measure_arms(args, load, work, meta)
         else:   # the launcher's default cluster on the tiny model
@@ -250,16 +370,18 @@ def main(argv: list[str] | None = None) -> int:
             with LocalCluster(ClusterSpec(model=model, served_model_name="tiny", colocated=True,
                                           redis=True, base_port=args.base_port,
                                           log_dir=work / "logs")) as cluster:
-                targets = {"ours": cluster.proxy_url, "colocated": cluster.colocated.url}
+                targets, loads = loads_at(load, {"ours": cluster.proxy_url,
+                                                 "colocated": cluster.colocated.url},
+                                          args.rates)
                 meta["targets"] = {
                     "ours": "our proxy over 1 P + 1 D with our connector, Redis, the "
                             "launcher's defaults",
                     "colocated": "a plain vLLM engine of the same cluster"}
                 meta["model"] = "the tests' tiny Llama"
-                results = measure(targets, "tiny", model, load, args.rounds, work)
+                results = measure(targets, "tiny", model, loads, args.rounds, work)
     first = next((r["pooled"] for r in results.values() if "pooled" in r), {})
     meta["aiperf_version"] = first.get("aiperf_version")
-    out = {"meta": meta, "load": load.__dict__, "targets": results}
+    out = {"meta": meta, "load": load.__dict__ | {"rates": args.rates}, "targets": results}
     write(out, Path(args.out_dir), stem)
     bad = [n for n, r in results.items()
            if "failed" in r or r["pooled"]["errors"] or not r["pooled"]["requests"]]

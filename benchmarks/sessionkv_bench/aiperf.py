@@ -36,7 +36,9 @@ class ChatLoad:
     """One aiperf run: ``conversations`` synthetic chat sessions of ``turns`` turns,
     ``isl`` new prompt tokens a turn (aiperf sends the whole history with each turn),
     ``osl`` answer tokens (``ignore_eos``), ``concurrency`` sessions at once, and the
-    SLOs a request must meet to count as good (milliseconds)."""
+    SLOs a request must meet to count as good (milliseconds).  ``request_rate``
+    (requests a second, aiperf's ``--request-rate``) paces the requests, with
+    ``concurrency`` then their ceiling."""
 
     conversations: int
     turns: int
@@ -47,6 +49,7 @@ class ChatLoad:
     itl_slo_ms: float
     seed: int = 0
     session_header: str = "X-Session-ID"
+    request_rate: float | None = None
 
 
 def executable() -> Path:
@@ -89,7 +92,7 @@ def command(url: str, model: str, tokenizer: str, load: ChatLoad, out_dir: Path)
                      f"inter_token_latency:{load.itl_slo_ms:g}",
         "--random-seed", str(load.seed), "--output-artifact-dir", str(out_dir),
         "--ui-type", "none", "--no-server-metrics", "--no-gpu-telemetry",
-    ]
+    ] + (["--request-rate", f"{load.request_rate:g}"] if load.request_rate else [])
 
 
 def run(url: str, model: str, tokenizer: str, load: ChatLoad, out_dir: Path,

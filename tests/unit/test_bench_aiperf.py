@@ -57,6 +57,11 @@ def test_command_and_environment(monkeypatch, tmp_path):
     assert argv[1] == "profile" and "--streaming" in argv
     assert argv[argv.index("--session-header") + 1] == "X-Session-ID"
     assert argv[argv.index("--goodput") + 1] == "time_to_first_token:500 inter_token_latency:80"
+    assert "--request-rate" not in argv
+    paced = aiperf.command("http://127.0.0.1:1", "tiny", "/tok",
+                           aiperf.ChatLoad(4, 3, 64, 8, 2, 500, 80, request_rate=0.5), tmp_path)
+    assert paced[paced.index("--request-rate") + 1] == "0.5"
+    assert paced[paced.index("--concurrency") + 1] == "2"      # the ceiling
     monkeypatch.setenv("AIPERF_SERVICE_RECORD_PROCESSOR_BATCH_SIZE", "1")
     monkeypatch.setenv("SESSIONKV_SOMETHING", "kept")
     env = aiperf.environment()
