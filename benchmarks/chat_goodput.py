@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 from sessionkv_bench import aiperf, report
+from sessionkv_bench.sweep import run_name, split_run
 from sessionkv_bench.metrics import metric_sums
 from sessionkv_bench.runner import PortPool, env_for_bench, interleaved, log
 from sessionkv_bench.arms import CORES_HELP
@@ -94,16 +95,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if any(r <= 0 for r in args.rates):
         p.error("--rates: each rate must be above 0")
     return args
-
-
-def run_name(target: str, rate: float | None) -> str:
-    """A target at one offered rate: ``7-ours@0.5`` (the target alone without one)."""
-    return target if rate is None else f"{target}@{rate:g}"
-
-
-def split_run(name: str) -> tuple[str, float | None]:
-    target, _, rate = name.partition("@")
-    return target, float(rate) if rate else None
 
 
 def loads_at(base: aiperf.ChatLoad, targets: dict[str, str], rates: list[float]
@@ -303,42 +294,10 @@ def render(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(json_path: str, out_dir: str, stem: str) -> None:
-    """``stem``_sweep.png: goodput, TTFT p99 and ITL p99 against the offered rate, a
-    line per target (run by the side venv's python: matplotlib lives there)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = json.loads(Path(json_path).read_text())
-    series: dict[str, list[tuple[float, dict]]] = {}
-    for name, res in data["targets"].items():
-        target, rate = split_run(name)
-        if rate is not None and "pooled" in res:
-            series.setdefault(target, []).append((rate, res["pooled"]))
-    if not series:
-        return
-    panels = (("goodput_rps", "goodput (req/s meeting both SLOs)", 1.0),
-              ("ttft_p99_s", "TTFT p99 (ms)", 1e3), ("itl_p99_s", "ITL p99 (ms)", 1e3))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5))
-    for ax, (key, label, scale) in zip(axes, panels):
-        for target, points in sorted(series.items()):
-            points.sort(key=lambda p: p[0])
-            ax.plot([r for r, _ in points], [(p[key] or 0.0) * scale for _, p in points],
-                    marker="o", label=target)
-        ax.set_xlabel("offered rate (req/s)")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(Path(out_dir) / f"{stem}_sweep.png", dpi=100)
-    plt.close(fig)
-
-
 def write(results: dict, out_dir: Path, stem: str) -> None:
     swept = bool(results["load"].get("rates"))
     report.write(out_dir, stem, results, render(results),
-                 plot=("chat_goodput", "plot") if swept else None)
+                 plot=("sessionkv_bench.sweep", "plot") if swept else None)
     log(f"wrote {out_dir / stem}.md")
 
 
