@@ -6,7 +6,8 @@ Both use aiohttp below its public API: the front door subclasses
 ``data_received``, ``connection_lost`` and ``handle_error``) and ``web.Server``
 (builds its handlers from ``_loop`` and ``_kwargs``); the client drives
 ``client_proto.ResponseHandler`` directly (``set_response_params``,
-``start_timeout``, ``read``).  aiohttp may change any of these in a release, so
+``start_timeout``, ``read``) and overrides its read timeout and ``resume_reading``
+(``upstream.py``'s ``_Connection``).  aiohttp may change any of these in a release, so
 ``check_installed()`` inspects them once per process, on real objects where that is
 cheap, and stops the proxy naming each internal that differs, instead of failing on
 the first request.  ``pyproject.toml`` pins the tested range (``TESTED``); a release
@@ -183,6 +184,39 @@ def _response_handler(s: Surface) -> str | None:
     return _with_loop(probe)
 
 
+def _response_handler_per_read(s: Surface) -> str | None:
+    """What upstream.py's ``_Connection`` overrides to take per-read costs off a
+    stream: ``data_received`` restarting the read timeout through
+    ``_reschedule_timeout`` (``_read_timeout``, ``_read_timeout_handle``,
+    ``_drop_timeout``, ``_on_read_timeout``, ``_loop``), and
+    ``resume_reading(resume_parser)`` with the pause flags ``_reading_paused`` and
+    ``_buffer_paused``."""
+    for name in ("_reschedule_timeout", "_drop_timeout", "_on_read_timeout"):
+        if not callable(getattr(s.ResponseHandler, name, None)):
+            return f"ResponseHandler.{name} is gone"
+    try:
+        source = inspect.getsource(s.ResponseHandler.data_received)
+    except (OSError, TypeError):
+        source = ""
+    if "_reschedule_timeout" not in source:
+        return "ResponseHandler.data_received does not call _reschedule_timeout"
+    if _lacks(s.ResponseHandler.resume_reading, ("resume_parser",)):
+        return "ResponseHandler.resume_reading takes no resume_parser"
+
+    def probe(loop):
+        handler = s.ResponseHandler(loop)
+        handler.set_response_params(read_timeout=1.0, auto_decompress=False)
+        missing = [n for n in ("_read_timeout", "_read_timeout_handle", "_loop",
+                               "_reading_paused", "_buffer_paused")
+                   if not hasattr(handler, n)]
+        if missing:
+            return f"ResponseHandler has no {', '.join(missing)}"
+        if handler._read_timeout != 1.0 or handler._loop is not loop:
+            return "ResponseHandler._read_timeout or _loop is not what it was given"
+        return None
+    return _with_loop(probe)
+
+
 def _raw_response_message(s: Surface) -> str | None:
     """RawResponseMessage.code and .headers: the status and headers upstream.py relays."""
     missing = [n for n in ("code", "headers") if not hasattr(s.RawResponseMessage, n)]
@@ -192,8 +226,10 @@ def _raw_response_message(s: Surface) -> str | None:
 
 
 def _stream_reader(s: Surface) -> str | None:
-    """StreamReader.iter_chunks(), read(), at_eof(): how a response body is relayed."""
-    for name in ("iter_chunks", "read", "at_eof"):
+    """StreamReader.readchunk(), read(), at_eof(): how a response body is relayed."""
+    if not inspect.iscoroutinefunction(getattr(s.StreamReader, "readchunk", None)):
+        return "StreamReader.readchunk is not a coroutine function"
+    for name in ("read", "at_eof"):
         if not callable(getattr(s.StreamReader, name, None)):
             return f"StreamReader.{name} is gone"
     return None
@@ -206,6 +242,7 @@ INTERNALS: dict[str, Callable[[Surface], str | None]] = {
     "web_protocol.RequestHandler hooks": _request_handler_hooks,
     "http_parser.RawRequestMessage": _raw_request_message,
     "client_proto.ResponseHandler": _response_handler,
+    "client_proto.ResponseHandler per-read hooks": _response_handler_per_read,
     "http_parser.RawResponseMessage": _raw_response_message,
     "streams.StreamReader": _stream_reader,
 }

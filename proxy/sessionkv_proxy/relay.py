@@ -191,11 +191,10 @@ class EngineSender:
         (``extra_headers`` as they stand when it starts)."""
         async with self.sending(role, engine, path, payload, request_id, load,
                                 on_engine) as sent:
-            chunks = first = None
+            first = None
             if relay_after is not None:
                 if stream and sent.response.status == 200:
-                    chunks = sent.response.iter_chunks()
-                    first = asyncio.ensure_future(anext(chunks, b""))
+                    first = asyncio.ensure_future(sent.response.next_chunk())
                     await _first_done(first, relay_after)
                 else:
                     # vLLM sends a stream's head at once: wait for the headers to come.
@@ -206,7 +205,7 @@ class EngineSender:
             headers.append((_ENGINE_HEADER[role], sent.engine.url))
             if not stream or sent.response.status != 200:
                 return await self._whole(sent, headers)
-            await self._stream(request, role, sent, headers, request_id, chunks, first)
+            await self._stream(request, role, sent, headers, request_id, first)
             return Answer(None, 200, None, sent.engine)
 
     async def _whole(self, sent: Sent, headers: list[tuple[str, str]]) -> Answer:
@@ -229,18 +228,21 @@ class EngineSender:
 
     async def _stream(self, request: Request, role: Role, sent: Sent,
                       headers: list[tuple[str, str]], request_id: str,
-                      chunks: AsyncIterator[bytes] | None = None,
                       first: asyncio.Future | None = None) -> None:
-        """Relay the answer's chunks; ``chunks`` and ``first``, when given, are its
-        chunk iterator already started and the read of its first chunk."""
+        """Relay the answer's chunks; ``first``, when given, is the read of its first
+        chunk, already under way.  One loop over the reads (no iterator between):
+        a stream pays it per token."""
         await request.start_stream(200, headers)
         engine = sent.engine
+        response = sent.response
         try:
-            async for chunk in _chunks(sent.response, chunks, first):
+            chunk = await (first if first is not None else response.next_chunk())
+            while chunk:
                 engine.alive(time.monotonic())
                 if chunk.endswith(b"data: [DONE]\n\n"):
                     request.stream_done = True   # the client may close once it has it
                 await request.write(chunk)
+                chunk = await response.next_chunk()
         except (ConnectionResetError, asyncio.TimeoutError) as exc:
             # Either side may end it; only the engine's side is an error of ours.  The
             # server cuts the client's connection so a broken stream never looks whole.
@@ -261,19 +263,3 @@ async def _first_done(first: asyncio.Future, other: asyncio.Future) -> None:
     except BaseException:
         first.cancel()
         raise
-
-
-async def _chunks(response: UpstreamResponse, chunks: AsyncIterator[bytes] | None,
-                  first: asyncio.Future | None) -> AsyncIterator[bytes]:
-    """The response's chunks; with a read of the first already under way, that one
-    first (an empty one: the stream had none), then the rest from the same iterator."""
-    if chunks is None or first is None:
-        async for chunk in response.iter_chunks():
-            yield chunk
-        return
-    head = await first
-    if not head:
-        return
-    yield head
-    async for chunk in chunks:
-        yield chunk

@@ -33,6 +33,7 @@ import logging
 from collections.abc import Awaitable, Callable
 import msgspec
 from aiohttp import web, web_protocol
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -99,7 +100,7 @@ class Request:
     """One request read whole, and the means to answer it by streaming."""
 
     __slots__ = ("method", "path", "query", "headers", "body", "stream_done", "_raw",
-                 "_stream", "_ended")
+                 "_stream", "_writer", "_ended")
 
     def __init__(self, raw: web.BaseRequest, body: bytes) -> None:
         self._raw = raw
@@ -111,6 +112,7 @@ class Request:
         self.headers: CIMultiDictProxy[str] = raw.headers
         self.body = body
         self._stream: web.StreamResponse | None = None
+        self._writer: AbstractStreamWriter | None = None   # the stream's body writer
         self._ended = False
         # The handler relayed its whole stream (set by the handler): a client that
         # closes after the last chunk has its answer, not a broken one.
@@ -135,11 +137,15 @@ class Request:
         else:
             stream.force_close()   # an HTTP/1.0 client reads to the close
         self._stream = stream
-        await stream.prepare(self._raw)
+        self._writer = await stream.prepare(self._raw)
 
     async def write(self, chunk: bytes) -> None:
+        # To the body writer ``prepare`` returned, not through ``StreamResponse.write``
+        # (a frame less per token of a stream), with its check of the stream's end.
         if chunk:
-            await self._stream.write(chunk)
+            if self._ended:
+                raise RuntimeError("Cannot call write() after end_stream()")
+            await self._writer.write(chunk)
 
     async def end_stream(self) -> None:
         """End a streamed answer (the server does it after the handler if not yet)."""

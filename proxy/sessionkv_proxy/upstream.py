@@ -59,6 +59,47 @@ def _body_error(exc: Exception, what: str) -> Exception:
     return ConnectionResetError(f"engine {what} broke: {exc!r}")
 
 
+class _Connection(ResponseHandler):
+    """aiohttp's ``ResponseHandler`` less two costs it pays on every read of a body,
+    which a streamed answer pays per token (one read per server-sent event):
+
+    * the read timeout: aiohttp cancels its timer and starts a new one on every
+      ``data_received``.  Here each read only moves the deadline, and the one timer
+      running checks it when it fires (started again for the time left): the same
+      timeout, ``request_timeout_s`` after the last byte.
+    * ``resume_reading``: ``StreamReader`` calls it after every read it hands out,
+      paused or not, and aiohttp then feeds the parser an empty read and resumes the
+      transport.  With nothing paused (neither flag set: every pause sets one) both
+      are no-ops: the parser holds no bytes back for a body that is not decompressed
+      (``auto_decompress=False``, set at connect).
+    """
+
+    _read_deadline = 0.0
+
+    def _reschedule_timeout(self) -> None:
+        timeout = self._read_timeout
+        if not timeout:
+            self._drop_timeout()
+            return
+        loop = self._loop
+        self._read_deadline = loop.time() + timeout
+        if self._read_timeout_handle is None:
+            self._read_timeout_handle = loop.call_at(self._read_deadline,
+                                                     self._read_timeout_due)
+
+    def _read_timeout_due(self) -> None:
+        self._read_timeout_handle = None
+        if self._loop.time() < self._read_deadline:   # bytes came since it was set
+            self._read_timeout_handle = self._loop.call_at(self._read_deadline,
+                                                           self._read_timeout_due)
+        else:
+            self._on_read_timeout()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        if self._reading_paused or self._buffer_paused:
+            super().resume_reading(resume_parser)
+
+
 class UpstreamResponse:
     """Status and headers at once; the body read whole or streamed, exactly once."""
 
@@ -78,17 +119,35 @@ class UpstreamResponse:
         """As the engine sent them, parsed by aiohttp."""
         return self._message.headers
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as the engine chunked it: one server-sent event per chunk from
-        vLLM.  Not ``iter_any``, which hands over all that is buffered at once: a
-        stream read late (D ran ahead while the proxy waited for P) then went to the
-        client in one write, and a client that had left was not noticed."""
+    async def next_chunk(self) -> bytes:
+        """The body's next chunk as the engine chunked it (one server-sent event per
+        chunk from vLLM), b"" at its end.  Not ``iter_any``, which hands over all
+        that is buffered at once: a stream read late (D ran ahead while the proxy
+        waited for P) then went to the client in one write, and a client that had
+        left was not noticed.  The connection is released at the end, and on any
+        error."""
+        payload = self._payload
         try:
-            async for chunk, _ in self._payload.iter_chunks():
+            while True:
+                chunk, end_of_chunk = await payload.readchunk()
                 if chunk:
-                    yield chunk
+                    return chunk
+                if not end_of_chunk:   # aiohttp's end of the body
+                    self.release()
+                    return b""
         except (aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError) as exc:
+            self.release()
             raise _body_error(exc, "stream") from exc
+        except BaseException:
+            self.release()
+            raise
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The chunks of :meth:`next_chunk`; closing the iterator early releases
+        the connection."""
+        try:
+            while chunk := await self.next_chunk():
+                yield chunk
         finally:
             self.release()
 
@@ -176,7 +235,7 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, protocol = await asyncio.wait_for(
-                loop.create_connection(lambda: ResponseHandler(loop), endpoint.host,
+                loop.create_connection(lambda: _Connection(loop), endpoint.host,
                                        endpoint.port),
                 self.connect_timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:

@@ -52,14 +52,22 @@ class ClientWithoutAutoDecompress(ResponseHandler):
         super().set_response_params(read_timeout=read_timeout)
 
 
+class ClientWithRenamedTimeoutHandle(ResponseHandler):
+    def __init__(self, loop):
+        super().__init__(loop)
+        self._read_timeout_timer = self._read_timeout_handle   # renamed
+        del self._read_timeout_handle
+
+
 class ResponseMessageWithStatus(NamedTuple):
     status: int
     headers: dict
 
 
-class ReaderWithoutIterChunks:
+class ReaderWithoutReadchunk:
     read = StreamReader.read
     at_eof = StreamReader.at_eof
+    iter_chunks = StreamReader.iter_chunks
 
 
 FAKES = {
@@ -69,8 +77,10 @@ FAKES = {
     "web_protocol.RequestHandler hooks": ("RequestHandler", HandlerWithOldHandleError),
     "http_parser.RawRequestMessage": ("RawRequestMessage", RequestMessageWithoutMethod),
     "client_proto.ResponseHandler": ("ResponseHandler", ClientWithoutAutoDecompress),
+    "client_proto.ResponseHandler per-read hooks": ("ResponseHandler",
+                                                    ClientWithRenamedTimeoutHandle),
     "http_parser.RawResponseMessage": ("RawResponseMessage", ResponseMessageWithStatus),
-    "streams.StreamReader": ("StreamReader", ReaderWithoutIterChunks),
+    "streams.StreamReader": ("StreamReader", ReaderWithoutReadchunk),
 }
 
 

@@ -178,7 +178,7 @@ def test_only_plain_http_urls():
 
 
 @contextlib.asynccontextmanager
-async def _raw_engine(port: int, answer):
+async def _raw_engine(port: int, answer, **pool_kw):
     """An engine written on raw sockets, and a pool to it: ``answer(request_bytes,
     writer)`` decides what it sends back on each connection (malformed heads, early
     closes, broken bodies)."""
@@ -199,7 +199,7 @@ async def _raw_engine(port: int, answer):
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port)
-    pool = UpstreamPool(connect_timeout_s=1.0)
+    pool = UpstreamPool(**{"connect_timeout_s": 1.0, **pool_kw})
     try:
         yield f"http://127.0.0.1:{port}", connections, pool
     finally:
@@ -342,6 +342,49 @@ def test_a_body_cut_off_mid_stream_raises_connection_reset(free_port):
                 async for chunk in resp.iter_chunks():
                     got.append(chunk)
             assert got == [b"data: 0\n\n"]
+
+    _run(main())
+
+
+def _chunked(gaps_s: list[float], stall_s: float = 0.0):
+    """An answer streaming one chunk after each gap, then stalling, then ending."""
+    async def answer(head, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i, gap_s in enumerate(gaps_s):
+            await asyncio.sleep(gap_s)
+            writer.write(b"9\r\ndata: %d\n\n\r\n" % i)
+            await writer.drain()
+        await asyncio.sleep(stall_s)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+    return answer
+
+
+def test_the_read_timeout_runs_from_the_last_byte_not_the_request(free_port):
+    # Each gap under request_timeout_s, the whole stream well over it.
+    async def main():
+        async with _raw_engine(free_port(), _chunked([0.12] * 8), request_timeout_s=0.35
+                               ) as (url, _, pool):
+            resp = await pool.post(url, "/x", b"{}")
+            got = [chunk async for chunk in resp.iter_chunks()]
+            assert got == [b"data: %d\n\n" % i for i in range(8)]
+
+    _run(main())
+
+
+def test_a_stream_that_stalls_times_out_a_timeout_after_its_last_byte(free_port):
+    async def main():
+        async with _raw_engine(free_port(), _chunked([0.0, 0.2], stall_s=3.0),
+                               request_timeout_s=0.4) as (url, _, pool):
+            chunks = (await pool.post(url, "/x", b"{}")).iter_chunks()
+            loop = asyncio.get_running_loop()
+            assert await anext(chunks) == b"data: 0\n\n"
+            assert await anext(chunks) == b"data: 1\n\n"
+            last_byte = loop.time()
+            with pytest.raises(asyncio.TimeoutError):
+                await anext(chunks)
+            assert 0.35 <= loop.time() - last_byte < 1.5
 
     _run(main())
 
