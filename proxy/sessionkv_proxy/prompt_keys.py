@@ -28,6 +28,7 @@ from sessionkv_proxy.engines import EnginePool
 from sessionkv_proxy.errors import ApiError
 from sessionkv_proxy.keys import text_keys
 from sessionkv_proxy.startup_checks import TokenizerVerdict, Verdict, check_tokenizer
+from sessionkv_proxy.text_ids import ExtendingIds
 from sessionkv_proxy.tokenizer import LocalTokenizer
 from sessionkv_proxy.upstream import UpstreamPool
 
@@ -68,7 +69,10 @@ class PromptKeys:
                                 else LocalTokenizer.load(config.tokenizer))
         self.local_tokenizer_ok = False
         self.local_chat: ChatRenderer | None = None
+        # A chat session's prompt ids, from its last turn's (text_ids.py).
+        self.chat_ids: ExtendingIds | None = None
         if self.local_tokenizer is not None:
+            self.chat_ids = ExtendingIds(self.local_tokenizer.backend)
             renderer = ChatRenderer(self.local_tokenizer)
             if renderer.unusable:
                 logger.info("chat prompts are tokenized by the engine: %s", renderer.unusable)
@@ -111,8 +115,11 @@ class PromptKeys:
             self._check = asyncio.create_task(self.check_local())
 
     # ------------------------------------------------------------ token ids
-    async def token_ids(self, body: dict[str, Any], is_chat: bool) -> list[int] | None:
-        """The prompt's token ids exactly as the engines will see them, or None."""
+    async def token_ids(self, body: dict[str, Any], is_chat: bool,
+                        session_key: str | None = None) -> list[int] | None:
+        """The prompt's token ids exactly as the engines will see them, or None.
+        ``session_key``: the session's (with its tenant), under which a chat prompt's
+        ids are kept for its next turn's."""
         if not is_chat:
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -128,7 +135,9 @@ class PromptKeys:
         elif self.local_chat is not None:
             if self.local_chat_ok:
                 try:
-                    return self.local_chat.ids(body, self.request_templates_ok)
+                    # ChatRenderer.ids, the text tokenized from the last turn's.
+                    text, add_special = self.local_chat.render(body, self.request_templates_ok)
+                    return self.chat_ids.ids(session_key, text, add_special)
                 except Exception as exc:   # declined, or the template refused it
                     logger.debug("chat prompt tokenized by the engine: %r", exc)
             else:
@@ -165,7 +174,8 @@ class PromptKeys:
         tokens = out.get("tokens") if isinstance(out, dict) else None
         return tokens if isinstance(tokens, list) else None
 
-    async def content_keys(self, body: dict[str, Any], is_chat: bool, tenant: str | None
+    async def content_keys(self, body: dict[str, Any], is_chat: bool, tenant: str | None,
+                           session_key: str | None = None
                            ) -> tuple[list[int] | None, list[int]]:
         """(token ids, block keys) of the prompt: keys over its token ids, or over its
         text with ``tokenizer: text`` (no ids then, unless the client sent ids)."""
@@ -176,7 +186,7 @@ class PromptKeys:
                                        tenant)
             # Not text: ids the client sent (keyed as ids), or a batch (no keys; no
             # /tokenize call either, ``token_ids`` asks it only for a string).
-        token_ids = await self.token_ids(body, is_chat)
+        token_ids = await self.token_ids(body, is_chat, session_key)
         return token_ids, (request_keys(token_ids, self._block_size.tokens, salt=tenant)
                            if token_ids else [])
 

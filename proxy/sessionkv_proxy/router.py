@@ -228,11 +228,12 @@ class Router:
 
     async def _gather(self, body: dict[str, Any], is_chat: bool, session_id: str | None,
                       tenant: str | None, max_output: int | None) -> _Gathered:
-        token_ids, keys = await self.prompt_keys.content_keys(body, is_chat, tenant)
+        session_key = session_store_key(session_id, tenant) if session_id else None
+        token_ids, keys = await self.prompt_keys.content_keys(body, is_chat, tenant,
+                                                              session_key)
         # Everything the decision reads from the store, in one round trip.  Only a P
         # request can use the session's handle, so only then is the published copy
         # taken: atomically, so that of several replicas one gets it (single use).
-        session_key = session_store_key(session_id, tenant) if session_id else None
         # Text keys are never in the index (it holds what KV events name, in tokens).
         read = await self.index.route_read(
             session_key, [] if self.prompt_keys.text_keys else keys,

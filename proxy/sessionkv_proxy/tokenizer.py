@@ -148,6 +148,11 @@ class LocalTokenizer:
         tok.encode_special_tokens = bool(cfg.get("split_special_tokens", False))
         self._tok = tok
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer``, set up as above (read, never changed)."""
+        return self._tok
+
     @classmethod
     @functools.lru_cache(maxsize=4)
     def load(cls, path: str) -> "LocalTokenizer":
