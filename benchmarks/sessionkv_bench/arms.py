@@ -74,22 +74,11 @@ class Backend:
     early: str | None = None      # tcp://HOST:PORT, D's early-decode inbox (our proxy)
 
 
-@dataclass
-class RouterProc:
-    arm: str
-    url: str
-    proc: object                  # vllm_sessionkv.dev.launch.ManagedProcess
-    argv: list[str]
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-
-def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
-                prefill: list[Backend] | None = None) -> list[str]:
-    """The command line of one router.  ``kind``: ours, toy, vr:<policy>,
-    vr-pd[:<policy>]."""
+def router_argv(kind: str, decode: list[Backend], ports: PortPool,
+                prefill: list[Backend] | None = None) -> tuple[list[str], int]:
+    """The command line of one router and the port it serves on.  ``kind``: ours, toy
+    (toy-pd), conv (arm 4's conversation proxy), vr:<policy>, vr-pd[:<policy>]."""
+    port = ports.take()
     urls = [b.url for b in decode]
     if kind == "ours":
         argv = [sys.executable, "-m", "sessionkv_proxy", "--host", "127.0.0.1",
@@ -102,44 +91,31 @@ def router_argv(kind: str, port: int, decode: list[Backend], ports: PortPool,
                 spec = f"url={b.url},events={b.events},replay={b.replay}" + (
                     f",early={b.early}" if b.early else "") if b.events else b.url
                 argv += [flag, spec]
-        return argv
-    if kind == "toy":
+        return argv, port
+    if kind in ("toy", "toy-pd"):
         return [str(SIDE_PY), str(BENCH_DIR / "toy_proxy.py"), "--port", str(port),
-                *_pd_flags(prefill, urls)]
+                *_pd_flags(prefill, urls)], port
+    if kind == "conv":
+        return [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port", str(port),
+                *_pd_flags(prefill, urls)], port
     # vllm-router serves Prometheus on its own port (default 29000): keep it in range.
     common = [str(VLLM_ROUTER), "--host", "127.0.0.1", "--port", str(port),
               "--prometheus-port", str(ports.take())]
     if kind.startswith("vr:"):
-        return common + ["--policy", kind[3:], "--worker-urls", *urls]
+        return common + ["--policy", kind[3:], "--worker-urls", *urls], port
     if kind == "vr-pd" or kind.startswith("vr-pd:"):
         # vr-pd:<policy> picks vllm-router's policy (round_robin by default).
         policy = kind.split(":", 1)[1] if ":" in kind else "round_robin"
         return common + ["--vllm-pd-disaggregation", "--policy", policy,
-                         "--kv-connector", "nixl", *_pd_flags(prefill, urls)]
+                         "--kv-connector", "nixl", *_pd_flags(prefill, urls)], port
     raise ValueError(kind)
 
 
 def _pd_flags(prefill, decode_urls: list[str]) -> list[str]:
-    """``--prefill URL ... --decode URL ...``: the toy proxy's and vllm-router's P/D flags."""
+    """``--prefill URL ... --decode URL ...``: the P/D flags of the toy proxy, the
+    conversation proxy and vllm-router."""
     return [*(x for b in prefill or [] for x in ("--prefill", b.url)),
             *(x for url in decode_urls for x in ("--decode", url))]
-
-
-def start_routers(specs: list[tuple[str, str, list[Backend], list[Backend] | None]],
-                  ports: PortPool, log_dir: Path, procs: list) -> dict[str, RouterProc]:
-    """Start (arm, kind, decode, prefill) routers, wait until each /health is 200."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
-    out: dict[str, RouterProc] = {}
-    for arm, kind, decode, prefill in specs:
-        port = ports.take()
-        argv = router_argv(kind, port, decode, ports, prefill)
-        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", arm)
-        proc = start_process(name, argv, log_dir, env=dict(os.environ))
-        procs.append(proc)
-        out[arm] = RouterProc(arm, f"http://127.0.0.1:{port}", proc, argv)
-    wait_healthy([(r.proc, r.url) for r in out.values()], timeout_s=120)
-    return out
 
 
 @dataclass(frozen=True)
@@ -147,7 +123,7 @@ class Arm:
     key: str          # short id used in files and plots
     label: str        # the table's name
     cluster: str      # coloc | stock | bidi | nopull | ours
-    router: str       # router_argv kind, "conv" (conversation proxy), "cluster" (ours)
+    router: str       # router_argv kind, "cluster" (the cluster's proxy of ours), "cluster-pd"
 
 
 ARMS = [
@@ -306,15 +282,6 @@ class Running:
     commands: dict[str, str] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)      # arm key -> its router's pid
 
-    def add_routers(self, routers: dict) -> None:
-        """Routers ``start_routers`` started, by arm key; ours is also the admin."""
-        for key, r in routers.items():
-            self.routers[key] = r.url
-            self.commands[key] = " ".join(r.argv)
-            self.pids[key] = r.pid
-            if ARM_BY_KEY[key].router == "ours":
-                self.admin = r.url
-
     def stop(self) -> None:
         from vllm_sessionkv.dev.launch import stop_all
 
@@ -325,41 +292,58 @@ class Running:
 
 def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
                   log_dir: Path) -> Running:
-    from vllm_sessionkv.dev.launch import (ClusterSpec, EngineSpec, Host, LocalCluster,
-                                           start_engine, wait_healthy)
-
+    """Cluster ``name``'s engines (none where ``opts.external`` names it: they run
+    elsewhere) and the router of each of ``arms``; all stopped again when one fails."""
     t0 = time.perf_counter()
-    if name in opts.external:
-        return _start_external(name, arms, opts, ports, log_dir)
-    if name in ("coloc", "pcoloc"):
-        blocks = opts.coloc_blocks if name == "coloc" else \
-            (opts.p_blocks + opts.pressure["d_blocks"]) // 2
-        run = Running(name, [])
-        backends = []
-        try:
-            for i in range(2):
-                base = ports.take(3)
-                spec = EngineSpec(role="colocated", model=opts.model, port=base,
-                                  kv_events_port=base + 1, kv_events_replay_port=base + 2,
-                                  block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
-                                  kv_cache_space_gb=opts.kv_cache_gb,
-                                  num_gpu_blocks_override=blocks,
-                                  extra_args=list(opts.extra_args),
-                                  extra_env=dict(opts.engine_env[i]) if opts.engine_env else {},
-                                  gpus=opts.gpus[i % len(opts.gpus)] if opts.gpus else None)
-                run.procs.append(start_engine(spec, f"{name}{i}", log_dir))
-                run.engines.append(("coloc", spec.url))
-                backends.append(Backend(spec.url, spec.kv_events_endpoint,
-                                        spec.kv_events_replay_endpoint))
-            wait_healthy([(p, u) for p, (_, u) in zip(run.procs, run.engines)], timeout_s=900)
-            specs = [(a.key, a.router, backends, None) for a in arms]
-            run.add_routers(start_routers(specs, ports, log_dir, run.procs))
-        except BaseException:
-            run.stop()
-            raise
-        log(f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
-        return run
+    run = Running(name, [])
+    try:
+        if name in opts.external:
+            _start_external(run, arms, opts, ports, log_dir)
+        elif name in ("coloc", "pcoloc"):
+            _start_coloc(run, arms, opts, ports, log_dir)
+        else:
+            _start_pd(run, arms, opts, ports, log_dir)
+    except BaseException:
+        run.stop()
+        raise
+    log(f"cluster {name}: external engines {run.engines}" if name in opts.external
+        else f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
+    return run
 
+
+def _start_coloc(run: Running, arms: list[Arm], opts: EngineOptions, ports: PortPool,
+                 log_dir: Path) -> None:
+    """Two co-located engines, then each arm's router over both."""
+    from vllm_sessionkv.dev.launch import EngineSpec, start_engine, wait_healthy
+
+    name = run.name
+    blocks = opts.coloc_blocks if name == "coloc" else \
+        (opts.p_blocks + opts.pressure["d_blocks"]) // 2
+    backends = []
+    for i in range(2):
+        base = ports.take(3)
+        spec = EngineSpec(role="colocated", model=opts.model, port=base,
+                          kv_events_port=base + 1, kv_events_replay_port=base + 2,
+                          block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
+                          kv_cache_space_gb=opts.kv_cache_gb,
+                          num_gpu_blocks_override=blocks,
+                          extra_args=list(opts.extra_args),
+                          extra_env=dict(opts.engine_env[i]) if opts.engine_env else {},
+                          gpus=opts.gpus[i % len(opts.gpus)] if opts.gpus else None)
+        run.procs.append(start_engine(spec, f"{name}{i}", log_dir))
+        run.engines.append(("coloc", spec.url))
+        backends.append(Backend(spec.url, spec.kv_events_endpoint,
+                                spec.kv_events_replay_endpoint))
+    wait_healthy([(p, u) for p, (_, u) in zip(run.procs, run.engines)], timeout_s=900)
+    _serve(run, {a.key: router_argv(a.router, backends, ports) for a in arms}, log_dir)
+
+
+def _start_pd(run: Running, arms: list[Arm], opts: EngineOptions, ports: PortPool,
+              log_dir: Path) -> None:
+    """1 P + 1 D (a ``LocalCluster``; ours with its proxy and Redis), then the routers."""
+    from vllm_sessionkv.dev.launch import ClusterSpec, Host, LocalCluster
+
+    name = run.name
     # Ours with Redis: D publishes each session's handle there, the only way the proxy
     # learns it when the client streams (a streamed answer carries no handle back).
     # Without it P never has D's blocks to pull, and no D->P pull can happen.
@@ -386,7 +370,7 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         spec_kw.update(sessionkv={**opts.ours_sessionkv, **tiers})
     else:
         spec_kw.update(sessionkv=dict(opts.ours_sessionkv))
-    cluster = LocalCluster(ClusterSpec(
+    run.cluster = cluster = LocalCluster(ClusterSpec(
         model=opts.model, prefill=1, decode=1, base_port=ports.take(12),
         block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
         kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=d_blocks,
@@ -395,102 +379,72 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
         fail_fast=True, placement={proc: Host(env=env) for proc, env in
                                    zip(("prefill0", "decode0"), cluster_engine_env(name, opts))},
         **spec_kw))
-    run = Running(name, [], cluster=cluster)
-    try:
-        cluster.start(timeout_s=900)
-        p_url, d_url = cluster.prefill[0].url, cluster.decode[0].url
-        run.engines = [("P", p_url), ("D", d_url)]
-        if cluster.proxy_url:
-            run.admin = cluster.proxy_url
-        for a in arms:
-            if a.router == "cluster":
-                run.routers[a.key] = cluster.proxy_url
-                run.commands[a.key] = " ".join(cluster.procs[-1].popen.args)
-                run.pids[a.key] = cluster.procs[-1].pid
-            elif a.router == "cluster-pd":
-                _start_forced_pd_proxy(run, a.key, list(cluster.procs[-1].popen.args),
-                                       ports, log_dir)
-            elif a.router == "conv":
-                _start_conversation_proxy(run, a.key, p_url, d_url, ports, log_dir)
-            else:
-                kind = "toy" if a.router == "toy-pd" else a.router
-                run.add_routers(start_routers(
-                    [(a.key, kind, [Backend(d_url)], [Backend(p_url)])],
-                    ports, log_dir, run.procs))
-    except BaseException:
-        run.stop()
-        raise
-    log(f"cluster {name} healthy after {time.perf_counter() - t0:.0f}s")
-    return run
+    cluster.start(timeout_s=900)
+    p, d = Backend(cluster.prefill[0].url), Backend(cluster.decode[0].url)
+    run.engines = [("P", p.url), ("D", d.url)]
+    if cluster.proxy_url:
+        run.admin = cluster.proxy_url
+    routers = {}
+    for a in arms:
+        if a.router == "cluster":
+            run.routers[a.key] = cluster.proxy_url
+            run.commands[a.key] = " ".join(cluster.procs[-1].popen.args)
+            run.pids[a.key] = cluster.procs[-1].pid
+        elif a.router == "cluster-pd":
+            # Arm 7-ours-pd: the cluster's proxy command (same engines, events, early
+            # decode, handle channels and Redis) on another port, every turn P then D.
+            port = ports.take()
+            argv = list(cluster.procs[-1].popen.args)
+            argv[argv.index("--port") + 1] = str(port)
+            routers[a.key] = argv + ["--decode-only-max-uncached-tokens", "-1"], port
+            run.more_admins.append(f"http://127.0.0.1:{port}")
+        else:
+            routers[a.key] = router_argv(a.router, [d], ports, [p])
+    _serve(run, routers, log_dir)
 
 
-def _serve(run: Running, key: str, argv: list[str], port: int, log_dir: Path) -> None:
-    """Start arm ``key``'s router (``argv``, on ``port``), wait for its /health, record it."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
-    proc = start_process(re.sub(r"[^A-Za-z0-9_.-]+", "_", key), argv, log_dir)
-    run.procs.append(proc)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy([(proc, url)], timeout_s=120)
-    run.routers[key], run.commands[key], run.pids[key] = url, " ".join(argv), proc.pid
-
-
-def _start_forced_pd_proxy(run: Running, key: str, cluster_argv: list[str],
-                           ports: PortPool, log_dir: Path) -> None:
-    """Arm 7-ours-pd: the cluster's proxy command (same engines, events, early decode,
-    handle channels and Redis) on another port, with every turn sent P then D."""
-    port = ports.take()
-    argv = list(cluster_argv)
-    argv[argv.index("--port") + 1] = str(port)
-    _serve(run, key, argv + ["--decode-only-max-uncached-tokens", "-1"], port, log_dir)
-    run.more_admins.append(run.routers[key])
-
-
-def _start_conversation_proxy(run: Running, key: str, p_url: str, d_url: str,
-                              ports: PortPool, log_dir: Path) -> None:
-    """Arm 4's conversation-keyed proxy (benchmarks/conversation_proxy.py) over P and D."""
-    port = ports.take()
-    _serve(run, key, [sys.executable, str(BENCH_DIR / "conversation_proxy.py"), "--port",
-                      str(port), "--prefill", p_url, "--decode", d_url], port, log_dir)
-
-
-def _start_external(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPool,
-                    log_dir: Path) -> Running:
+def _start_external(run: Running, arms: list[Arm], opts: EngineOptions, ports: PortPool,
+                    log_dir: Path) -> None:
     """Routers only, over engines that run elsewhere (GPU servers, a real model)."""
-    ext = opts.external[name]
+    ext = opts.external[run.name]
 
     def backend(e: ExternalEngine) -> Backend:
         return Backend(e.url, e.events, e.replay, e.early)
 
-    run = Running(name, [])
-    try:
-        if name == "coloc":
-            run.engines = [("coloc", e.url) for e in ext.engines]
-            specs = [(a.key, a.router, [backend(e) for e in ext.engines], None) for a in arms]
-        else:
-            assert ext.prefill is not None and ext.decode is not None
-            run.engines = [("P", ext.prefill.url), ("D", ext.decode.url)]
-            specs = []
-            for a in arms:
-                if a.router == "cluster":
-                    port = ports.take()
-                    argv = router_argv("ours", port, [backend(ext.decode)], ports,
-                                       [backend(ext.prefill)])
-                    _serve(run, a.key, argv + ["--policy", "cost", "--tokenizer", opts.model] + (
-                        ["--redis-url", ext.redis_url] if ext.redis_url else []), port, log_dir)
-                    run.admin = run.routers[a.key]
-                elif a.router == "conv":
-                    _start_conversation_proxy(run, a.key, ext.prefill.url, ext.decode.url,
-                                              ports, log_dir)
-                else:
-                    kind = "toy" if a.router == "toy-pd" else a.router
-                    specs.append((a.key, kind, [backend(ext.decode)], [backend(ext.prefill)]))
-        run.add_routers(start_routers(specs, ports, log_dir, run.procs))
-    except BaseException:
-        run.stop()
-        raise
-    log(f"cluster {name}: external engines {run.engines}")
-    return run
+    if run.name == "coloc":
+        run.engines = [("coloc", e.url) for e in ext.engines]
+        backends = [backend(e) for e in ext.engines]
+        _serve(run, {a.key: router_argv(a.router, backends, ports) for a in arms}, log_dir)
+        return
+    assert ext.prefill is not None and ext.decode is not None
+    run.engines = [("P", ext.prefill.url), ("D", ext.decode.url)]
+    routers = {}
+    for a in arms:
+        argv, port = routers[a.key] = router_argv("ours" if a.router == "cluster" else a.router,
+                                                  [backend(ext.decode)], ports,
+                                                  [backend(ext.prefill)])
+        if a.router == "cluster":   # our proxy, started here: the engines' model and Redis
+            argv += ["--policy", "cost", "--tokenizer", opts.model] + (
+                ["--redis-url", ext.redis_url] if ext.redis_url else [])
+    _serve(run, routers, log_dir)
+
+
+def _serve(run: Running, routers: dict[str, tuple[list[str], int]], log_dir: Path) -> None:
+    """Start each arm's router (its command line and port), wait until every /health
+    is 200, and record them in ``run``; a proxy of ours is also the cluster's admin."""
+    from vllm_sessionkv.dev.launch import start_process, wait_healthy
+
+    started = []
+    for key, (argv, port) in routers.items():
+        proc = start_process(re.sub(r"[^A-Za-z0-9_.-]+", "_", key), argv, log_dir,
+                             env=dict(os.environ))
+        run.procs.append(proc)
+        started.append((key, f"http://127.0.0.1:{port}", proc, argv))
+    wait_healthy([(proc, url) for _, url, proc, _ in started], timeout_s=120)
+    for key, url, proc, argv in started:
+        run.routers[key], run.commands[key], run.pids[key] = url, " ".join(argv), proc.pid
+        if ARM_BY_KEY[key].router in ("ours", "cluster"):
+            run.admin = url
 
 
 def reset(run: Running) -> str:
@@ -543,7 +497,7 @@ def warm_up(run: Running, model: str) -> dict[str, str]:
                     "max_tokens": 4, "temperature": 0, "ignore_eos": True}
             try:
                 resp = requests.post(url + "/v1/completions", json=body,
-                                     headers={"X-Session-ID": f"warm-{key}-{n}"}, timeout=600)
+                                     headers={SESSION_HEADER: f"warm-{key}-{n}"}, timeout=600)
                 ok, why = resp.status_code == 200, f"{resp.status_code} {resp.text[:300]}"
             except requests.RequestException as exc:
                 ok, why = False, repr(exc)[:300]
