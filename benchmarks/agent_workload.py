@@ -184,7 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--run-cap-s", type=float)
     p.add_argument("--external", metavar="JSON", help="engines already running")
-    p.add_argument("--out-dir", default=str(REPO / "docs" / "benchmarks"))
+    p.add_argument("--out-dir", default=str(report.OUT_DIR))
     p.add_argument("--log-dir")
     p.add_argument("--render-only", metavar="JSON", help="write an earlier run's report")
     args = p.parse_args(argv)

@@ -44,7 +44,6 @@ from sessionkv_bench.metrics import metric_sums
 from sessionkv_bench.runner import PortPool, env_for_bench, interleaved, log
 from sessionkv_bench.arms import CORES_HELP
 
-OUT_DIR = report.REPO / "docs" / "benchmarks"
 PATH_FLAGS = {"--tokenizer": "TOKENIZER_DIR", "--out-dir": "OUT_DIR", "--render-only": "JSON",
               "--model-dir": "MODEL_DIR"}
 HITS = ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
@@ -78,7 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--itl-slo-ms", type=float, default=200.0)
     p.add_argument("--base-port", type=int, default=0)
-    p.add_argument("--out-dir", default=str(OUT_DIR))
+    p.add_argument("--out-dir", default=str(report.OUT_DIR))
     p.add_argument("--render-only", metavar="JSON")
     args = p.parse_args(argv)
     if args.quick:

@@ -37,7 +37,6 @@ from sessionkv_bench.stats import pct
 
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 
-OUT_DIR = report.REPO / "docs" / "benchmarks"
 PLAIN = "plain"
 SPACINGS = ("back_to_back", "settled")
 # vLLM's own request timings: e2e from the API server's arrival to the last token,
@@ -57,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=1.5)
     p.add_argument("--base-port", type=int, default=0)
     p.add_argument("--cores", default="auto", help="the launcher's --cores (P,D,plain)")
-    p.add_argument("--out-dir", default=str(OUT_DIR))
+    p.add_argument("--out-dir", default=str(report.OUT_DIR))
     return p.parse_args(argv)
 
 

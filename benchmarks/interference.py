@@ -214,7 +214,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="HF model directory (default: generate the bench model)")
     p.add_argument("--tiny-model", action="store_true", help="generate the tests' tiny model")
     p.add_argument("--allow-diff", action="append", default=[], metavar="KEY")
-    p.add_argument("--out-dir", default=str(report.REPO / "docs" / "benchmarks"))
+    p.add_argument("--out-dir", default=str(report.OUT_DIR))
     p.add_argument("--log-dir", help="engine, proxy and aiperf logs (default: a temp dir)")
     for name, default in {**FLAGS, **FULL}.items():   # FULL's: --quick's when not given
         p.add_argument("--" + name.replace("_", "-"), type=type(default),

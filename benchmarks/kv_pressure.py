@@ -401,7 +401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", help="the engines' --dtype")
     # Below Linux's ephemeral range (32768+), where vLLM's and gloo's own listeners land.
     p.add_argument("--base-port", type=int, default=29000)
-    p.add_argument("--out-dir", type=Path, default=report.REPO / "docs" / "benchmarks")
+    p.add_argument("--out-dir", type=Path, default=report.OUT_DIR)
     p.add_argument("--log-dir", type=Path, help="engine and proxy logs (default: a temp dir)")
     p.add_argument("--no-report", action="store_true", help="print only, write nothing")
     args = p.parse_args(argv)

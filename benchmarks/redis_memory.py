@@ -45,7 +45,6 @@ from vllm_sessionkv.wire.hashing import encode_chain
 from vllm_sessionkv.wire.protocol import encode_handle, handle_from_params
 from vllm_sessionkv.wire.redis_keys import RedisKeys
 
-OUT_DIR = report.REPO / "docs" / "benchmarks"
 P_URL, D_URL = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
 NAMESPACE = "sessionkv"
 
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(result, meta)
     print(text)
     if not args.no_report and not args.quick:
-        report.write(OUT_DIR, "redis_memory", {"meta": meta, "result": result}, text)
+        report.write(report.OUT_DIR, "redis_memory", {"meta": meta, "result": result}, text)
     return 0
 
 

@@ -270,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--base-port", type=int, default=0, help="0: any free ports")
     p.add_argument("--quick", action="store_true", help="8 sessions x 8 turns, 2 s apart, "
                    "the schedule at 0.5x; a 6-session x 3-turn pressure phase")
-    p.add_argument("--out-dir", type=Path, default=report.REPO / "docs" / "benchmarks")
+    p.add_argument("--out-dir", type=Path, default=report.OUT_DIR)
     p.add_argument("--no-report", action="store_true", help="print only; write no report")
     args = p.parse_args(argv)
     if args.quick:

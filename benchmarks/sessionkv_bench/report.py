@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+OUT_DIR = REPO / "docs" / "benchmarks"   # where the committed reports live
 # The code a run loads: a change there, uncommitted, is named in the report.
 MEASURED = ("vllm_sessionkv", "proxy", "benchmarks")
 
