@@ -70,22 +70,18 @@ def create_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
 
     async def prefill(client: httpx.AsyncClient, endpoint: str, req_data: dict,
                       request_id: str) -> dict:
-        p_data = dict(req_data)
-        p_data["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
-        p_data["stream"] = False
-        p_data["max_tokens"] = 1
+        p_data = dict(req_data, kv_transfer_params=dict(PREFILL_KV_PARAMS), stream=False,
+                      max_tokens=1)
         if "max_completion_tokens" in p_data:
             p_data["max_completion_tokens"] = 1
-        p_data.pop("stream_options", None)
-        # Not supported on P (upstream drops them for P and keeps them for D).
-        p_data.pop("min_tokens", None)
-        p_data.pop("min_completion_tokens", None)
+        # P answers one token, unstreamed; min tokens are not supported on P (upstream
+        # drops them for P and keeps them for D).
+        for key in ("stream_options", "min_tokens", "min_completion_tokens"):
+            p_data.pop(key, None)
+        # post() reads the whole answer (upstream's aread() and aclose() are no-ops here).
         response = await client.post(endpoint, json=p_data, headers=_headers(request_id))
         response.raise_for_status()
-        await response.aread()
-        out = response.json()
-        await response.aclose()
-        return out
+        return response.json()
 
     async def stream_from(client: httpx.AsyncClient, endpoint: str, req_data: dict,
                           request_id: str):

@@ -15,6 +15,7 @@ side venv ``benchmarks/.venv-router``.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import subprocess
@@ -24,10 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+import requests
 
 from sessionkv_bench.metrics import delta
 from sessionkv_bench.metrics import engine_counters as counters
 from sessionkv_bench.runner import BENCH_DIR, PortPool, log
+
+from vllm_sessionkv.dev.launch import (ClusterSpec, EngineSpec, Host, LocalCluster, start_engine,
+                                       start_process, stop_all, wait_healthy)
 
 SIDE_VENV = BENCH_DIR / ".venv-router"
 SIDE_PY = SIDE_VENV / "bin" / "python"
@@ -66,12 +71,15 @@ def call_in_side_venv(module: str, func: str, *args: str) -> str | None:
     return out.stderr[-1500:] if out.returncode else None
 
 
-@dataclass
-class Backend:
+class Backend(msgspec.Struct, forbid_unknown_fields=True):
+    """One engine as a router is given it: its URL and, for our proxy, its KV-event
+    publisher and replay endpoints and D's early-decode inbox (tcp://HOST:PORT each).
+    Also an engine of an ``--external`` file (``ExternalCluster``)."""
+
     url: str
-    events: str | None = None     # tcp://127.0.0.1:PORT, the engine's KV-event publisher
+    events: str | None = None
     replay: str | None = None
-    early: str | None = None      # tcp://HOST:PORT, D's early-decode inbox (our proxy)
+    early: str | None = None
 
 
 def router_argv(kind: str, decode: list[Backend], ports: PortPool,
@@ -196,14 +204,9 @@ def engine_cores_env(cores: str, gpus: str | None) -> list[dict[str, str]]:
     """``EngineOptions.engine_env`` for ``--cores`` (``CORES_HELP``).  With the
     launcher's one reserved CPU, vLLM's auto binding puts every engine's model thread
     on core 0 of a 2-core machine, so two engines of an arm compute on one core."""
-    if gpus or cores == "vllm":
+    if gpus or cores == "vllm" or (cores == "auto" and (os.cpu_count() or 1) < 2):
         return []
-    if cores == "auto":
-        if (os.cpu_count() or 1) < 2:
-            return []
-        bind = ["0", "1"]
-    else:
-        bind = cores.split(",")
+    bind = ["0", "1"] if cores == "auto" else cores.split(",")
     return [{"VLLM_CPU_OMP_THREADS_BIND": c} for c in bind]
 
 
@@ -217,28 +220,13 @@ def engine_cores_env(cores: str, gpus: str | None) -> list[dict[str, str]]:
 STOCK_NIXL_CLUSTERS = ("stock", "bidi")
 
 
-def cluster_engine_env(cluster: str, opts: EngineOptions) -> list[dict[str, str]]:
-    """The per-engine environment a cluster starts with: ``opts.engine_env``, except for
-    the stock NIXL clusters (``STOCK_NIXL_CLUSTERS``), which keep vLLM's binding."""
-    return [] if cluster in STOCK_NIXL_CLUSTERS else opts.engine_env
-
-
-class ExternalEngine(msgspec.Struct, forbid_unknown_fields=True):
-    """One engine started outside the bench: its URL and, for our proxy's arms, its
-    KV-event publisher and replay endpoints (and D's early-decode endpoint)."""
-
-    url: str
-    events: str | None = None
-    replay: str | None = None
-    early: str | None = None
-
-
 class ExternalCluster(msgspec.Struct, forbid_unknown_fields=True):
-    """``coloc``: two engines; the P/D clusters: one prefill and one decode engine."""
+    """Engines started outside the bench.  ``coloc``: two engines; the P/D clusters: one
+    prefill and one decode engine (for our proxy's arms, with events and replay)."""
 
-    engines: list[ExternalEngine] = []
-    prefill: ExternalEngine | None = None
-    decode: ExternalEngine | None = None
+    engines: list[Backend] = []
+    prefill: Backend | None = None
+    decode: Backend | None = None
     # ours/nopull: the Redis the engines publish session handles to (their
     # ``redis_url``); without it a streamed answer's handle never reaches the proxy.
     redis_url: str | None = None
@@ -283,8 +271,6 @@ class Running:
     pids: dict[str, int] = field(default_factory=dict)      # arm key -> its router's pid
 
     def stop(self) -> None:
-        from vllm_sessionkv.dev.launch import stop_all
-
         stop_all(list(reversed(self.procs)))
         if self.cluster is not None:
             self.cluster.stop()
@@ -314,8 +300,6 @@ def start_cluster(name: str, arms: list[Arm], opts: EngineOptions, ports: PortPo
 def _start_coloc(run: Running, arms: list[Arm], opts: EngineOptions, ports: PortPool,
                  log_dir: Path) -> None:
     """Two co-located engines, then each arm's router over both."""
-    from vllm_sessionkv.dev.launch import EngineSpec, start_engine, wait_healthy
-
     name = run.name
     blocks = opts.coloc_blocks if name == "coloc" else \
         (opts.p_blocks + opts.pressure["d_blocks"]) // 2
@@ -341,8 +325,6 @@ def _start_coloc(run: Running, arms: list[Arm], opts: EngineOptions, ports: Port
 def _start_pd(run: Running, arms: list[Arm], opts: EngineOptions, ports: PortPool,
               log_dir: Path) -> None:
     """1 P + 1 D (a ``LocalCluster``; ours with its proxy and Redis), then the routers."""
-    from vllm_sessionkv.dev.launch import ClusterSpec, Host, LocalCluster
-
     name = run.name
     # Ours with Redis: D publishes each session's handle there, the only way the proxy
     # learns it when the client streams (a streamed answer carries no handle back).
@@ -376,8 +358,8 @@ def _start_pd(run: Running, arms: list[Arm], opts: EngineOptions, ports: PortPoo
         kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=d_blocks,
         prefill_num_gpu_blocks_override=opts.p_blocks,
         engine_extra_args=list(opts.extra_args), gpus=opts.gpus, log_dir=log_dir / name,
-        fail_fast=True, placement={proc: Host(env=env) for proc, env in
-                                   zip(("prefill0", "decode0"), cluster_engine_env(name, opts))},
+        fail_fast=True, placement={proc: Host(env=env) for proc, env in zip(
+            ("prefill0", "decode0"), [] if name in STOCK_NIXL_CLUSTERS else opts.engine_env)},
         **spec_kw))
     cluster.start(timeout_s=900)
     p, d = Backend(cluster.prefill[0].url), Backend(cluster.decode[0].url)
@@ -407,22 +389,16 @@ def _start_external(run: Running, arms: list[Arm], opts: EngineOptions, ports: P
                     log_dir: Path) -> None:
     """Routers only, over engines that run elsewhere (GPU servers, a real model)."""
     ext = opts.external[run.name]
-
-    def backend(e: ExternalEngine) -> Backend:
-        return Backend(e.url, e.events, e.replay, e.early)
-
     if run.name == "coloc":
         run.engines = [("coloc", e.url) for e in ext.engines]
-        backends = [backend(e) for e in ext.engines]
-        _serve(run, {a.key: router_argv(a.router, backends, ports) for a in arms}, log_dir)
+        _serve(run, {a.key: router_argv(a.router, ext.engines, ports) for a in arms}, log_dir)
         return
     assert ext.prefill is not None and ext.decode is not None
     run.engines = [("P", ext.prefill.url), ("D", ext.decode.url)]
     routers = {}
     for a in arms:
         argv, port = routers[a.key] = router_argv("ours" if a.router == "cluster" else a.router,
-                                                  [backend(ext.decode)], ports,
-                                                  [backend(ext.prefill)])
+                                                  [ext.decode], ports, [ext.prefill])
         if a.router == "cluster":   # our proxy, started here: the engines' model and Redis
             argv += ["--policy", "cost", "--tokenizer", opts.model] + (
                 ["--redis-url", ext.redis_url] if ext.redis_url else [])
@@ -432,8 +408,6 @@ def _start_external(run: Running, arms: list[Arm], opts: EngineOptions, ports: P
 def _serve(run: Running, routers: dict[str, tuple[list[str], int]], log_dir: Path) -> None:
     """Start each arm's router (its command line and port), wait until every /health
     is 200, and record them in ``run``; a proxy of ours is also the cluster's admin."""
-    from vllm_sessionkv.dev.launch import start_process, wait_healthy
-
     started = []
     for key, (argv, port) in routers.items():
         proc = start_process(re.sub(r"[^A-Za-z0-9_.-]+", "_", key), argv, log_dir,
@@ -451,18 +425,15 @@ def reset(run: Running) -> str:
     """Empty every cache of the cluster (our proxy's sessions too); returns a note
     when an engine refused (stock bidirectional D keeps a conversation's last blocks
     until its TTL, and they cannot be freed)."""
-    import requests
-
     for admin in run.more_admins:   # their own sessions; the engines are reset below
         requests.post(admin + "/admin/reset", params={"timeout_s": "30"}, timeout=60)
+    note = ""
     if run.admin:
         resp = requests.post(run.admin + "/admin/reset", params={"timeout_s": "30"},
                              timeout=60)
         if resp.status_code == 200:
             return ""
         note = f"admin reset answered {resp.status_code}: {resp.text[:200]}"
-    else:
-        note = ""
     for _, url in run.engines:
         # 5 s: blocks a finished run's transfers held are free by then; stock
         # bidirectional D's are not before their TTL, however long this waits.
@@ -485,10 +456,6 @@ def warm_up(run: Running, model: str) -> dict[str, str]:
     """First requests of a fresh engine pay compilation and NIXL wiring: a few short
     requests through every router of the cluster.  A router that cannot serve them is
     dropped from ``run.routers``; returns arm key -> why."""
-    import random
-
-    import requests
-
     rng = random.Random(7)
     failed: dict[str, str] = {}
     for key, url in list(run.routers.items()):
@@ -511,10 +478,6 @@ def warm_up(run: Running, model: str) -> dict[str, str]:
 def prefill_seconds_per_1k(url: str, model: str, n_tokens: int = 2000, reps: int = 3) -> dict:
     """Prefill time of ``n_tokens`` distinct tokens on one engine (``max_tokens=1``),
     from the engine's own prefill-time histogram and from the client."""
-    import random
-
-    import requests
-
     rng = random.Random(11)
     before = counters(url, ("vllm:request_prefill",))
     t0 = time.perf_counter()

@@ -78,9 +78,7 @@ def engine_counters(url: str, prefixes: tuple[str, ...] = ("sessionkv_", "vllm:n
             _, _, name, kind = line.split(" ", 3)
             types[name] = kind.strip()
             continue
-        if not line or line.startswith("#"):
-            continue
-        if not line.startswith(prefixes):
+        if not line.startswith(prefixes):   # comments and blank lines too
             continue
         head, _, value = line.rpartition(" ")
         name, _, labels = head.partition("{")
