@@ -39,10 +39,14 @@ import tempfile
 from pathlib import Path
 
 from sessionkv_bench import aiperf, report
+from sessionkv_bench import arms as armlib
 from sessionkv_bench.sweep import run_name, split_run
 from sessionkv_bench.metrics import metric_sums
 from sessionkv_bench.runner import PortPool, env_for_bench, interleaved, log
 from sessionkv_bench.arms import CORES_HELP
+
+from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
 PATH_FLAGS = {"--tokenizer": "TOKENIZER_DIR", "--out-dir": "OUT_DIR", "--render-only": "JSON",
               "--model-dir": "MODEL_DIR"}
@@ -152,14 +156,10 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
     """``--arms``: each cluster started in turn, its arms measured (``measure``) with
     every cache reset before each run; the router's CPU time and the engines' prefix
     hits read around it."""
-    from sessionkv_bench import arms as armlib
-
     if args.model_dir:
         model = args.model_dir
         meta["model"] = Path(model).name
     else:
-        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
-
         model = str(generate_tiny_model(work / "tiny-llama", seed=0))
         meta["model"] = "the tests' tiny Llama"
     keys = [k for k in args.arms.split(",") if k]
@@ -321,9 +321,6 @@ def main(argv: list[str] | None = None) -> int:
         elif args.arms:
             results = measure_arms(args, load, work, meta)
         else:   # the launcher's default cluster on the tiny model
-            from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
-            from vllm_sessionkv.dev.tiny_model import generate_tiny_model
-
             model = str(generate_tiny_model(work / "tiny-llama", seed=0))
             with LocalCluster(ClusterSpec(model=model, served_model_name="tiny", colocated=True,
                                           redis=True, base_port=args.base_port,

@@ -92,8 +92,8 @@ def compare_runs(old: dict, new: dict, arms: tuple[str, ...] = OUR_ARMS
         steps_a = (a or {}).get("step_detail", {})
         steps_b = (b or {}).get("step_detail", {})
         rows, n_diff = [], 0
-        n_steps = len(set(steps_a) | set(steps_b))
-        for step in sorted(set(steps_a) | set(steps_b), key=_step_order):
+        all_steps = sorted(set(steps_a) | set(steps_b), key=_step_order)
+        for step in all_steps:
             da = step_decision(steps_a[step]) if step in steps_a else None
             db = step_decision(steps_b[step]) if step in steps_b else None
             same = da == db
@@ -107,10 +107,10 @@ def compare_runs(old: dict, new: dict, arms: tuple[str, ...] = OUR_ARMS
                 changed = [k for k in sorted(set(da) | set(db)) if da.get(k) != db.get(k)]
                 rows.append(f"     {'':<14} differs in: " + ", ".join(
                     f"{k}: {da.get(k)!r} -> {db.get(k)!r}" for k in changed))
-        compared += n_steps
+        compared += len(all_steps)
         differ += n_diff
         missing = "" if a is not None and b is not None else " (arm missing in one run)"
-        lines.append(f"{regime} / {arm}: {n_diff} of {n_steps} steps differ{missing}")
+        lines.append(f"{regime} / {arm}: {n_diff} of {len(all_steps)} steps differ{missing}")
         lines.extend(rows)
     for probe, arm, a, b in _pairs(old, new, "probes", arms):
         pa = [(s.get("step"), s.get("bytes"), s.get("computed")) for s in a or []]
@@ -118,10 +118,9 @@ def compare_runs(old: dict, new: dict, arms: tuple[str, ...] = OUR_ARMS
         n_diff = sum(x != y for x, y in zip(pa, pb)) + abs(len(pa) - len(pb))
         compared += max(len(pa), len(pb))
         differ += n_diff
-        lines.append(f"{probe} / {arm}: {n_diff} of {max(len(pa), len(pb))} probe steps "
-                     f"differ (bytes, computed per step)")
-        lines.append(f"     old: {[(b_, c) for _, b_, c in pa]}")
-        lines.append(f"     new: {[(b_, c) for _, b_, c in pb]}")
+        lines += [f"{probe} / {arm}: {n_diff} of {max(len(pa), len(pb))} probe steps differ "
+                  "(bytes, computed per step)", f"     old: {[(b_, c) for _, b_, c in pa]}",
+                  f"     new: {[(b_, c) for _, b_, c in pb]}"]
     return lines, compared, differ
 
 

@@ -30,12 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
+
 from sessionkv_bench import report
 from sessionkv_bench.client import completion_bodies, sse_chunks
 from sessionkv_bench.metrics import metric_sums
 from sessionkv_bench.stats import pct
 
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.real_model import SERVED_NAME
+from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
 PLAIN = "plain"
 SPACINGS = ("back_to_back", "settled")
@@ -71,8 +75,6 @@ async def _latency(session, url: str, body: dict) -> float:
 
 async def measure(urls: dict[str, str], model: str, args, spans: list[dict]) -> list[dict]:
     """The samples; ``spans`` gets each engine's ENGINE_TIMES over each spacing's block."""
-    import aiohttp
-
     names = list(urls)
     bodies = iter(completion_bodies(model, 100_000, args.prompt_len, args.max_tokens, 1))
     samples: list[dict] = []
@@ -100,24 +102,20 @@ async def measure(urls: dict[str, str], model: str, args, spans: list[dict]) -> 
 
 
 def summarize(samples: list[dict], names: list[str]) -> dict:
-    p50 = lambda rows: pct([r["latency_s"] for r in rows], 0.5)  # noqa: E731
+    def latencies(spacing: str, engine: str, rnd: int | None = None) -> list[float]:
+        return [r["latency_s"] for r in samples if (r["spacing"], r["engine"]) == (spacing, engine)
+                and rnd in (None, r["round"])]
 
     out: dict = {}
     for spacing in SPACINGS:
-        rows = [r for r in samples if r["spacing"] == spacing]
-        base = p50([r for r in rows if r["engine"] == PLAIN])
-        rounds = sorted({r["round"] for r in rows})
-        fig = {}
-        for name in names:
-            mine = [r for r in rows if r["engine"] == name]
-            per_round = [p50([r for r in mine if r["round"] == k]) /
-                         p50([r for r in rows if r["engine"] == PLAIN and r["round"] == k])
-                         for k in rounds]
-            fig[name] = {"p50_ratio": p50(mine) / base, "p99_ratio": pct(
-                [r["latency_s"] for r in mine], 0.99) / pct(
-                [r["latency_s"] for r in rows if r["engine"] == PLAIN], 0.99),
-                "rounds": [round(x, 2) for x in per_round], "n": len(mine)}
-        out[spacing] = fig
+        rounds = sorted({r["round"] for r in samples if r["spacing"] == spacing})
+        plain = latencies(spacing, PLAIN)
+        out[spacing] = {name: {
+            "p50_ratio": pct(latencies(spacing, name), 0.5) / pct(plain, 0.5),
+            "p99_ratio": pct(latencies(spacing, name), 0.99) / pct(plain, 0.99),
+            "rounds": [round(pct(latencies(spacing, name, k), 0.5)
+                             / pct(latencies(spacing, PLAIN, k), 0.5), 2) for k in rounds],
+            "n": len(latencies(spacing, name))} for name in names}
     return out
 
 
@@ -170,10 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "--model-dir": "MODEL_DIR"})
     tmp = Path(tempfile.mkdtemp(prefix="skv-engine-latency-"))
     if args.model_dir:
-        from vllm_sessionkv.dev.real_model import SERVED_NAME
         model, served = args.model_dir, SERVED_NAME
     else:
-        from vllm_sessionkv.dev.tiny_model import generate_tiny_model
         served = "sessionkv-tiny-model"
         model = str(generate_tiny_model(tmp / served))
     cluster = LocalCluster(ClusterSpec(model=model, served_model_name=served, colocated=True,

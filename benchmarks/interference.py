@@ -34,11 +34,15 @@ import tempfile
 import time
 from pathlib import Path
 
+import requests
+
 from sessionkv_bench import aiperf, report
 from sessionkv_bench import arms as armlib
 from sessionkv_bench.metrics import histogram_buckets, histogram_quantile, metric_sums
 from sessionkv_bench.runner import PortPool, log
 from sessionkv_bench.stats import pct
+
+from vllm_sessionkv.dev.tiny_model import BENCH_MODEL_SIZE, generate_tiny_model
 
 PORTS, UCX_PORTS = (32000, 32899), "32900-32999"   # this bench's own range
 FULL = {"max_num_batched_tokens": "256,1024", "rates": "0,0.5,1,1.5", "duration_s": 20.0,
@@ -232,8 +236,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def engine_configs(cluster: str, run: armlib.Running) -> dict[str, dict]:
     """Each engine's resolved config, flattened, by ``cluster/role<i>``."""
-    import requests
-
     out = {}
     for i, (role, url) in enumerate(run.engines):
         resp = requests.get(url + "/server_info", params={"config_format": "json"}, timeout=60)
@@ -372,17 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir) if args.log_dir else work / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log(f"logs in {log_dir}")
-    model = args.model
+    model, model_name = args.model, Path(args.model).name if args.model else ""
     if model is None:
-        from vllm_sessionkv.dev.tiny_model import BENCH_MODEL_SIZE, generate_tiny_model
-
         model = str(generate_tiny_model(work / "model", seed=0,
                                         **({} if args.tiny_model else BENCH_MODEL_SIZE)))
+        model_name = "the tests' tiny model" if args.tiny_model else "the bench model"
     meta = report.meta("interference.py", sys.argv[1:] if argv is None else argv, {
         "--model": "MODEL_DIR", "--out-dir": "OUT_DIR", "--log-dir": "LOG_DIR"}) | {
-        k: getattr(args, k) for k in [*FLAGS, *FULL]} | {"model": Path(model).name if args.model
-                                                        else "the tests' tiny model" if
-                                                        args.tiny_model else "the bench model"}
+        k: getattr(args, k) for k in [*FLAGS, *FULL]} | {"model": model_name}
     fair: dict = {"servers": {}, "config_diffs": [], "aiperf_inputs": {}}
     res: dict = {"meta": meta, "fairness": fair, "arms": {}, "notes": [], "failures": []}
     clusters = [(f"coloc-{n}", "coloc", ["--max-num-batched-tokens", n,

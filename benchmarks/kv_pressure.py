@@ -31,13 +31,19 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import version
 from pathlib import Path
+
+import requests
 
 from sessionkv_bench import report
 from sessionkv_bench.client import accounting
 from sessionkv_bench.metrics import counter_sum, counters_by_label, delta, engine_counters
 from sessionkv_bench.runner import interrupt_on_sigterm, log
 from sessionkv_bench.stats import pct
+
+from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
 FIRST_TOKEN_ID = 10          # below: the tiny model's special tokens
 ARMS = {"host-off": {}, "host-on": {"host_tier_bytes": 8 * 2**20}}
@@ -141,8 +147,6 @@ class Client:
         return time.monotonic() - self.t0
 
     def ask(self, url: str, prompt: str | list[int], logprobs: bool, sid: str = ""):
-        import requests
-
         body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         if logprobs:
@@ -153,8 +157,6 @@ class Client:
     def send(self, rec: Turn, sid: str, prompt: str | list[int]) -> dict | None:
         """``rec``: one turn through the proxy, checked against the reference; the
         proxy's choice (None when it failed)."""
-        import requests
-
         got, rec.started_s = None, self.now()
         try:
             resp = self.ask(self.proxy, prompt, self.proxy_logprobs, sid)
@@ -221,8 +223,6 @@ def poisoned_check(client: Client, last: dict[int, list[int]], engines: dict[str
                    ) -> dict:
     """Each session's last prompt straight to P and to D (no proxy, no
     ``kv_transfer_params``) against the reference's answer to it."""
-    import requests
-
     out: dict = {"checked": 0, "P": [], "D": [], "errors": []}
     for index, prompt in sorted(last.items()):
         try:
@@ -348,8 +348,6 @@ def render(data: dict) -> str:
 # =========================================================================== main
 def run_arm(arm: str, seed: int, args, model: str, vocab_size: int, log_dir: Path) -> dict:
     """One fresh cluster, the whole workload, the poisoned-cache check."""
-    from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
-
     shape: Shape = args.shape
     sessionkv = {**ARMS[arm], **args.sessionkv_config}
     if args.pull_guard != "default":
@@ -414,15 +412,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def tiny_model(workdir: Path) -> tuple[str, dict]:
     """The tests' tiny model, generated under ``workdir``, and its config."""
-    from vllm_sessionkv.dev.tiny_model import generate_tiny_model
-
     model = str(generate_tiny_model(workdir / "tiny-llama", seed=0))
     return model, json.loads((Path(model) / "config.json").read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
-    from importlib.metadata import version
-
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
     interrupt_on_sigterm()

@@ -104,14 +104,13 @@ async def measure(args: argparse.Namespace, url: str) -> dict:
     start = await used_memory(client)
     out["empty_used_memory_bytes"] = start
     request_keys = [rng.getrandbits(64) for _ in range(args.blocks)]
-    for i in range(0, args.blocks, per_prompt):
-        await index.store(P_URL, TIER_DEVICE, [(rng.randbytes(32), k)
-                                               for k in request_keys[i:i + per_prompt]])
-    after_p = await used_memory(client)
-    for i in range(0, args.blocks, per_prompt):
-        await index.store(D_URL, TIER_DEVICE, [(rng.randbytes(32), k)
-                                               for k in request_keys[i:i + per_prompt]])
-    after_d = await used_memory(client)
+    used = []
+    for engine in (P_URL, D_URL):   # the same request keys, each engine its own hashes
+        for i in range(0, args.blocks, per_prompt):
+            await index.store(engine, TIER_DEVICE, [(rng.randbytes(32), k)
+                                                    for k in request_keys[i:i + per_prompt]])
+        used.append(await used_memory(client))
+    after_p, after_d = used
     assert await index.size() >= args.blocks, "the index holds fewer entries than stored"
     out["index_first_engine_bytes_per_block"] = (after_p - start) / args.blocks
     out["index_second_engine_bytes_per_block"] = (after_d - after_p) / args.blocks

@@ -33,11 +33,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+import requests
+
 from kv_pressure import (COLUMNS, LEGEND, Client, Shape, Turn, build_sessions, details, measure,
                          row, run_traffic, summarize, tiny_model)
 from sessionkv_bench import report
 from sessionkv_bench.runner import PortPool, log
 from sessionkv_bench.stats import pct
+
+from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster, process_tree
 
 OPENING = "soak session {}: the kato is of rimu and senlo. "   # eight times
 
@@ -71,15 +76,11 @@ def _ready(check) -> bool:
 
 
 def _up(url: str) -> bool:
-    import requests
-
     return requests.get(url + "/health", timeout=2).status_code == 200
 
 
 def _health(url: str) -> str:
     """Our proxy's /health: its status and problems."""
-    import requests
-
     try:
         resp = requests.get(url + "/health", timeout=5)
         problems = "; ".join(resp.json().get("problems", []))
@@ -104,8 +105,6 @@ class Soak:
         return next(p.pid for p in self.cluster.procs if p.name == name)
 
     def signal(self, name: str, sig: int) -> None:
-        from vllm_sessionkv.dev.launch import process_tree
-
         for proc in process_tree([self.pid(name)]):
             _ready(lambda: proc.send_signal(sig))
 
@@ -119,8 +118,6 @@ class Soak:
             time.sleep(self.args.think_s)
 
     def supervise(self) -> None:
-        import psutil
-
         while not self.closing.wait(0.5):
             self.cluster.supervise_once()
             try:
@@ -280,8 +277,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
-
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)
     # The supervisor's lines (exited, restarted, healthy) with their times.

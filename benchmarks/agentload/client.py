@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import aiohttp
+
 from agentload.workload import OutputKey, Workload
 from sessionkv_bench.client import sse_chunks
 
@@ -83,8 +85,6 @@ def _take(res: StepResult, obj: dict, started: float, last: list) -> None:
 async def send(http, url: str, body: dict, sid: str, res: StepResult) -> None:
     """One request; its answer, headers and timings into ``res`` (``error`` when it
     failed)."""
-    import aiohttp
-
     started, last = time.perf_counter(), []
     try:
         async with http.post(url, json=body, headers={SESSION_HEADER: sid}) as resp:
@@ -113,8 +113,6 @@ async def run_workload(workload: Workload, target: Callable[[str], str], model: 
     the reference's do, and a step's prompt is the reference's.  After ``cap_s``
     seconds the requests still running are cancelled and the steps not finished are
     returned as errors (``NOT_FINISHED``)."""
-    import aiohttp
-
     answers: dict[OutputKey, object] = {}
     done = {key: asyncio.Event() for key in workload.keys()}
     results: dict[OutputKey, StepResult] = {}
@@ -172,8 +170,6 @@ def run(workload: Workload, target: Callable[[str], str], model: str, **kw
 
 def run_one(url: str, path: str, body: dict, sid: str) -> StepResult:
     """One request alone (the probes)."""
-    import aiohttp
-
     async def one() -> StepResult:
         res = StepResult((sid, 0), len(body.get("prompt") or []), 0.0,
                          prompt_token_ids=body.get("prompt"))

@@ -421,8 +421,7 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
                        [value(per_arm[a], k) or 0 for a in keys], width=0.8 / len(keys_of),
                        label=lab)
             ax.set_xticks([i + 0.4 - 0.4 / len(keys_of) for i in range(len(keys))], keys,
-                          rotation=45, fontsize=7,
-                          ha="right")
+                          rotation=45, fontsize=7, ha="right")
             ax.set_ylabel(ylabel)
             ax.set_yscale("log" if log else "linear")
             ax.set_title(wname)

@@ -19,6 +19,7 @@ The history then differs from what D computed from the position of the opener on
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -132,8 +133,7 @@ class Workload:
             est[(sid, k)] = base + s.steps[k].delay_s
             return est[(sid, k)]
 
-        keys = self.keys()
-        return sorted(keys, key=lambda key: (when(*key), key))
+        return sorted(self.keys(), key=lambda key: (when(*key), key))
 
     def request(self, sid: str, k: int, answers: dict, model: str) -> tuple[str, dict]:
         """The path and body step ``k`` of ``sid`` sends (``answers``: the earlier steps'
@@ -380,8 +380,6 @@ def mooncake_file_ceiling(lines: Iterable[str], max_requests: int | None = None)
 def without_waits(workload: Workload) -> Workload:
     """The same workload with no start offsets and no tool delays (the reference run
     needs only the answers, not the timing)."""
-    import dataclasses
-
     sessions = [dataclasses.replace(s, start_s=0.0, steps=tuple(
         dataclasses.replace(st, delay_s=0.0) for st in s.steps)) for s in workload.sessions]
     return type(workload)(name=workload.name, sessions=sessions,

@@ -3,9 +3,12 @@ typed, with no path of the machine it ran on.  Standard library only."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import re
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,8 +74,6 @@ def machine_line() -> str:
 def meta(script: str, argv: list[str], path_flags: dict[str, str]) -> dict:
     """What a report's head states, taken at the start of a run: date (UTC), commit,
     machine and the command as typed (``public_command``)."""
-    import time
-
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
             "machine": machine_line(), "command": public_command(script, argv, path_flags)}
 
@@ -104,9 +105,6 @@ def write(out_dir: Path, stem: str, data: dict, markdown: str,
     venv's python (matplotlib lives there; skipped when that venv is absent).  Refuses
     to write a path of this machine (a checkout, a temporary directory, a home) into a
     report.  Returns the files written."""
-    import json
-    import re
-
     text = json.dumps(data, indent=1, default=str) + "\n"
     local = re.compile(r"(?<![\w<])/(?:tmp|work|root|home)/(?![\w.-]+\.lock\b)[\w.-]")
     for found in (local.search(text), local.search(markdown)):
