@@ -66,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                        "the tests' tiny model, generated)")
     p.add_argument("--cores", default="auto", help="with --arms: " + CORES_HELP)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true", help="with --arms: vLLM's")
     p.add_argument("--blocks", type=int, default=512, help="KV blocks of each engine")
     p.add_argument("--stem", help="the report's file name (default chat_goodput[_quick])")
     p.add_argument("--quick", action="store_true", help="4 sessions x 3 turns, 1 round")
@@ -169,7 +170,9 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
     opts = armlib.EngineOptions(
         model=model, max_model_len=args.max_model_len, p_blocks=args.blocks,
         d_blocks=args.blocks, coloc_blocks=args.blocks,
-        engine_env=armlib.engine_cores_env(args.cores, None))
+        engine_env=armlib.engine_cores_env(args.cores, None),
+        extra_args=["--enable-prompt-tokens-details"]
+        + (["--enforce-eager"] if args.enforce_eager else []))
     ports = PortPool()
     if args.base_port:   # a range of its own: engines and routers, then UCX's listeners
         ports = PortPool(args.base_port, args.base_port + 899)
@@ -210,37 +213,30 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
 
 
 def best_goodput(results: dict) -> dict[str, tuple[float, float | None]]:
-    """Each target's best goodput over its runs and the rate it came at (the sweep's
-    headline; a target run once has its one figure)."""
+    """Each target's best goodput over its runs and the rate it came at (None: no run
+    met the SLOs, or the target ran at no rate)."""
     best: dict[str, tuple[float, float | None]] = {}
     for name, res in results["targets"].items():
-        if "pooled" not in res:
-            continue
         target, rate = split_run(name)
-        g = res["pooled"]["goodput_rps"] or 0.0
-        if target not in best or g > best[target][0]:
-            best[target] = (g, rate)
+        g = (res["pooled"]["goodput_rps"] or 0.0) if "pooled" in res else 0.0
+        if g > best.get(target, (0.0, None))[0] or target not in best:
+            best[target] = (g, rate if g > 0 else None)
     return best
 
 
 def sweep_lines(results: dict) -> list[str]:
     """The rate sweep's headline: each target's best goodput, and ours (every target
     whose key names ours) over the best of the others'."""
-    best = best_goodput(results)
-    if not best:
-        return []
-    names = results["meta"].get("targets", {})
-    rows = [[t, names.get(t, ""), f"{g:.3f}", f"{r:g}" if r is not None else "-"]
+    best, names = best_goodput(results), results["meta"].get("targets", {})
+    rows = [[t, names.get(t, ""), f"{g:.3f}", "-" if r is None else f"{r:g}"]
             for t, (g, r) in sorted(best.items(), key=lambda kv: -kv[1][0])]
-    lines = ["## Goodput by target: the best over the offered rates", ""]
-    lines += report.table(["target", "what", "goodput req/s", "at rate req/s"], rows)
-    peers = {t: g for t, (g, _) in best.items() if "ours" not in t}
-    if peers and any("ours" in t for t in best):
-        peer, peer_g = max(peers.items(), key=lambda kv: kv[1])
-        lines += [""] + [
-            f"- `{t}` / best peer `{peer}`: {g / peer_g:.2f}x" if peer_g else
-            f"- `{t}`: {g:.3f} req/s; no peer met the SLOs at any rate"
-            for t, (g, _) in best.items() if "ours" in t]
+    lines = ["## Goodput by target: the best over the offered rates", "", *report.table(
+        ["target", "what", "goodput req/s", "at rate req/s"], rows), ""]
+    peer = max(((g, t) for t, (g, _) in best.items() if "ours" not in t), default=None)
+    for t, (g, _) in best.items():
+        if "ours" in t and peer is not None:
+            lines.append(f"- `{t}` / best peer `{peer[1]}`: {g / peer[0]:.2f}x" if peer[0]
+                         else f"- `{t}`: {g:.3f} req/s; no peer met the SLOs at any rate")
     return lines + [""]
 
 

@@ -40,3 +40,12 @@ def test_the_headline_is_each_targets_best_rate_and_ours_over_the_best_peer():
                                            "1-rr": (0.6, 1.0)}
     text = "\n".join(bench.sweep_lines(results))
     assert "`7-ours` / best peer `1-rr`: 1.50x" in text
+
+
+def test_a_sweep_where_no_run_met_the_slos_names_no_rate():
+    results = {"meta": {"targets": {}}, "load": LOAD.__dict__ | {"rates": [0.5]},
+               "targets": {"7-ours@0.5": {"pooled": _pooled(0.0)},
+                           "1-rr@0.5": {"pooled": _pooled(0.0)}}}
+    assert bench.best_goodput(results) == {"7-ours": (0.0, None), "1-rr": (0.0, None)}
+    assert "`7-ours`: 0.000 req/s; no peer met the SLOs at any rate" in \
+        "\n".join(bench.sweep_lines(results))
