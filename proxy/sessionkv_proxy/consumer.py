@@ -57,7 +57,7 @@ from .events import (
 )
 from .index.base import TIER_DEVICE, KVIndex
 from .keys import chain_request_keys
-from .tasks import cancel_all
+from .tasks import EngineTasks
 
 __all__ = [
     "ConsumerStats",
@@ -358,15 +358,14 @@ class KVEventConsumer:
         self._subscriber_kwargs = subscriber_kwargs
         self.subscribers = {s.engine: EngineSubscriber(s, index, self._ctx, **subscriber_kwargs)
                             for s in sources}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks = EngineTasks("kv-events")
 
     def start(self) -> None:
         for engine in self.subscribers:
             self._start(engine)
 
     def _start(self, engine: str) -> None:
-        self._tasks[engine] = asyncio.create_task(self.subscribers[engine].run(),
-                                                  name=f"kv-events-{engine}")
+        self._tasks.start(engine, self.subscribers[engine].run())
 
     def add(self, source: EngineSource) -> None:
         """Subscribe to an engine added while the proxy runs (its entries are rebuilt
@@ -380,13 +379,10 @@ class KVEventConsumer:
     async def remove(self, engine: str) -> None:
         """Stop reading a removed engine's events."""
         self.subscribers.pop(engine, None)
-        task = self._tasks.pop(engine, None)
-        if task is not None:
-            await cancel_all([task])
+        await self._tasks.end(engine)
 
     async def stop(self) -> None:
-        await cancel_all(self._tasks.values())
-        self._tasks = {}
+        await self._tasks.end_all()
         self._ctx.term()
 
     def stats(self) -> dict[str, ConsumerStats]:

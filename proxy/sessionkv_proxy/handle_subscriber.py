@@ -24,7 +24,6 @@ handle of a process that has since restarted is not attached (``route_read``'s
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from vllm_sessionkv.wire.protocol import (
 )
 
 from sessionkv_proxy.index.base import PublishedHandles
-from sessionkv_proxy.tasks import cancel_all
+from sessionkv_proxy.tasks import EngineTasks
 
 __all__ = ["CHANNEL_OUTCOMES", "HandleChannelStats", "HandleSubscriber", "HandleSubscribers"]
 
@@ -187,15 +186,14 @@ class HandleSubscribers:
         self.subscribers = {engine: HandleSubscriber(engine, endpoint, handles,
                                                      secret=secret)
                             for engine, endpoint in endpoints.items()}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks = EngineTasks("handle-channel")
 
     def start(self) -> None:
         for engine in self.subscribers:
             self._start(engine)
 
     def _start(self, engine: str) -> None:
-        self._tasks[engine] = asyncio.create_task(self.subscribers[engine].run(self._ctx),
-                                                  name=f"handle-channel-{engine}")
+        self._tasks.start(engine, self.subscribers[engine].run(self._ctx))
 
     def add(self, engine: str, endpoint: str) -> None:
         """Subscribe to an engine added while the proxy runs."""
@@ -206,13 +204,10 @@ class HandleSubscribers:
     async def remove(self, engine: str) -> None:
         """Stop reading a removed engine's channel (its handles kept so far expire)."""
         self.subscribers.pop(engine, None)
-        task = self._tasks.pop(engine, None)
-        if task is not None:
-            await cancel_all([task])
+        await self._tasks.end(engine)
 
     async def stop(self) -> None:
-        await cancel_all(self._tasks.values())
-        self._tasks = {}
+        await self._tasks.end_all()
         self._ctx.term()
 
     def health(self, now_unix_s: float | None = None) -> tuple[dict, list[str]]:
@@ -226,10 +221,9 @@ class HandleSubscribers:
                 "publisher_restarts": s.publisher_restarts,
                 "last_received_s_ago": (round(now - s.last_received_unix_s, 1)
                                         if s.last_received_unix_s else None)}
-            task = self._tasks.get(engine)
-            if task is not None and task.done() and not task.cancelled():
-                problems.append(f"handle channel of {engine} stopped: "
-                                f"{task.exception()!r}")
+            failure = self._tasks.failure(engine)
+            if failure is not None:
+                problems.append(f"handle channel of {engine} stopped: {failure!r}")
         return report, problems
 
     def collector(self) -> _ChannelCollector:

@@ -273,7 +273,14 @@ async def test_slow_reader_applies_back_pressure_and_loses_nothing(served):
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=2 ** 20)
     writer.write(b"GET /stream?n=2000 HTTP/1.1\r\nHost: x\r\nX-Chunk-Bytes: 8000\r\n"
                  b"Connection: close\r\n\r\n")
-    await asyncio.sleep(0.5)    # the server fills the socket buffers and must wait
+    # The server fills the socket buffers and must wait: its count of chunks past
+    # write() starts, then stops growing (waited for, not slept: a loaded machine).
+    deadline = asyncio.get_running_loop().time() + 30
+    last = -1
+    while app.written == 0 or app.written != last:
+        assert asyncio.get_running_loop().time() < deadline, app.written
+        last = app.written
+        await asyncio.sleep(0.3)
     # Not read: what the handler got past write() is what the socket buffers hold,
     # a few MB at most, not the 16 MB it has to send.
     assert 0 < app.written < 1000, app.written
