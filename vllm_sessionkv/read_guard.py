@@ -31,15 +31,14 @@ logger = logging.getLogger("vllm.sessionkv.read_guard")
 # Tokens of reads the scheduler asked to guard whose read never came (aborted
 # requests): the oldest are dropped past this many.
 _MAX_EXPECTED = 1 << 16
-# A confirm answered DIGEST_PENDING is asked again after a tenth of the time it has
-# waited so far, within the bounds below: a digest due in milliseconds (the usual
-# case, the holder's next step) is asked for every 2 ms, adding at most a tenth to
-# the wait; one seconds away, every 100 ms.  The holder digests a hold at the end of its next engine step, which
-# on a real model under load can outlast ``timeout_s``: each pending answer (the
-# holder is alive and the claim stands) moves the confirm's deadline ``timeout_s``
-# on, up to ``digest_wait_s`` after the confirm was first sent (the claim's own
-# life on the holder).  Recomputing a whole prompt costs far more than waiting out
-# one holder step.
+# A confirm answered DIGEST_PENDING: the holder digests a hold at the end of its next
+# engine step, which on a real model under load can outlast ``timeout_s``.  Each
+# pending answer (the holder is alive, the claim stands) moves the confirm's deadline
+# ``timeout_s`` on, up to ``digest_wait_s`` after the confirm was first sent (the
+# claim's own life on the holder): recomputing a whole prompt costs far more than
+# waiting out one holder step.  It is asked again after a tenth of the time waited so
+# far, within the bounds below: every 2 ms for a digest due in milliseconds (the usual
+# case), adding at most a tenth to the wait; every 100 ms for one seconds away.
 _DIGEST_REASK_S = 2e-3
 _DIGEST_REASK_MAX_S = 0.1
 _DIGEST_REASK_SHARE = 0.1

@@ -194,9 +194,14 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         state = self._requests.of(request.request_id, request.kv_transfer_params)
         if not state.payload.early_decode_id:
             return
-        session_id = engine_state.request_session_id(request) or state.payload.session_id
+        session_id = self._session_of(request, state)
         if session_id:
             self._holds.turn_waiting(session_id, request.request_id)
+
+    @staticmethod
+    def _session_of(request: Request, state: RequestState) -> str | None:
+        """The request's session: vLLM's own field, else our payload's."""
+        return engine_state.request_session_id(request) or state.payload.session_id
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         self._kv_cache_manager = kv_cache_manager
@@ -311,16 +316,14 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
             params = self._early.params_when_ready(request.request_id, state.payload,
                                                    self.stats)
             if self._early.waiting(params):
-                session_id = (engine_state.request_session_id(request)
-                              or state.payload.session_id)
-                if session_id:
-                    self._holds.turn_waiting(session_id, request.request_id)
+                # Its session's hold was marked awaited when it arrived
+                # (``_request_arrived``).
                 return None, False   # vLLM asks again at the next step; no blocks held
             self._holds.turn_done_waiting(request.request_id)
             request.kv_transfer_params = params
             state = self._requests.of(request.request_id, params)
         self._early.connect(state.payload)
-        session_id = engine_state.request_session_id(request) or state.payload.session_id
+        session_id = self._session_of(request, state)
         if session_id:
             self._holds.turn_arrived(session_id, time.perf_counter())
         params = request.kv_transfer_params
@@ -543,7 +546,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         delay_free, out = super().request_finished(request, block_ids)
         if out is None:
             return delay_free, out
-        session_id = engine_state.request_session_id(request) or state.payload.session_id
+        session_id = self._session_of(request, state)
         if not is_d_node:
             self._finish_prefill(request, state.payload, session_id, acct, delay_free, out)
         elif not session_id or not delay_free:
