@@ -3,7 +3,9 @@ a real ``SessionKVConnector`` (scheduler role) on a generated tiny model's confi
 vLLM ``Request``s with vLLM's block hasher, vLLM's ``KVCacheBlocks``.  It follows a
 session: a turn served on D leaves a held handle; P pulls it for the next turn when
 pulling is cheaper; an edited history is refused by verification; a P->D load, an
-unreadable handle, a host-tier restore and a first-token handoff go as designed.
+unreadable handle, a host-tier restore and a first-token handoff go as designed; a
+synchronous read's blocks stay out of vLLM's own prefix cache until the read is seen
+good.
 (The end-to-end tests check the same with real engines and NIXL.)"""
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Engine:
                                             layer_stride=64 * 4096, block_stride=4096)],
             kv_cache_groups=[KVCacheGroupSpec([layer], FullAttentionSpec(
                 block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.float32))])
+        self.kv_cache_config = kv_cache_config
         self.connector = SessionKVConnector(vllm_config, KVConnectorRole.SCHEDULER,
                                             kv_cache_config)
         hash_fn = get_hash_fn_by_name("sha256")
@@ -95,17 +98,21 @@ class Engine:
         matched = conn.get_num_new_matched_tokens(request, computed_tokens)
         blocks = KVCacheBlocks(([KVCacheBlock(i) for i in block_ids],))
         conn.update_state_after_alloc(request, blocks, matched[0] or 0)
-        step = types.SimpleNamespace(
-            num_scheduled_tokens={request.request_id: 1}, scheduled_new_reqs=[],
-            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_output_tokens=[]),
-            finished_req_ids=set(), free_encoder_mm_hashes=[])
-        instructions = conn.build_connector_meta(step).sessionkv
+        instructions = conn.build_connector_meta(step(request.request_id)).sessionkv
         for token in output_tokens:
             request.append_output_token_ids(token)
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         request.num_computed_tokens = request.num_tokens - 1
         _, answer = conn.request_finished(request, list(block_ids))
         return matched, instructions, answer
+
+
+def step(request_id):
+    """vLLM's scheduler output for a step that runs one request."""
+    return types.SimpleNamespace(
+        num_scheduled_tokens={request_id: 1}, scheduled_new_reqs=[],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], num_output_tokens=[]),
+        finished_req_ids=set(), free_encoder_mm_hashes=[])
 
 
 def accounting(answer):
@@ -181,3 +188,94 @@ def test_p_to_d_host_restore_and_first_token(tiny_model_dir):
     stats = engine.connector.get_kv_connector_stats().data
     assert stats["prompt_tokens_pulled_from_host"] == [64]
     assert stats["host_restored_blocks"] == [4]
+
+
+def test_a_synchronous_read_stays_out_of_the_prefix_cache_until_seen_good(tiny_model_dir):
+    """On vLLM's own ``KVCacheManager``, bound as vLLM binds it: a warm peer's pull
+    runs inside the step; the blocks vLLM hashed at its allocation are found by no
+    other request until the step's report says the read ran and no invalid block
+    names it, or the request finished on an output first.  A failed read's blocks
+    stay out, also once its request is aborted."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    from vllm_sessionkv._vllm import nixl_state
+    from vllm_sessionkv.metadata import WorkerReport
+
+    engine = Engine(tiny_model_dir, dict(CHEAP_PULLS, cost=dict(CHEAP_PULLS["cost"],
+                                                                sync_load_max_stall_s=1.0)))
+    conn = engine.connector
+    manager = KVCacheManager(engine.kv_cache_config, max_model_len=1024,
+                             scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+    conn.bind_kv_cache_manager(manager)
+    _, _, held = engine.turn(engine.request("d1", PROMPT, {"sessionkv": {"session_id": "s"}},
+                                            session="s"), 0, range(8), output_tokens=[5, 6, 7])
+    handle = pull_handle(held)
+    history = [*PROMPT, 5, 6, 7, *range(200, 230)]   # 102 tokens: 6 full blocks
+
+    def found() -> int:
+        return manager.get_computed_blocks(engine.request("probe", history))[1]
+
+    # The first read from D is asynchronous; once it is received, D is warm.
+    first = engine.request("p0", history, handle)
+    matched = conn.get_num_new_matched_tokens(first, 0)
+    assert matched == (71, True)
+    conn.update_state_after_alloc(first, KVCacheBlocks(([KVCacheBlock(i) for i in
+                                                         range(40, 47)],)), matched[0])
+    conn.build_connector_meta(step("p0"))
+    conn.update_connector_output(KVConnectorOutput(finished_recving={"p0"}))
+
+    def sync_read(request_id):
+        request = engine.request(request_id, history, handle)
+        assert found() == 0
+        matched = conn.get_num_new_matched_tokens(request, 0)
+        assert matched == (71, False)                 # inside the step
+        assert manager.allocate_slots(request, request.num_tokens - matched[0],
+                                      num_external_computed_tokens=matched[0])
+        assert found() == 96                          # vLLM hashed them at allocation
+        conn.update_state_after_alloc(request, manager.get_blocks(request_id), matched[0])
+        assert found() == 0                           # ours: out until seen good
+        assert conn.build_connector_meta(step(request_id)).sessionkv.sync_loads == {
+            request_id}
+        request.num_computed_tokens = request.num_tokens
+        return request
+
+    def report(request_id, **output):
+        done = nixl_state.worker_metadata(WorkerReport(sync_loads_done=frozenset({request_id})))
+        conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=done,
+                                                       **output))
+
+    def finish(request, status):
+        request.status = status
+        conn.request_finished(request, manager.get_block_ids(request.request_id))
+
+    def forget(request):
+        """vLLM frees the request's blocks; the cache is emptied for the next case."""
+        manager.free(request)
+        assert manager.reset_prefix_cache() and found() == 0
+
+    good = sync_read("p1")
+    report("p1")
+    assert found() == 96                              # back in the cache with the report
+    finish(good, RequestStatus.FINISHED_LENGTH_CAPPED)
+    forget(good)
+    # Finished on an output before its step's report came: the read did not fail.
+    early = sync_read("p2")
+    finish(early, RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert found() == 96
+    report("p2")
+    forget(early)
+    # Aborted before its report: its blocks stay out.
+    aborted = sync_read("p3")
+    finish(aborted, RequestStatus.FINISHED_ABORTED)
+    report("p3")
+    assert found() == 0
+    forget(aborted)
+    # Failed (its blocks reported invalid): they stay out, and once it is aborted too.
+    failed = sync_read("p4")
+    report("p4", invalid_block_ids=set(manager.get_block_ids("p4")[0]))
+    assert found() == 0
+    finish(failed, RequestStatus.FINISHED_ABORTED)
+    assert found() == 0
