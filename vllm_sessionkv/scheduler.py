@@ -9,8 +9,9 @@ each request's state in one ``RequestState`` (its payload decoded once):
   as their hashes match this prompt's (``remote_plan``); ``remote_block_ids`` are cut
   to that prefix so vLLM's end-aligned block pairing lands on the right blocks; a
   D->P pull happens only if cheaper than recomputing (``pricing``), synchronously
-  when short (``sync_reads``); a plain request may restore from host DRAM instead
-  (``host_restore``).
+  when short (``sync_reads``), its blocks out of the prefix cache until the read is
+  seen good (``sync_read_quarantine``); a plain request may restore from host DRAM
+  instead (``host_restore``).
 * **End of turn on D** (``request_finished``): a session's blocks stay held under our
   lease (``session_holds``), the turn's hash chain is exported in
   ``kv_transfer_params["sessionkv"]`` and published out of band, with a token the
@@ -60,6 +61,7 @@ from vllm_sessionkv.scheduling.pricing import Pricing
 from vllm_sessionkv.scheduling.remote_plan import D_TO_P, P_TO_D, RemotePlan
 from vllm_sessionkv.scheduling.request_state import RequestState, RequestStates
 from vllm_sessionkv.scheduling.session_holds import SessionHolds
+from vllm_sessionkv.scheduling.sync_read_quarantine import SyncReadQuarantine
 from vllm_sessionkv.scheduling.sync_reads import SyncReads
 from vllm_sessionkv.stats import SessionKVStats
 from vllm_sessionkv.verification import LocalPrompt, Verdict
@@ -149,6 +151,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
                           per_transfer_s=config.disk_read_per_transfer_s))
         self._sync_reads = SyncReads(config.cost.sync_load_max_stall_s > 0 and
                                      len(kv_cache_config.kv_cache_groups) == 1)
+        self._quarantine: SyncReadQuarantine[Request] = SyncReadQuarantine(
+            config.sync_read_quarantine)
         self._first_token = FirstTokenHandoff(
             config.first_token_handoff,
             vllm_first_token.first_token_unsupported(vllm_config)
@@ -158,11 +162,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if self._early.inbox is not None:
             # A turn sent early marks its session's hold awaited when it arrives.
             arrivals.on_request_added(self._request_arrived)
-        # vLLM's KV cache manager (bound after construction) and the requests whose
-        # synchronous read has not been seen good yet: their blocks are kept out of
-        # the prefix cache until it is (``_vllm/prefix_cache.py``).
+        # vLLM's KV cache manager, bound after construction (``bind_kv_cache_manager``).
         self._kv_cache_manager = None
-        self._unproven_sync_reads: dict[str, Request] = {}
         # This runs in the engine-core process, whose loop the pacing changes.
         # A hold just begun is digested in the worker's next step, and a reader's
         # confirm waits for that digest: such a step is not put off.
@@ -423,12 +424,11 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         load_blocks = -(-plan.verdict.verified_tokens // self.block_size) - hit_blocks
         plan.sync_block_ids = frozenset(nixl_state.set_sync_recv_blocks(
             self, request.request_id, blocks.get_block_ids(), hit_blocks, load_blocks))
-        # vLLM hashed these blocks (and the ones after them) at allocation: until the
-        # read is seen good no other request may find them.
-        if self.config.sync_read_quarantine:
-            prefix_cache.hide(self._kv_cache_manager, request.request_id,
-                              list(blocks.get_block_ids()[0][hit_blocks:]), hit_blocks)
-            self._unproven_sync_reads[request.request_id] = request
+        # vLLM hashed these blocks at allocation: no other request may find them
+        # until the read is seen good.
+        hidden = self._quarantine.queued(request.request_id, request,
+                                         blocks.get_block_ids()[0], hit_blocks)
+        prefix_cache.hide(self._kv_cache_manager, request.request_id, hidden, hit_blocks)
         # The read is done within the step: nothing left to keep alive on the peer.
         nixl_state.stop_heartbeat(self, request.request_id)
         self._sync_reads.queued(request.request_id)
@@ -496,21 +496,13 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         failed_sync = SyncReads.failed_by_blocks(plans, invalid) if invalid else []
         for req_id in failed_sync:
             self._pull_failed(req_id, plans[req_id])
-        self._settle_sync_reads(report.sync_loads_done, set(failed_sync))
+        for proven in self._quarantine.settle(report.sync_loads_done, set(failed_sync)):
+            prefix_cache.restore(self._kv_cache_manager, proven)
         self._holds.released(getattr(connector_output, "finished_sending", None) or (),
                              self.stats)
         for req_id in failed:
             self._pull_failed(req_id, plans.get(req_id))
         super().update_connector_output(connector_output)
-
-    def _settle_sync_reads(self, done: set[str] | frozenset[str], failed: set[str]) -> None:
-        """The synchronous reads a step ran: a good one's blocks go back into the
-        prefix cache; a failed one's stay out (vLLM recomputes them, and caches them
-        as it schedules that)."""
-        for req_id in done:
-            request = self._unproven_sync_reads.pop(req_id, None)
-            if request is not None and req_id not in failed:
-                prefix_cache.restore(self._kv_cache_manager, request)
 
     def _pull_failed(self, req_id: str, plan: RemotePlan | None) -> None:
         self.stats.record("pull_failed")
@@ -523,11 +515,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
     # ------------------------------------------------------------------ end of turn
     def request_finished(self, request: Request, block_ids):
         self.pricing.finished(request.request_id)
-        if self._unproven_sync_reads.pop(request.request_id, None) is not None and \
-                engine_state.request_finished_with_output(request):
-            # It finished on an output, so the step of its read did not fail (vLLM
-            # skips a failed read's request in that step's output); the step's report
-            # is still on its way.  An aborted request's blocks stay out.
+        if self._quarantine.finished(request.request_id,
+                                     engine_state.request_finished_with_output(request)):
             prefix_cache.restore(self._kv_cache_manager, request)
         params = request.kv_transfer_params
         state = self._requests.of(request.request_id, params)

@@ -1,5 +1,5 @@
-"""The host restore, synchronous reads, first-token handoff and early decode
-components on plain data."""
+"""The host restore, synchronous reads (and their quarantine), first-token handoff and
+early decode components on plain data."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from vllm_sessionkv.scheduling.first_token import FirstTokenHandoff
 from vllm_sessionkv.scheduling.host_restore import HostRestore
 from vllm_sessionkv.scheduling.pricing import Pricing
 from vllm_sessionkv.scheduling.remote_plan import D_TO_P, RemotePlan
+from vllm_sessionkv.scheduling.sync_read_quarantine import SyncReadQuarantine
 from vllm_sessionkv.scheduling.sync_reads import SyncReads
 from vllm_sessionkv.verification import Verdict
 from vllm_sessionkv.wire.cost import LinkModel
@@ -97,6 +98,27 @@ def test_a_read_is_synchronous_only_from_a_warm_peer_and_when_short():
     off = plan()
     never.choose(off, complete_handle=True, num_tokens=64, pricing=cheap)
     assert not off.sync
+
+
+def test_a_synchronous_read_is_quarantined_until_proven():
+    quarantine: SyncReadQuarantine[str] = SyncReadQuarantine(enabled=True)
+    # One block was a local hit: the read's blocks and the ones after it go out.
+    assert quarantine.queued("good", "request good", [10, 11, 12, 13], 1) == [11, 12, 13]
+    for name in ("failed", "early", "aborted"):
+        assert quarantine.queued(name, f"request {name}", [20, 21], 0) == [20, 21]
+    # A step's report: the good read comes back, the failed one stays out, the reads
+    # the step did not run stay unproven, one never queued here is passed over, and
+    # none is settled twice.
+    assert quarantine.settle({"good", "failed", "other"}, {"failed"}) == ["request good"]
+    assert quarantine.settle({"good", "failed"}, set()) == []
+    assert not quarantine.finished("good", with_output=True)   # already settled
+    # Finished before its report: back only if it finished on an output.
+    assert quarantine.finished("early", with_output=True)
+    assert not quarantine.finished("aborted", with_output=False)
+    assert quarantine.settle({"early", "aborted"}, set()) == []
+    off: SyncReadQuarantine[str] = SyncReadQuarantine(enabled=False)
+    assert off.queued("r", "request r", [1, 2], 0) == []
+    assert off.settle({"r"}, set()) == [] and not off.finished("r", with_output=True)
 
 
 def view(**kw) -> FirstTokenRequest:

@@ -9,6 +9,8 @@ and tested on plain data (``tests/unit/test_scheduling_*.py``).
 * ``pricing``: the live load and link speed; every pull, restore and
   synchronous-read price (one ``PullQuote`` construction).
 * ``sync_reads``: which reads run inside the step that computes their request.
+* ``sync_read_quarantine``: which of their blocks stay out of the prefix cache, and
+  until when (the read seen good).
 * ``host_restore``: restores from and offloads to the host-DRAM tier.
 * ``session_holds``: holds on D (lease, supersession, the KV cap, reset) and the
   handle's publication.
