@@ -45,7 +45,7 @@ from sessionkv_bench.metrics import metric_sums
 from sessionkv_bench.runner import PortPool, env_for_bench, interleaved, log
 from sessionkv_bench.arms import CORES_HELP
 
-from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
+from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster, default_dtype
 from vllm_sessionkv.dev.tiny_model import generate_tiny_model
 
 PATH_FLAGS = {"--tokenizer": "TOKENIZER_DIR", "--out-dir": "OUT_DIR", "--render-only": "JSON",
@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cores", default="auto", help="with --arms: " + CORES_HELP)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true", help="with --arms: vLLM's")
+    p.add_argument("--dtype", help="with --arms: every engine's --dtype (default: the "
+                                   "launcher's, float32 on a CPU without native bfloat16)")
     p.add_argument("--blocks", type=int, default=512, help="KV blocks of each engine")
     p.add_argument("--stem", help="the report's file name (default chat_goodput[_quick])")
     p.add_argument("--quick", action="store_true", help="4 sessions x 3 turns, 1 round")
@@ -167,11 +169,12 @@ def measure_arms(args, load: aiperf.ChatLoad, work: Path, meta: dict) -> dict:
     unknown = [k for k in keys if k not in armlib.ARM_BY_KEY or k == "4-nixl-bidi"]
     if unknown:
         raise SystemExit(f"--arms: unknown or chat-less arms {unknown}")
+    meta["dtype"] = args.dtype or default_dtype(gpus=False)
     opts = armlib.EngineOptions(
         model=model, max_model_len=args.max_model_len, p_blocks=args.blocks,
         d_blocks=args.blocks, coloc_blocks=args.blocks,
         engine_env=armlib.engine_cores_env(args.cores, None),
-        extra_args=["--enable-prompt-tokens-details"]
+        extra_args=["--enable-prompt-tokens-details", "--dtype", meta["dtype"]]
         + (["--enforce-eager"] if args.enforce_eager else []))
     ports = PortPool()
     if args.base_port:   # a range of its own: engines and routers, then UCX's listeners
@@ -258,7 +261,8 @@ def render(results: dict) -> str:
         f"at most {load['itl_slo_ms']:g} ms; goodput is good requests per second of "
         "aiperf's benchmark duration, summed over rounds. Percentiles: nearest rank over "
         "the pooled requests. Targets: " + ", ".join(
-            f"`{n}` ({d})" for n, d in meta["targets"].items()) + ".", "",
+            f"`{n}` ({d})" for n, d in meta["targets"].items()) + "."
+        + (f" Engines in {meta['dtype']}." if meta.get("dtype") else ""), "",
     ]
     if rates:
         lines += sweep_lines(results)

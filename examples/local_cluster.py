@@ -4,7 +4,7 @@ KV-event publishers, optional Redis, the sessionkv proxy, and optionally a plain
 co-located vLLM server for baselines.
 
     python examples/local_cluster.py --prefill 1 --decode 1 --proxy-port 8000 \\
-        [--redis] [--colocated-port 8300] [--model PATH] [--dtype bfloat16] \\
+        [--redis] [--colocated-port 8300] [--model PATH] [--dtype float32] \\
         [--gpus 0,1] [--kv-cache-gb 1.0] [--decode-kv-cache-gb 0.02] [--cores auto]
 
 Without --model it generates a tiny random Llama (CPU demo) in a temporary folder,
@@ -49,7 +49,13 @@ import threading
 import time
 from pathlib import Path
 
-from vllm_sessionkv.dev.launch import ChildExited, ClusterSpec, LocalCluster, parse_placement
+from vllm_sessionkv.dev.launch import (
+    ChildExited,
+    ClusterSpec,
+    LocalCluster,
+    default_dtype,
+    parse_placement,
+)
 
 # The generated model's folder name, and the name its engines serve it under.
 GENERATED_MODEL_NAME = "sessionkv-tiny-model"
@@ -82,11 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=32,
                    help="KV block size in tokens (a multiple of 32 on CPU)")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--dtype", default="bfloat16",
+    p.add_argument("--dtype", default=None,
                    choices=["bfloat16", "float16", "float32", "auto"],
-                   help="every engine's --dtype (the co-located one too): bfloat16 is "
-                        "faster on CPU; float32 where answers are compared with another "
-                        "engine's, since bf16 near-ties flip with how a prefill is split")
+                   help="every engine's --dtype (the co-located one too); default: "
+                        "bfloat16 on GPUs and on CPUs with native bfloat16 (AVX-512 BF16, "
+                        "AMX), else float32.  float32 where answers are compared with "
+                        "another engine's, since bf16 near-ties flip with how a prefill "
+                        "is split")
     p.add_argument("--enforce-eager", action="store_true",
                    help="every engine without torch.compile (vLLM's --enforce-eager): no "
                         "compile warm-up at start, slower steps")
@@ -218,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print("CLUSTER " + json.dumps({
         "proxy": cluster.proxy_url, "redis": cluster.redis_url, "colocated": colocated,
         # The name requests give as "model", and where the engines load it from.
-        "model": served_name or model, "model_path": model, "dtype": spec.dtype,
+        "model": served_name or model, "model_path": model,
+        "dtype": spec.dtype or default_dtype(bool(spec.gpus)),
         "pids": cluster.pids,
         "prefill": [e.url for e in cluster.prefill], "decode": [e.url for e in cluster.decode],
         "kv_events": {e.url: e.kv_events_endpoint for e in cluster.prefill + cluster.decode},

@@ -14,6 +14,7 @@ from vllm_sessionkv.dev.launch import (
     EngineSpec,
     Host,
     LocalCluster,
+    default_dtype,
     engine_command,
     parse_placement,
 )
@@ -198,8 +199,11 @@ def test_the_generated_model_is_served_under_a_stable_name(monkeypatch, tmp_path
 
 
 def test_every_engine_of_a_cluster_runs_the_clusters_dtype(monkeypatch, tmp_path):
-    """bfloat16 unless asked; --dtype reaches P, D and the co-located baseline alike."""
+    """The CPU's default unless asked; --dtype reaches P, D and the co-located baseline
+    alike."""
     assert _flag(engine_command(EngineSpec(role="decode", model="m", port=1))[0],
+                 "--dtype") == default_dtype(gpus=False)
+    assert _flag(engine_command(EngineSpec(role="decode", model="m", port=1, gpus="0"))[0],
                  "--dtype") == "bfloat16"
     cluster = LocalCluster(ClusterSpec(model="m", decode=2, colocated=True, dtype="float32"))
     for role, index, name in (("prefill", 0, "prefill0"), ("decode", 1, "decode0"),
@@ -211,7 +215,7 @@ def test_every_engine_of_a_cluster_runs_the_clusters_dtype(monkeypatch, tmp_path
 
     common = ["--model", str(tmp_path), "--log-dir", str(tmp_path / "logs")]
     assert cli.main(common) == 1
-    assert specs[-1].dtype == "bfloat16"
+    assert specs[-1].dtype is None
     assert cli.main([*common, "--dtype", "float32"]) == 1
     assert specs[-1].dtype == "float32"
     with pytest.raises(SystemExit):
@@ -346,3 +350,19 @@ def test_cluster_secrets_reach_engines_and_proxy_by_environment():
                                         "SESSIONKV_PROXY_API_KEY": "ck",
                                         "SESSIONKV_SIDE_PORT_SECRET": "s" * 16}
     assert LocalCluster(ClusterSpec(model="m"))._proxy_secrets() == {}
+
+
+@pytest.mark.parametrize(("flags", "expected"), [
+    ("fpu sse avx2 fma", "float32"),                       # AVX2 only: software bf16
+    ("fpu avx2 avx512f avx512_bf16", "bfloat16"),
+    ("fpu avx2 avx512f amx_bf16 amx_tile", "bfloat16"),
+    ("fp asimd bf16 i8mm", "bfloat16"),                    # aarch64
+])
+def test_the_default_dtype_is_bfloat16_only_where_the_cpu_computes_it(
+        monkeypatch, flags, expected):
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (
+        f"processor : 0\nflags : {flags}\n" if str(self) == "/proc/cpuinfo"
+        else real_read(self, *a, **k)))
+    assert default_dtype(gpus=False) == expected
+    assert default_dtype(gpus=True) == "bfloat16"
