@@ -21,19 +21,30 @@ A hold ends in one of five ways, all normal outcomes (``RELEASE_REASONS``):
 
 The scheduler asks the worker to release the last three itself, before NIXL's own
 expiry timer (a later backstop) would, because NIXL counts and logs an expiry as a
-failed hand-off.  Pure: the caller passes the clock.
+failed hand-off.
+
+What D would reclaim on demand (``hold_only_blocks``): the held blocks that nothing
+but holds keeps allocated.  vLLM's KV usage counts them as used, so a router reading
+that usage alone sees a D full of holds as full (``sessionkv_session_hold_blocks``;
+docs/retention.md).  Pure: the caller passes the clock and vLLM's reference counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["RELEASE_REASONS", "WITHDRAW_REASONS", "HoldTable"]
+__all__ = ["HOLD_BLOCKS_EVERY_S", "RELEASE_REASONS", "WITHDRAW_REASONS", "HoldTable",
+           "hold_only_blocks"]
 
 RELEASE_REASONS = ("pulled", "lease_ended", "superseded", "reset", "kv_pressure")
 # Ends for which D withdraws the hold's handle (session_holds.py): all but the lease's,
 # which the handle's own expiry announces.
 WITHDRAW_REASONS = tuple(r for r in RELEASE_REASONS if r != "lease_ended")
+# How often D counts again the blocks only holds keep (``hold_only_blocks``; a count
+# reads every held block's reference count: tens of ms at 50,000 blocks).  The proxy
+# scrapes /metrics every 2 s by default (metrics_scrape_interval_s).
+HOLD_BLOCKS_EVERY_S = 0.5
 
 
 @dataclass
@@ -43,6 +54,19 @@ class _Hold:
     ending: str | None = None      # release asked for, and why; None while it runs
     superseded: bool = False
     num_blocks: int = 0            # device blocks it pins
+    block_ids: tuple[int, ...] = ()   # every KV cache group's, as vLLM gave them
+
+
+def hold_only_blocks(holders: Mapping[int, int], ref_counts: Mapping[int, int]) -> int:
+    """Blocks only holds keep: of the blocks holds pin (``holders``: block id -> how
+    many holds name it), those whose reference count in vLLM's block pool
+    (``ref_counts``, by block id) is no more than their holds.  A running request
+    that shares a held block (a prefix hit on it) adds a reference, and ending the
+    holds would not free that block; a block with no count (vLLM's null block, which
+    pads sliding-window groups, or one not in ``ref_counts``) is none of theirs to
+    free.  Ending every hold frees exactly these (``SessionHolds.make_room`` can)."""
+    return sum(1 for block_id, holds in holders.items()
+               if 0 < ref_counts.get(block_id, 0) <= holds)
 
 
 class HoldTable:
@@ -51,6 +75,7 @@ class HoldTable:
     def __init__(self) -> None:
         self._holds: dict[str, _Hold] = {}
         self._current: dict[str, str] = {}    # session id -> request id
+        self._holders: dict[int, int] = {}    # block id -> holds naming it
 
     @property
     def sessions(self) -> int:
@@ -67,14 +92,23 @@ class HoldTable:
         return sum(h.num_blocks for h in self._holds.values() if h.ending is None)
 
     @property
+    def holders(self) -> Mapping[int, int]:
+        """Each block id holds name (all of them, ending ones included: their blocks
+        are allocated until the worker reports the release) -> how many holds."""
+        return self._holders
+
+    @property
     def ending_blocks(self) -> int:
         """Device blocks of holds asked to end whose release is not yet reported."""
         return sum(h.num_blocks for h in self._holds.values() if h.ending is not None)
 
     def hold(self, session_id: str, request_id: str, until_s: float,
-             superseded_until_s: float, num_blocks: int = 0) -> str | None:
-        """Start a hold; a session's previous hold then ends by ``superseded_until_s``
-        (returned, if any)."""
+             superseded_until_s: float, num_blocks: int = 0,
+             block_ids: Sequence[int] = ()) -> str | None:
+        """Start a hold (``block_ids``: the blocks it pins, every group's); a
+        session's previous hold then ends by ``superseded_until_s`` (returned, if
+        any)."""
+        self._drop_blocks(self._holds.get(request_id))
         previous = self._current.get(session_id)
         if previous == request_id:
             previous = None
@@ -83,10 +117,21 @@ class HoldTable:
             if old is not None:
                 old.superseded = True
                 old.until_s = min(old.until_s, superseded_until_s)
-        self._holds[request_id] = _Hold(session_id=session_id, until_s=until_s,
-                                        num_blocks=num_blocks)
+        hold = _Hold(session_id=session_id, until_s=until_s, num_blocks=num_blocks,
+                     block_ids=tuple(block_ids))
+        self._holds[request_id] = hold
+        for block_id in hold.block_ids:
+            self._holders[block_id] = self._holders.get(block_id, 0) + 1
         self._current[session_id] = request_id
         return previous
+
+    def _drop_blocks(self, hold: _Hold | None) -> None:
+        for block_id in hold.block_ids if hold is not None else ():
+            left = self._holders[block_id] - 1
+            if left:
+                self._holders[block_id] = left
+            else:
+                del self._holders[block_id]
 
     def due(self, now_s: float) -> dict[str, str]:
         """Holds whose time is up and not yet asked to end: request id -> reason.
@@ -144,6 +189,7 @@ class HoldTable:
         hold = self._holds.pop(request_id, None)
         if hold is None:
             return None
+        self._drop_blocks(hold)
         if self._current.get(hold.session_id) == request_id:
             del self._current[hold.session_id]
         return hold.ending or "pulled"

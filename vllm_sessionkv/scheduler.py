@@ -572,7 +572,8 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         deadline = self._holds.hold(session_id, request.request_id, now, lease_s,
                                     self.config.superseded_hold_grace_s,
                                     len(block_ids[0]) if block_ids else 0,
-                                    facts=facts, demote=demote)
+                                    facts=facts, demote=demote,
+                                    block_ids=[b for group in block_ids for b in group])
         logger.debug("sessionkv hold request_id=%s session_id=%s lease_s=%.1f source=%s "
                      "gaps=%d hint_s=%s", request.request_id, session_id, lease_s,
                      lease.source.value, len(history.gaps_s), hint_s)
@@ -636,6 +637,9 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if self.host is not None:
             self.host.record_stats(self.stats)
         self._holds.record_stats(self.stats)
+        self._holds.record_hold_blocks(
+            self.stats, time.perf_counter(),
+            lambda ids: engine_state.kv_block_ref_counts(self._kv_cache_manager, ids))
         self._guard.record_totals(self.stats)
         if self.stats.is_empty():
             return None

@@ -19,7 +19,7 @@ from vllm_sessionkv._vllm.metrics import (
 )
 from vllm_sessionkv.early_decode import REFUSED_REASONS as EARLY_DECODE_REFUSED
 from vllm_sessionkv.first_token import FIRST_TOKEN_OUTCOMES
-from vllm_sessionkv.holds import RELEASE_REASONS, WITHDRAW_REASONS
+from vllm_sessionkv.holds import HOLD_BLOCKS_EVERY_S, RELEASE_REASONS, WITHDRAW_REASONS
 from vllm_sessionkv.retention import DEMOTE_REASONS, HOLD_TIERS, LeaseSource
 
 __all__ = ["DIGEST_CHECK_OUTCOMES", "EARLY_DECODE_OUTCOMES", "GUARD_CLAIM_OUTCOMES", "GUARD_FALLBACKS", "LOAD_MODES", "PROMPT_TOKEN_SOURCES", "SessionKVPromMetrics",
@@ -66,6 +66,7 @@ _SESSION_KEYS = (
     "disk_resident_bytes",
     "disk_read_s",
     "session_holds",
+    "session_hold_blocks",
     "recompute_s_per_token",
     "link_bytes_per_s",
     *(f"session_holds_released_{r}" for r in RELEASE_REASONS),
@@ -224,6 +225,15 @@ class SessionKVPromMetrics(NixlPromMetrics):
             "sessionkv_session_holds",
             "Sessions whose last turn's KV this engine holds for the next turn's pull "
             "(until it is read, superseded or its lease ends).")
+        self._session_hold_blocks = self._gauge(
+            "sessionkv_session_hold_blocks",
+            "KV blocks only session holds keep: held blocks (every KV cache group's) "
+            "whose reference count in vLLM's block pool is no more than the holds "
+            "naming them, so no running request shares them; ending the holds, as D "
+            "does for a request it cannot admit, frees exactly these.  "
+            "vllm:kv_cache_usage_perc counts them as used; the proxy takes them off "
+            "it (over vllm:cache_config_info's num_gpu_blocks).  Counted at most "
+            f"every {HOLD_BLOCKS_EVERY_S} s.")
         self._recompute_price = self._gauge(
             "sessionkv_recompute_seconds_per_token",
             "The recompute price per new token the pull-or-recompute decision uses: "
@@ -408,6 +418,7 @@ class SessionKVPromMetrics(NixlPromMetrics):
         for key, gauge in (("host_resident_bytes", self._host_resident),
                            ("disk_resident_bytes", self._disk_resident),
                            ("session_holds", self._session_holds),
+                           ("session_hold_blocks", self._session_hold_blocks),
                            ("recompute_s_per_token", self._recompute_price),
                            ("link_bytes_per_s", self._link_price)):
             values = transfer_stats_data.get(key) or ()

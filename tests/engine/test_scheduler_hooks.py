@@ -279,3 +279,55 @@ def test_a_synchronous_read_stays_out_of_the_prefix_cache_until_seen_good(tiny_m
     assert found() == 0
     finish(failed, RequestStatus.FINISHED_ABORTED)
     assert found() == 0
+
+
+def test_the_hold_blocks_gauge_is_what_ending_the_holds_frees(tiny_model_dir, monkeypatch):
+    """``sessionkv_session_hold_blocks`` on vLLM's own ``KVCacheManager``: a D turn's
+    hold keeps its 5 blocks; a running request that hits the held prefix shares 4 of
+    them, which ending the hold would not free; once the hold is released and vLLM
+    frees its blocks, vLLM's KV usage drops by exactly the gauge's blocks over
+    ``num_blocks - 1`` (the share the proxy takes off the usage it reads)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    from vllm_sessionkv.scheduling import session_holds
+
+    monkeypatch.setattr(session_holds, "HOLD_BLOCKS_EVERY_S", 0.0)   # count every step
+    engine = Engine(tiny_model_dir, {})
+    conn = engine.connector
+    manager = KVCacheManager(engine.kv_cache_config, max_model_len=1024,
+                             scheduler_block_size=BLOCK, hash_block_size=BLOCK)
+    conn.bind_kv_cache_manager(manager)
+    reported = [0]
+
+    def gauge() -> int:
+        stats = conn.get_kv_connector_stats()
+        reported.extend((stats.data if stats else {}).get("session_hold_blocks", ()))
+        return reported[-1]
+
+    held = engine.request("d1", PROMPT, {"sessionkv": {"session_id": "s"}}, session="s")
+    assert conn.get_num_new_matched_tokens(held, 0) == (0, False)
+    assert manager.allocate_slots(held, held.num_tokens) is not None   # 5 blocks
+    conn.update_state_after_alloc(held, manager.get_blocks("d1"), 0)
+    conn.build_connector_meta(step("d1"))
+    held.append_output_token_ids(5)
+    held.num_computed_tokens = held.num_tokens - 1
+    held.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay_free, _ = conn.request_finished_all_groups(held, manager.get_block_ids("d1"))
+    assert delay_free and gauge() == 5
+    # A running request on the same prompt hits the 4 full held blocks.
+    running = engine.request("r2", PROMPT)
+    hit, hit_tokens = manager.get_computed_blocks(running)[:2]
+    assert hit_tokens == 4 * BLOCK
+    assert manager.allocate_slots(running, running.num_tokens - hit_tokens, hit_tokens,
+                                  hit) is not None
+    assert gauge() == 1                       # only the partial last block is the hold's
+    manager.free(running)
+    assert gauge() == 5
+    # The hold ends: NIXL reports the send done, then vLLM frees the blocks.
+    usage = manager.usage
+    conn.update_connector_output(KVConnectorOutput(finished_sending={"d1"}))
+    manager.free(held)
+    assert gauge() == 0
+    assert usage - manager.usage == pytest.approx(5 / (engine.kv_cache_config.num_blocks - 1))

@@ -79,3 +79,18 @@ def test_host_and_disk_tier_changes_are_kv_events_of_their_medium():
     assert isinstance(events[1], BlockRemoved) and events[1].medium == "CPU"
     assert isinstance(events[2], BlockStored) and events[2].medium == "STORAGE"
     assert len(events[0].block_hashes) == 1 and events[0].token_ids == []
+
+
+def test_block_reference_counts_come_from_the_block_pool():
+    """``kv_block_ref_counts``: each block's count in vLLM's ``BlockPool`` (one per
+    request holding it), 0 for the null block; None without a block pool."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    blocks = pool.get_new_blocks(3)          # one request's: a reference each
+    pool.touch(blocks[:2])                   # a second request hits the first two
+    ids = [b.block_id for b in blocks]
+    null = pool.null_block.block_id
+    counts = engine_state.kv_block_ref_counts(SimpleNamespace(block_pool=pool), [null, *ids])
+    assert counts == {null: 0, ids[0]: 2, ids[1]: 2, ids[2]: 1}
+    assert engine_state.kv_block_ref_counts(SimpleNamespace(), ids) is None

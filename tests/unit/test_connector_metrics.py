@@ -27,6 +27,8 @@ def test_recorded_keys_reach_their_series():
     stats.record("host_resident_bytes", 4096)
     stats.record("session_holds", 3)
     stats.record("session_holds", 2)   # a gauge: the last value reported wins
+    stats.record("session_hold_blocks", 40)
+    stats.record("session_hold_blocks", 37)
     stats.record("session_holds_released_lease_ended")
     stats.record("session_holds_released_reset")
     stats.record("session_holds_released_reset")
@@ -44,6 +46,7 @@ def test_recorded_keys_reach_their_series():
     assert value("sessionkv_early_decode_requests_total", outcome="ready") == 1
     assert value("sessionkv_host_resident_bytes") == 4096
     assert value("sessionkv_session_holds") == 2
+    assert value("sessionkv_session_hold_blocks") == 37
     assert value("sessionkv_session_holds_released_total", reason="lease_ended") == 1
     assert value("sessionkv_session_holds_released_total", reason="reset") == 2
     assert value("sessionkv_session_holds_released_total", reason="pulled") == 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vllm_sessionkv.holds import RELEASE_REASONS, HoldTable
+from vllm_sessionkv.holds import RELEASE_REASONS, HoldTable, hold_only_blocks
 
 
 def test_a_hold_read_by_the_next_turn_ends_as_pulled():
@@ -91,3 +91,31 @@ def test_holds_over_the_kv_cap_end_oldest_first_superseded_before_current():
     # The hold just made is kept even alone over the cap.
     assert t.over_cap(0, keep="c1") == ["a2"]
     assert t.released("c1") == "pulled"
+
+
+def test_the_blocks_only_holds_keep_are_those_no_running_request_shares():
+    """``hold_only_blocks`` on plain data: a block counts when its reference count is
+    no more than the holds naming it.  Two holds of one session share their prefix
+    (counted once, freed when both end); a running request's prefix hit on a held
+    block keeps it out; the null block (count 0) and a block with no count are out."""
+    t = HoldTable()
+    t.hold("s", "r1", until_s=100, superseded_until_s=10, num_blocks=3, block_ids=[1, 2, 3])
+    t.hold("s", "r2", until_s=100, superseded_until_s=10, num_blocks=4,
+           block_ids=[1, 2, 3, 4])                     # the next turn: same prefix
+    t.hold("u", "r3", until_s=100, superseded_until_s=10, num_blocks=3,
+           block_ids=[0, 0, 7])                        # sliding window: null block 0
+    assert t.holders == {1: 2, 2: 2, 3: 2, 4: 1, 0: 2, 7: 1}
+    alone = {0: 0, 1: 2, 2: 2, 3: 2, 4: 1, 7: 1}
+    assert hold_only_blocks(t.holders, alone) == 5     # 1, 2, 3, 4 and 7
+    # A running request hit blocks 1 and 2 (one reference more each): not freed.
+    shared = {**alone, 1: 3, 2: 3}
+    assert hold_only_blocks(t.holders, shared) == 3
+    assert hold_only_blocks(t.holders, {}) == 0        # no counts: none claimed
+    # Released holds leave the table; the same request held again replaces its own.
+    assert t.released("r1") == "pulled"                # P read the older turn
+    assert t.holders == {1: 1, 2: 1, 3: 1, 4: 1, 0: 2, 7: 1}
+    t.hold("u", "r3", until_s=100, superseded_until_s=10, num_blocks=1, block_ids=[8])
+    assert t.holders == {1: 1, 2: 1, 3: 1, 4: 1, 8: 1}
+    t.released("r2")
+    t.released("r3")
+    assert t.holders == {} and len(t) == 0

@@ -212,3 +212,38 @@ def test_a_hold_that_ends_before_its_lease_withdraws_its_handle_once():
                 if k.startswith("handles_withdrawn")} == {
             "handles_withdrawn_kv_pressure": 1, "handles_withdrawn_superseded": 1,
             "handles_withdrawn_pulled": 1, "handles_withdrawn_reset": 1}
+
+
+def test_the_hold_blocks_gauge_counts_what_only_holds_keep_on_change_and_throttled():
+    """``record_hold_blocks``: the blocks ending every hold would free, against the
+    reference counts it is given; recorded when the count changes, counted again at
+    most every HOLD_BLOCKS_EVERY_S, and at once (0) when the last hold is gone.
+    Unknown counts (None) claim nothing: the proxy then sees vLLM's usage as it is."""
+    from vllm_sessionkv.holds import HOLD_BLOCKS_EVERY_S as EVERY
+
+    table, stats = holds(), Stats()
+    refs = {b: 1 for b in range(10)}
+    asked = []
+
+    def counts(ids):
+        asked.append(sorted(ids))
+        return refs
+
+    table.hold("a", "ta", 0.0, 100.0, 1.0, num_blocks=4, block_ids=[0, 1, 2, 3])
+    table.hold("b", "tb", 0.0, 100.0, 1.0, num_blocks=2, block_ids=[4, 5])
+    table.record_hold_blocks(stats, 1.0, counts)
+    assert stats.data == {"session_hold_blocks": [6]}
+    refs.update({0: 2, 1: 2})        # a running request hit a's first two blocks
+    table.record_hold_blocks(stats, 1.0 + EVERY / 2, counts)   # too soon: not counted
+    assert len(asked) == 1 and stats.data == {"session_hold_blocks": [6]}
+    table.record_hold_blocks(stats, 1.0 + EVERY, counts)
+    assert stats.data == {"session_hold_blocks": [6, 4]}
+    table.record_hold_blocks(stats, 1.0 + 2 * EVERY, counts)    # unchanged: not sent
+    assert stats.data == {"session_hold_blocks": [6, 4]}
+    table.record_hold_blocks(stats, 1.0 + 3 * EVERY, lambda ids: None)
+    assert stats.data == {"session_hold_blocks": [6, 4, 0]}
+    table.record_hold_blocks(stats, 1.0 + 4 * EVERY, counts)
+    table.released(["ta", "tb"], Stats())
+    table.record_hold_blocks(stats, 1.0 + 4 * EVERY + 0.01, counts)   # none left: at once
+    assert stats.data == {"session_hold_blocks": [6, 4, 0, 4, 0]}
+    assert len(asked) == 4           # an empty table asks vLLM nothing

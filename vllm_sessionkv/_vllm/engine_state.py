@@ -1,8 +1,10 @@
 """Reads of vLLM's own objects: a request's session and salt, a step's size, the KV
-cache's shape; and host-tier changes as vLLM KV events."""
+cache's shape, its block pool's free blocks and reference counts; and host-tier
+changes as vLLM KV events."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,6 +13,7 @@ if TYPE_CHECKING:
 __all__ = [
     "host_tier_events",
     "kv_bytes_per_block",
+    "kv_block_ref_counts",
     "kv_bytes_per_token",
     "kv_free_blocks",
     "kv_cache_group_count",
@@ -82,6 +85,23 @@ def kv_free_blocks(kv_cache_manager: Any) -> int | None:
     Private state used (vLLM 0.32): ``KVCacheManager.block_pool``."""
     pool = getattr(kv_cache_manager, "block_pool", None)
     return None if pool is None else pool.get_num_free_blocks()
+
+
+def kv_block_ref_counts(kv_cache_manager: Any, block_ids: Iterable[int]
+                        ) -> dict[int, int] | None:
+    """Each block's reference count in vLLM's block pool (how many requests, running
+    or finished with their free delayed, hold it; 0 for the null block, whose count
+    vLLM does not keep), None when not known.  Private state used (vLLM 0.32):
+    ``KVCacheManager.block_pool``, ``BlockPool.blocks``, ``KVCacheBlock.ref_cnt``."""
+    pool = getattr(kv_cache_manager, "block_pool", None)
+    if pool is None:
+        return None
+    blocks = pool.blocks
+    out = {}
+    for block_id in block_ids:
+        block = blocks[block_id]
+        out[block_id] = 0 if block.is_null else block.ref_cnt
+    return out
 
 
 def kv_bytes_per_block(kv_cache_config: Any) -> int:

@@ -15,19 +15,25 @@ soon as the end is decided, and so has one released for any other reason but its
 lease (pulled, NIXL's expiry): a proxy replica that still has the handle (its own
 record, the channel's copy) then does not attach it and routes the turn to D alone or
 to a host-tier restore, instead of a claim D would refuse.  An ended lease needs
-none: the handle's expiry says so."""
+none: the handle's expiry says so.
+
+What the holds keep alone (``record_hold_blocks``, ``sessionkv_session_hold_blocks``):
+the blocks ending every hold would free, counted against vLLM's reference counts at
+most every ``HOLD_BLOCKS_EVERY_S`` (a count reads each held block), at once when no
+hold is left.  The proxy takes them off D's KV usage, so a D full only of holds it
+would end on demand still looks free (docs/retention.md)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
 from vllm_sessionkv.handle_channel import HandleChannel
-from vllm_sessionkv.holds import HoldTable
+from vllm_sessionkv.holds import HOLD_BLOCKS_EVERY_S, HoldTable, hold_only_blocks
 from vllm_sessionkv.publisher import HandlePublisher
 from vllm_sessionkv.retention import (
     GapHistory,
@@ -78,6 +84,8 @@ class SessionHolds:
         self._publisher = publisher
         self._channel = channel
         self._reported = 0   # sessionkv_session_holds, sent on change
+        self._hold_blocks = 0   # sessionkv_session_hold_blocks, sent on change
+        self._hold_blocks_at_s = float("-inf")
         # Requests sent early (early decode) waiting here for P's parameters, by
         # request id -> session id: P's pull of the session's hold is on its way.
         self._waiting_turns: dict[str, str] = {}
@@ -105,14 +113,17 @@ class SessionHolds:
 
     def hold(self, session_id: str, request_id: str, now_s: float, lease_s: float,
              grace_s: float, num_blocks: int, *, facts: HoldFacts | None = None,
-             demote: Callable[[], bool] | None = None) -> float:
+             demote: Callable[[], bool] | None = None,
+             block_ids: Sequence[int] = ()) -> float:
         """Hold a finished turn's blocks; returns the lease's end (perf_counter).
         Holds over the cap end at the next step, in the retention rule's order
         (``facts`` is what the rule knows of this one); ``demote`` copies this one's
-        KV to the host tier when it ends unread (True: it is all there)."""
+        KV to the host tier when it ends unread (True: it is all there).
+        ``block_ids`` (every group's) are what the hold keeps allocated."""
         deadline = now_s + lease_s
         self._table.hold(session_id, request_id, until_s=deadline,
-                         superseded_until_s=now_s + grace_s, num_blocks=num_blocks)
+                         superseded_until_s=now_s + grace_s, num_blocks=num_blocks,
+                         block_ids=block_ids)
         self._gaps.turn_ended(session_id, now_s)
         if facts is not None:
             self._facts[request_id] = facts
@@ -278,6 +289,23 @@ class SessionHolds:
         failures = self._publisher.take_failures()
         if failures:
             stats.record("session_handles_publish_failed", failures)
+
+    def record_hold_blocks(self, stats: StatsSink, now_s: float,
+                           ref_counts: Callable[[Iterable[int]], Mapping[int, int] | None]
+                           ) -> None:
+        """Count the blocks only holds keep (``holds.hold_only_blocks``) against
+        vLLM's reference counts (``ref_counts``: block id -> count, None when vLLM's
+        are not known: then none is counted), at most every ``HOLD_BLOCKS_EVERY_S``
+        and at once when no hold is left; record ``session_hold_blocks`` on change."""
+        holders = self._table.holders
+        if holders and now_s - self._hold_blocks_at_s < HOLD_BLOCKS_EVERY_S:
+            return
+        self._hold_blocks_at_s = now_s
+        counts = ref_counts(holders.keys()) if holders else {}
+        blocks = hold_only_blocks(holders, counts) if counts is not None else 0
+        if blocks != self._hold_blocks:
+            self._hold_blocks = blocks
+            stats.record("session_hold_blocks", blocks)
 
     def close(self) -> None:
         self._publisher.close()
