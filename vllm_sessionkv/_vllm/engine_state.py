@@ -4,6 +4,7 @@ changes as vLLM KV events."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -92,15 +93,17 @@ def kv_block_ref_counts(kv_cache_manager: Any, block_ids: Iterable[int]
     """Each block's reference count in vLLM's block pool (how many requests, running
     or finished with their free delayed, hold it; 0 for the null block, whose count
     vLLM does not keep), None when not known.  Private state used (vLLM 0.32):
-    ``KVCacheManager.block_pool``, ``BlockPool.blocks``, ``KVCacheBlock.ref_cnt``."""
+    ``KVCacheManager.block_pool``, ``BlockPool.blocks`` and ``.null_block``,
+    ``KVCacheBlock.ref_cnt``.  Read with ``map`` (about 0.35 us a block, not 0.6
+    in a loop): D counts every held block."""
     pool = getattr(kv_cache_manager, "block_pool", None)
     if pool is None:
         return None
-    blocks = pool.blocks
-    out = {}
-    for block_id in block_ids:
-        block = blocks[block_id]
-        out[block_id] = 0 if block.is_null else block.ref_cnt
+    ids = list(block_ids)
+    out = dict(zip(ids, map(operator.attrgetter("ref_cnt"),
+                            map(pool.blocks.__getitem__, ids))))
+    if pool.null_block.block_id in out:
+        out[pool.null_block.block_id] = 0
     return out
 
 
