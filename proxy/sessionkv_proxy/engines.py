@@ -2,7 +2,9 @@
 
 Two load signals: the proxy's own in-flight accounting (exact, immediate, but blind
 to traffic that bypasses this replica) and a periodic scrape of each engine's
-``/metrics`` (queue depth, KV usage; shared truth, but seconds old).
+``/metrics`` (queue depth, KV usage; shared truth, but seconds old).  Of the KV usage,
+the share only session holds keep (``sessionkv_session_hold_blocks`` over vLLM's
+``num_gpu_blocks``) is read too: D frees it on demand (``policy.net_kv_usage``).
 
 Two health signals.  Refused or broken connections mark an engine unhealthy (two in
 a row).  An engine that accepts connections but stops answering (a hung or stopped
@@ -26,13 +28,20 @@ import aiohttp
 from sessionkv_proxy.config import EngineConfig
 from sessionkv_proxy.route_types import Role
 
-__all__ = ["Engine", "EnginePool", "parse_vllm_metrics"]
+__all__ = ["Engine", "EnginePool", "parse_num_gpu_blocks", "parse_vllm_metrics",
+           "reclaimable_share"]
 
 logger = logging.getLogger("sessionkv_proxy.engines")
 
 _METRIC_RE = re.compile(
-    r"^(vllm:num_requests_waiting|vllm:num_requests_running|vllm:kv_cache_usage_perc)"
+    r"^(vllm:num_requests_waiting|vllm:num_requests_running|vllm:kv_cache_usage_perc"
+    r"|sessionkv_session_hold_blocks)"
     r"(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
+# vLLM's cache config as an info gauge; its num_gpu_blocks label is the engine's KV
+# blocks (summed over data-parallel ranks, the same on each rank's series).  Other
+# labels' values may hold braces (a config value's repr): any text up to it.
+_NUM_GPU_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{.*?\bnum_gpu_blocks="(\d+)"',
+                                re.M)
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
@@ -47,6 +56,22 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + number
     return out
+
+
+def parse_num_gpu_blocks(text: str) -> int | None:
+    """The engine's KV blocks, from ``vllm:cache_config_info``; None when absent."""
+    found = _NUM_GPU_BLOCKS_RE.search(text)
+    return int(found.group(1)) if found else None
+
+
+def reclaimable_share(hold_blocks: float | None, num_gpu_blocks: int | None) -> float:
+    """The share of the KV, as ``vllm:kv_cache_usage_perc`` counts it, that only
+    session holds keep: ``hold_blocks`` over the blocks vLLM's usage divides by
+    (``num_gpu_blocks`` less its null block), at most 1.  0 when either is unknown
+    (stock vLLM, an older connector): the usage is then read as it is."""
+    if not hold_blocks or not num_gpu_blocks or num_gpu_blocks < 2:
+        return 0.0
+    return min(1.0, max(0.0, hold_blocks) / (num_gpu_blocks - 1))
 
 
 @dataclass
@@ -67,6 +92,7 @@ class Engine:
     waiting_requests: float = 0.0
     running_requests: float = 0.0
     kv_usage: float = 0.0
+    kv_reclaimable: float = 0.0    # of kv_usage, what only session holds keep
     healthy: bool = True
     # When connections to it were last refused (unix s): a process that comes back
     # on the same port is a new one, and its NIXL memory holds none of the old KV.
@@ -254,5 +280,7 @@ class EnginePool:
         engine.waiting_requests = gauges.get("vllm:num_requests_waiting", 0.0)
         engine.running_requests = gauges.get("vllm:num_requests_running", 0.0)
         engine.kv_usage = gauges.get("vllm:kv_cache_usage_perc", 0.0)
+        engine.kv_reclaimable = reclaimable_share(gauges.get("sessionkv_session_hold_blocks"),
+                                                  parse_num_gpu_blocks(text))
         engine.last_scrape_s = time.monotonic()
         self.mark_success(engine)

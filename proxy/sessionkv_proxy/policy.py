@@ -51,6 +51,7 @@ from vllm_sessionkv.wire.protocol import handle_expired
 # reachable from here as before).
 __all__ = [
     "healthy_workers",
+    "net_kv_usage",
     "overlaps_from_match",
     "pick",
     "route",
@@ -72,6 +73,25 @@ def healthy_workers(workers: Sequence[WorkerLoad], role: Role) -> list[WorkerLoa
     if not kept:
         raise NoWorkerAvailable(role)
     return kept
+
+
+def net_kv_usage(w: WorkerLoad) -> float:
+    """The KV usage the pressure and decode-only room checks read: vLLM's
+    ``kv_usage`` less ``kv_reclaimable``, the share only session holds keep (D ends
+    them for a request it cannot admit), floored at 0.  vLLM counts held blocks as
+    used, so without this a D full only of holds looks full, loses its sessions and
+    refuses the turns it would serve alone.  Equal to ``kv_usage`` for an engine
+    that does not report its holds (``kv_reclaimable`` 0)."""
+    return max(0.0, w.kv_usage - w.kv_reclaimable)
+
+
+def _kv_figure(t: DecodeTerms) -> str:
+    """The usage a check read, for a route reason: net of the holds where there are
+    any."""
+    if t.kv_reclaimable <= 0:
+        return f"kv usage {t.kv_usage:.2f}"
+    return (f"kv usage {t.net_kv_usage:.2f}: {t.kv_usage:.2f} less "
+            f"{t.kv_reclaimable:.2f} only session holds keep")
 
 
 def overlaps_from_match(match: PrefixMatch) -> dict[str, TierOverlap]:
@@ -194,15 +214,16 @@ def score_decode(
         # A disk read priced above recompute is not a restore: the engine recomputes.
         disk = disk if disk_weight > 0 else 0
         new = prompt_blocks - device - host - disk
+        net = net_kv_usage(w)
         out.append(DecodeTerms(
             url=w.url, active_decode_blocks=w.active_decode_blocks,
             queued_decode_blocks=w.queued_decode_blocks,
             queued_prefill_blocks=w.queued_prefill_blocks, device_blocks=device,
             host_blocks=host, host_weight=host_weight,
             disk_blocks=disk, disk_weight=disk_weight,
-            new_blocks=new, kv_usage=w.kv_usage, active_requests=w.active_requests,
-            affinity=w.url == holder,
-            over_pressure=w.kv_usage > params.decode_kv_pressure_threshold,
+            new_blocks=new, kv_usage=w.kv_usage, kv_reclaimable=w.kv_reclaimable,
+            net_kv_usage=net, active_requests=w.active_requests,
+            affinity=w.url == holder, over_pressure=net > params.decode_kv_pressure_threshold,
             recent_placements=w.recent_placements,
             # The placements surcharge prices the work this request adds here (its
             # new blocks), not its whole prompt: a worker that already holds the
@@ -289,18 +310,22 @@ def _pick_decode(
     """(url, reason, chosen for its prefix)."""
     holder = next((t for t in terms if t.affinity), None)
     under = [t for t in terms if not t.over_pressure]
+    threshold = params.decode_kv_pressure_threshold
     if holder is not None and not holder.over_pressure:
         lighter = _lighter_than_holder(holder, under, params)
         if lighter is None:
-            return holder.url, "session affinity", False
+            # Say the figure where vLLM's own usage alone would have dropped it.
+            kept = (f" ({_kv_figure(holder)} <= {threshold})"
+                    if holder.kv_usage > threshold else "")
+            return holder.url, f"session affinity{kept}", False
         return (lighter.url, f"session affinity yielded to load ({holder.queued_decode_blocks:.0f}"
                 f" vs {lighter.queued_decode_blocks:.0f} queued decode blocks, "
                 f"{lighter.new_blocks - holder.new_blocks} blocks reuse)", False)
     if holder is not None and not under:
-        return (holder.url, "session affinity kept: every decode worker over kv pressure",
-                False)
+        return (holder.url, "session affinity kept: every decode worker over kv pressure "
+                f"({_kv_figure(holder)} > {threshold})", False)
     if holder is not None:
-        reason = "session affinity dropped: kv pressure"
+        reason = f"session affinity dropped: kv pressure ({_kv_figure(holder)} > {threshold})"
     elif under:
         reason = "least loaded decode"
         prefix = _prefix_holder(under, params)
@@ -390,11 +415,10 @@ def _decode_alone(inp: RouteInput, workers: Sequence[WorkerLoad], params: Routin
     """(reason, label) when D serves the request alone before P is scored: a small
     increment D has room for, several engine requests, or no prefill pool."""
     small = uncached <= params.decode_only_max_uncached_tokens
-    room = (chosen.kv_usage < params.decode_only_max_kv_usage
-            and chosen.active_requests < params.decode_only_max_active_requests)
+    room, room_note = _room(chosen, params)
     if small and room:
-        restored = _restored_note(chosen, "restored from")
-        return (f"{uncached} uncached tokens{f', {restored}' if restored else ''}",
+        notes = ", ".join(n for n in (_restored_note(chosen, "restored from"), room_note) if n)
+        return (f"{uncached} uncached tokens{f', {notes}' if notes else ''}",
                 _RESTORE_REASON.get(chosen.restored_from, RouteReason.SMALL_INCREMENT))
     if inp.engine_requests > 1 and not no_decode:
         # P answers with one hand-off, naming one engine request's KV (vLLM returns one
@@ -441,8 +465,8 @@ def _prefill_queued(decode: DecodeTerms, prefill: PrefillTerms, params: RoutingP
     if (bound <= 0 or params.decode_only_max_uncached_tokens < 0
             or prefill.queued_prefill_blocks <= 0):
         return None
-    if not (decode.kv_usage < params.decode_only_max_kv_usage
-            and decode.active_requests < params.decode_only_max_active_requests):
+    room, room_note = _room(decode, params)
+    if not room:
         return None
     through_prefill = prefill.queued_prefill_blocks + prefill.work_blocks
     decode_work = (decode.new_blocks + (1.0 - decode.host_weight) * decode.host_blocks
@@ -453,7 +477,21 @@ def _prefill_queued(decode: DecodeTerms, prefill: PrefillTerms, params: RoutingP
     return (f"P's queue {prefill.queued_prefill_blocks:.1f} + {prefill.work_blocks:.1f} "
             f"blocks of compute for this turn = {through_prefill:.1f} > D's queue "
             f"{decode.queued_prefill_blocks:.1f} + {decode_work:.1f} = {on_decode:.1f} "
-            f"(within {bound} tokens)")
+            f"(within {bound} tokens{f', {room_note}' if room_note else ''})")
+
+
+def _room(decode: DecodeTerms, params: RoutingParams) -> tuple[bool, str]:
+    """Whether D has room to serve a turn alone: its net KV usage
+    (``net_kv_usage``) under ``decode_only_max_kv_usage`` and its requests under
+    ``decode_only_max_active_requests``; and the figure for the reason, where one
+    decided: what refused it, or the net usage where vLLM's own would have."""
+    bound = params.decode_only_max_kv_usage
+    if decode.net_kv_usage >= bound:
+        return False, f"{_kv_figure(decode)} >= {bound}"
+    if decode.active_requests >= params.decode_only_max_active_requests:
+        return False, (f"{decode.active_requests} active requests >= "
+                       f"{params.decode_only_max_active_requests}")
+    return True, f"{_kv_figure(decode)} < {bound}" if decode.kv_usage >= bound else ""
 
 
 def _disaggregated_why(inp: RouteInput, workers: Sequence[WorkerLoad],
@@ -462,7 +500,9 @@ def _disaggregated_why(inp: RouteInput, workers: Sequence[WorkerLoad],
                        ) -> tuple[str, RouteReason, int, str]:
     """(why, label, restore tokens, why a restore was not asked) of a P -> D route."""
     small = uncached <= params.decode_only_max_uncached_tokens
-    why = "increment too large" if not small else "decode worker busy"
+    # A small increment comes here only when D had no room (``_decode_alone``).
+    why = ("increment too large" if not small
+           else f"decode worker busy ({_room(chosen, params)[1]})")
     label = RouteReason.INCREMENT_TOO_LARGE if not small else RouteReason.DECODE_BUSY
     restore = _restore_for_pull(inp, chosen, prefill_chosen, params)
     not_asked = ""

@@ -116,6 +116,11 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # until the answer (P) or the request's end (D), so D's is an upper bound.
     queued_prefill_blocks: float = 0.0
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc as a fraction in [0, 1]
+    # The share of that usage D frees on demand: blocks only session holds keep
+    # (sessionkv_session_hold_blocks over the engine's blocks), which D ends for a
+    # request it cannot admit.  0 where the engine does not say (stock vLLM, an older
+    # connector).  The policy reads ``policy.net_kv_usage``.
+    kv_reclaimable: float = 0.0
     recent_placements: int = 0  # requests placed here by cost in the last window
     # A host-tier restore here gave a handle already inside the expiry margin (its
     # session lease is shorter): no restore for P's pull is asked of it.
@@ -309,10 +314,13 @@ class DecodeTerms(msgspec.Struct, frozen=True, kw_only=True):
     disk_blocks: int = 0  # beyond device and host blocks, on D's disk tier
     disk_weight: float = 0.0  # share of their recompute a disk restore saves
     new_blocks: int  # blocks D must receive or compute: the prompt less all three
-    kv_usage: float
+    kv_usage: float  # ``WorkerLoad.kv_usage``, vLLM's own figure
+    kv_reclaimable: float = 0.0  # ``WorkerLoad.kv_reclaimable``
+    # What the pressure and room checks read: ``policy.net_kv_usage``.
+    net_kv_usage: float = 0.0
     active_requests: int
     affinity: bool  # holds the request's live session
-    over_pressure: bool
+    over_pressure: bool  # net_kv_usage over decode_kv_pressure_threshold
     recent_placements: int = 0
     prefix_affinity: bool = False  # chosen for its prefix, within the load bound
     cost: float

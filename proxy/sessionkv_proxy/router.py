@@ -291,7 +291,8 @@ class Router:
             active_decode_blocks=e.active_decode_tokens / block_size,
             queued_decode_blocks=e.active_decode_work_tokens / block_size,
             queued_prefill_blocks=e.active_prefill_work_tokens / block_size,
-            kv_usage=e.kv_usage, recent_placements=placed.get(e.url, 0),
+            kv_usage=e.kv_usage, kv_reclaimable=e.kv_reclaimable,
+            recent_placements=placed.get(e.url, 0),
             restores_expire=e.restore_handles_expire)
             for e in self.pool.engines]
 

@@ -556,6 +556,89 @@ def test_prefill_queue_bound_is_validated():
         params(decode_only_prefill_queued_max_tokens=-1)
 
 
+# --------------------------------------------------------------------------- held KV
+
+
+# D at 95% KV usage, 40 points of it blocks only session holds keep (D ends them for a
+# request it cannot admit): 55% net.  The control is the same D without the engine's
+# gauge (stock vLLM, an older connector): kv_reclaimable 0, vLLM's usage as it is.
+HELD = {"kv_usage": 0.95, "kv_reclaimable": 0.40}
+UNREPORTED = {"kv_usage": 0.95}
+
+
+def test_net_kv_usage_takes_off_what_only_holds_keep_floored_at_zero():
+    assert policy.net_kv_usage(D("d", **HELD)) == pytest.approx(0.55)
+    assert policy.net_kv_usage(D("d", **UNREPORTED)) == 0.95
+    # The two gauges come from different moments: never below 0.
+    assert policy.net_kv_usage(D("d", kv_usage=0.30, kv_reclaimable=0.35)) == 0.0
+    t = by_url(score_decode(inp(160), [P("p1"), D("d1", **HELD), D("d2", **UNREPORTED)],
+                            params()))
+    assert (t["d1"].kv_usage, t["d1"].kv_reclaimable) == (0.95, 0.40)
+    assert t["d1"].net_kv_usage == pytest.approx(0.55) and not t["d1"].over_pressure
+    assert t["d2"].net_kv_usage == 0.95 and t["d2"].over_pressure
+
+
+@pytest.mark.parametrize("load, kept", [(HELD, True), (UNREPORTED, False)])
+def test_a_decode_full_of_holds_keeps_its_sessions(load, kept):
+    i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
+    workers = [P("p1"), D("d1", **load), D("d2", active_decode_blocks=30.0, kv_usage=0.5)]
+    d = route(i, workers, params(), random.Random(0))
+    if kept:
+        assert d.decode_url == "d1" and d.reason.startswith(
+            "session affinity (kv usage 0.55: 0.95 less 0.40 only session holds keep "
+            "<= 0.9)")
+    else:
+        assert d.decode_url == "d2" and d.reason.startswith(
+            "session affinity dropped: kv pressure (kv usage 0.95 > 0.9)")
+
+
+def test_a_decode_over_pressure_net_of_its_holds_still_loses_its_sessions():
+    # 0.99 less 0.05 held is 0.94: over 0.9 all the same; the reason gives the figure.
+    i = inp(3200, session=session("d1"), peer_pullable_blocks=50)
+    workers = [P("p1"), D("d1", kv_usage=0.99, kv_reclaimable=0.05), D("d2", kv_usage=0.5)]
+    d = route(i, workers, params(), random.Random(0))
+    assert d.decode_url == "d2" and "kv pressure (kv usage 0.94: 0.99 less 0.05" in d.reason
+    alone = route(i, [P("p1"), D("d1", kv_usage=0.99, kv_reclaimable=0.05)], params(),
+                  random.Random(0))
+    assert alone.decode_url == "d1" and "session affinity kept: every decode" in alone.reason
+
+
+@pytest.mark.parametrize("load, alone", [(HELD, True), (UNREPORTED, False)])
+def test_a_decode_full_of_holds_takes_a_small_turn_alone(load, alone):
+    # D holds 60 of 63 blocks: 40 uncached tokens, a small increment.
+    i = inp(1000, session=session("d1"), peer_pullable_blocks=60)
+    d = route(i, [P("p1"), D("d1", **load)], params(), random.Random(0))
+    assert d.decode_url == "d1"
+    if alone:
+        assert d.mode is Mode.DECODE_ONLY and d.label.value == "small_increment"
+        assert d.reason == ("session affinity (kv usage 0.55: 0.95 less 0.40 only "
+                            "session holds keep <= 0.9); decode only: 40 uncached tokens, "
+                            "kv usage 0.55: 0.95 less 0.40 only session holds keep < 0.8")
+    else:
+        assert d.mode is Mode.DISAGGREGATED and d.label.value == "decode_busy"
+        assert "decode worker busy (kv usage 0.95 >= 0.8)" in d.reason
+
+
+@pytest.mark.parametrize("load, alone", [(HELD, True), (UNREPORTED, False)])
+def test_a_decode_full_of_holds_takes_a_turn_behind_a_prefill_queue(load, alone):
+    d = route(_queued_turn(), [P("p1", queued_prefill_blocks=30.0), D("d1", **load)],
+              params(), random.Random(0))
+    assert (d.mode is Mode.DECODE_ONLY) is alone
+    if alone:
+        assert d.label.value == "prefill_queued" and "(within 2048 tokens, kv usage 0.55" \
+            in d.reason
+
+
+def test_room_names_what_refused_it():
+    busy = route(inp(1000, session=session("d1"), peer_pullable_blocks=60),
+                 [P("p1"), D("d1", active_requests=32)], params(), random.Random(0))
+    assert "decode worker busy (32 active requests >= 32)" in busy.reason
+    # Under every bound and no holds: the reasons are as before, with no figure.
+    plain = route(inp(1000, session=session("d1"), peer_pullable_blocks=60),
+                  [P("p1"), D("d1", kv_usage=0.5)], params(), random.Random(0))
+    assert plain.reason == "session affinity; decode only: 40 uncached tokens"
+
+
 # --------------------------------------------------------------------------- prefill-only
 
 

@@ -309,3 +309,19 @@ async def test_prefill_work_is_counted_and_a_queued_p_sends_a_turn_to_d_alone() 
         assert after.mode == "disaggregated"
     finally:
         await upstream.close()
+
+
+@pytest.mark.parametrize("reclaimable, mode", [(0.4, "decode_only"), (0.0, "disaggregated")])
+async def test_the_router_reads_d_s_kv_usage_net_of_its_holds(reclaimable, mode) -> None:
+    """D at 95% KV usage, 40 points of it only session holds keep (the scrape's
+    ``kv_reclaimable``): a small turn goes to D alone.  Control: without the share
+    (stock vLLM), D has no room and the turn goes through P."""
+    router, pool, upstream = _one_p_one_d()
+    d = pool.get(D1)
+    d.kv_usage, d.kv_reclaimable = 0.95, reclaimable
+    try:
+        plan = await router.plan(_body(list(range(1000, 1010))), False, None)
+        assert plan.mode == mode
+        assert ("kv usage 0.55: 0.95 less 0.40" in plan.terms["detail"]) is (mode == "decode_only")
+    finally:
+        await upstream.close()
