@@ -31,10 +31,18 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_S = 240.0
-# KV cache per test engine: 262,144 tokens of the tiny model, far above any test's
-# need.  vLLM's 1 GiB default put up to nine engines' worth (6.75 GiB more) on this
-# 24 GiB machine while the session cluster and the 2P+2D one ran together.
-TEST_KV_CACHE_GB = 0.25
+# Every test engine's --dtype.  Tests compare logprobs with a co-located engine's to
+# 2e-3; in bfloat16 a P/D turn and the co-located recompute of the same tokens round
+# differently on some CPUs (AMD EPYC and Intel Xeon here: equal tokens, logprobs up to
+# 0.18 apart), so bfloat16 would test the CPU's rounding, not the KV.  float32 agrees.
+TEST_DTYPE = "float32"
+# KV cache per test engine: 262,144 tokens of the tiny model in float32, far above any
+# test's need.  vLLM's 1 GiB default put up to nine engines' worth on this 24 GiB
+# machine while the session cluster and the 2P+2D one ran together.
+TEST_KV_CACHE_GB = 0.5
+# The tiny Llama's KV bytes per token in TEST_DTYPE: 2 layers x K,V x 2 heads x 64 dims
+# x 4 bytes (what a block holds in the host and disk tiers: block size x this).
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
 # Pull-or-recompute prices for the tiny model in these tests: a 32-token tail costs
 # about 1 ms to recompute at 200 tokens of context and about 4 ms at 2,000, against
 # a fixed 2 ms per pull; each request in P's last step adds 25% to recompute time.
@@ -98,7 +106,8 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
     base = free_port_block(40)
     argv = [sys.executable, str(REPO / "examples" / "local_cluster.py"), "--model", model,
             "--base-port", str(base), "--proxy-port", str(base + 39),
-            "--log-dir", str(log_dir), "--kv-cache-gb", str(TEST_KV_CACHE_GB), *args]
+            "--log-dir", str(log_dir), "--kv-cache-gb", str(TEST_KV_CACHE_GB),
+            "--dtype", TEST_DTYPE, *args]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -158,7 +167,7 @@ def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
     try:
         base = free_port_block(3)
         options = {"kv_cache_space_gb": TEST_KV_CACHE_GB, "served_model_name": model,
-                   **engine_options}
+                   "dtype": TEST_DTYPE, **engine_options}
         colocated = EngineSpec(role="colocated", model=model, port=base, **options)
         # D skips NIXL's model-compatibility check so that this P can hand it KV.
         perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
@@ -191,7 +200,7 @@ def small_kv_cluster(model: str, log_dir: Path, block_size: int, device_blocks: 
         model=model, prefill=1, decode=1, colocated=True, redis=True,
         base_port=free_port_block(40), block_size=block_size, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=device_blocks,
-        log_dir=log_dir, sessionkv=sessionkv))
+        dtype=TEST_DTYPE, log_dir=log_dir, sessionkv=sessionkv))
     with cluster.start(timeout_s=600):
         yield cluster
 

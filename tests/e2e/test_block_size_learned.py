@@ -21,7 +21,7 @@ import sys
 import pytest
 import requests
 
-from cluster import TEST_KV_CACHE_GB, free_port_block, start_proxy_process
+from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, free_port_block, start_proxy_process
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
 
 from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
@@ -40,7 +40,8 @@ def engines(tiny_model, tmp_path_factory) -> dict[str, EngineSpec]:
     specs = {name: EngineSpec(role="colocated", model=tiny_model, port=base + 3 * i,
                               kv_events_port=base + 3 * i + 1,
                               kv_events_replay_port=base + 3 * i + 2,
-                              kv_cache_space_gb=TEST_KV_CACHE_GB, block_size=BLOCK_SIZE)
+                              kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
+                              block_size=BLOCK_SIZE)
              for i, name in enumerate(("a", "b"))}
     procs = [start_engine(spec, f"engine-{name}", log_dir) for name, spec in specs.items()]
     try:

@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 import requests
 
-from cluster import TEST_KV_CACHE_GB, free_port_block
+from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, free_port_block
 from helpers import chat_body
 
 from sessionkv_proxy.app import ProxyApp, create_app
@@ -70,7 +70,8 @@ def two_engines(tiny_model, tmp_path_factory) -> list[str]:
     log_dir = tmp_path_factory.mktemp("chat-tokenize-logs")
     base = free_port_block(2)
     specs = [EngineSpec(role="colocated", model=tiny_model, port=base + i,
-                        kv_cache_space_gb=TEST_KV_CACHE_GB, block_size=BLOCK_SIZE)
+                        kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
+                        block_size=BLOCK_SIZE)
              for i in range(2)]
     procs = [start_engine(spec, f"engine-{i}", log_dir) for i, spec in enumerate(specs)]
     try:

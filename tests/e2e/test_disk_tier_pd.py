@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import free_port_block
+from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, TINY_KV_BYTES_PER_TOKEN, free_port_block
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 from vllm_sessionkv.wire.hashing import request_keys
@@ -36,7 +36,7 @@ BLOCK = 32
 DEVICE_BLOCKS = 64
 HOST_BLOCKS = 24
 DISK_BLOCKS = 400
-BLOCK_BYTES = BLOCK * 1024  # tiny Llama: 2 layers x K,V x 2 heads x 64 dims x bf16
+BLOCK_BYTES = BLOCK * TINY_KV_BYTES_PER_TOKEN
 FILE_BYTES = BLOCK_BYTES + 82  # and the disk tier's header with a 32-byte block hash
 LEASE_S = 2.0
 COMPLETIONS = "/v1/completions"
@@ -57,8 +57,8 @@ def disk_pd(tiny_model, tmp_path_factory):
     cluster = LocalCluster(ClusterSpec(
         model=tiny_model, prefill=1, decode=1, colocated=True, redis=True,
         base_port=free_port_block(30), block_size=BLOCK, max_model_len=2000,
-        kv_cache_space_gb=0.25, num_gpu_blocks_override=DEVICE_BLOCKS,
-        log_dir=root / "logs", proxy_args=["--config", str(proxy_config)],
+        kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=DEVICE_BLOCKS,
+        dtype=TEST_DTYPE, log_dir=root / "logs", proxy_args=["--config", str(proxy_config)],
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES,
                    "disk_tier_bytes": DISK_BLOCKS * FILE_BYTES,
                    "disk_tier_dir": str(root / "disk"),   # one directory per engine

@@ -31,7 +31,7 @@ import urllib.parse
 import pytest
 import requests
 
-from cluster import SESSION_COST, TEST_KV_CACHE_GB, free_port_block
+from cluster import SESSION_COST, TEST_DTYPE, TEST_KV_CACHE_GB, free_port_block
 from helpers import (
     assert_same,
     compare,
@@ -60,7 +60,7 @@ def _ids(seed: int, n: int) -> list[int]:
 def _engine(tiny_model: str, role: str, port: int, **options):
     from vllm_sessionkv.dev.launch import EngineSpec
 
-    return EngineSpec(role=role, model=tiny_model, port=port, dtype="float32",
+    return EngineSpec(role=role, model=tiny_model, port=port, dtype=TEST_DTYPE,
                       kv_cache_space_gb=TEST_KV_CACHE_GB, served_model_name=tiny_model,
                       max_model_len=MAX_MODEL_LEN, **options)
 

@@ -13,7 +13,7 @@ import threading
 import pytest
 import zmq
 
-from cluster import TEST_KV_CACHE_GB, free_port_block
+from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, TINY_KV_BYTES_PER_TOKEN, free_port_block
 from helpers import (
     assert_same,
     completion_body,
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.cluster
 BLOCK = 32
 DEVICE_BLOCKS = 64
 HOST_BLOCKS = 48
-BLOCK_BYTES = BLOCK * 1024  # tiny Llama: 2 layers x K,V x 2 heads x 64 dims x bf16
+BLOCK_BYTES = BLOCK * TINY_KV_BYTES_PER_TOKEN
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -69,12 +69,12 @@ def host_engine(tiny_model, tmp_path_factory):
     base = free_port_block(6)
     engine = EngineSpec(
         role="decode", model=tiny_model, port=base, side_channel_port=base + 1,
-        kv_cache_space_gb=TEST_KV_CACHE_GB,
+        kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
         kv_events_port=base + 2, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=2000,
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": 2.0,
                    "superseded_hold_grace_s": 1.0})
     colocated = EngineSpec(role="colocated", model=tiny_model, port=base + 4,
-                           kv_cache_space_gb=TEST_KV_CACHE_GB)
+                           kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE)
     procs = [start_engine(engine, "decode-host-tier", log_dir),
              start_engine(colocated, "colocated", log_dir)]
     try:

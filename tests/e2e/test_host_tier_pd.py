@@ -20,7 +20,7 @@ import json
 
 import pytest
 
-from cluster import free_port_block
+from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, TINY_KV_BYTES_PER_TOKEN, free_port_block
 from helpers import (
     assert_same,
     compare,
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.cluster
 BLOCK = 32
 DEVICE_BLOCKS = 64
 HOST_BLOCKS = 96
-BLOCK_BYTES = BLOCK * 1024  # tiny Llama: 2 layers x K,V x 2 heads x 64 dims x bf16
+BLOCK_BYTES = BLOCK * TINY_KV_BYTES_PER_TOKEN
 # Above the handle expiry margins (the engines' 6 s here, the proxy's default 10 s):
 # a restored turn's handle must be usable by P.
 LEASE_S = 15.0
@@ -53,7 +53,8 @@ def host_pd(tiny_model, tmp_path_factory):
     cluster = LocalCluster(ClusterSpec(
         model=tiny_model, prefill=1, decode=2, colocated=True, redis=True,
         base_port=free_port_block(40), block_size=BLOCK, max_model_len=2000,
-        kv_cache_space_gb=0.25, num_gpu_blocks_override=DEVICE_BLOCKS, log_dir=log_dir,
+        kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=DEVICE_BLOCKS,
+        dtype=TEST_DTYPE, log_dir=log_dir,
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": LEASE_S,
                    "expiry_margin_s": 6.0, "superseded_hold_grace_s": 1.0,
                    # Pull whenever verified KV exists: which source serves the blocks

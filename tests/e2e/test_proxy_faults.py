@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 import requests
 
-from cluster import SESSION_COST, OwnRedis, cluster_with_baselines, free_port_block
+from cluster import OwnRedis, free_port_block
 from helpers import (assert_same, completion_body, engine_pid, metric_sum, parse_generation,
                      post, signal_tree)
 
@@ -153,26 +153,6 @@ def own_redis(tmp_path):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def drill_cluster(tiny_model, perturbed_model, tmp_path_factory):
-    """pd_cluster's shape with every engine in float32, for the session drill.  In
-    bfloat16 on some CPUs (an Intel Xeon here) its forced P/D turns differ from the
-    co-located server in logprobs with equal tokens (one session alone: 6 of 12 turns,
-    up to 0.18; the same engines through the launcher's own routing: 0 of 12; float32:
-    0 of 12), so a strict comparison in bfloat16 would test the CPU's rounding, not the
-    KV.  Likely why, not proven: those turns reuse KV D computed token by token in
-    decode (the partial last block P pulls) where the co-located server recomputes the
-    same tokens in a prefill."""
-    with cluster_with_baselines(tiny_model, perturbed_model,
-                                tmp_path_factory.mktemp("drill-cluster-logs"), [
-        "--prefill", "1", "--decode", "1", "--redis", "--dtype", "float32",
-        "--decode-only-max-uncached-tokens", "-1",
-        "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
-        "--sessionkv-config", json.dumps({"cost": SESSION_COST}),
-    ], dtype="float32") as cluster:
-        yield cluster
-
-
 @pytest.fixture
 def redis_proxy(pd_cluster, own_redis, tmp_path):
     proc, url = start_proxy(pd_cluster, tmp_path, prefill=pd_cluster.prefill,
@@ -187,12 +167,12 @@ def _redis_state(proxy: str) -> str:
     return body["redis"]["state"]
 
 
-def test_redis_outages_under_session_traffic_fail_no_request(drill_cluster, own_redis,
+def test_redis_outages_under_session_traffic_fail_no_request(pd_cluster, own_redis,
                                                              tmp_path):
-    proc, proxy = start_proxy(drill_cluster, tmp_path, prefill=drill_cluster.prefill,
+    proc, proxy = start_proxy(pd_cluster, tmp_path, prefill=pd_cluster.prefill,
                               redis_url=own_redis.url)
     try:
-        _redis_drill(drill_cluster, own_redis, proxy)
+        _redis_drill(pd_cluster, own_redis, proxy)
     finally:
         stop_all([proc])
 

@@ -37,7 +37,7 @@ from helpers import (
 
 pytestmark = pytest.mark.cluster
 
-KV_CACHE_GB = 0.02          # about 655 blocks of 32 tokens of the tiny model
+KV_CACHE_GB = 0.04          # about 655 blocks of 32 tokens of the tiny model in float32
 HOLD_FRACTION = 0.2         # holds may pin about 130 blocks
 PROMPT_TOKENS = 1800        # about 57 blocks a hold
 

@@ -29,6 +29,7 @@ import pytest
 import requests
 
 from cluster import (
+    TEST_DTYPE,
     TEST_KV_CACHE_GB,
     free_port_block,
     kill_engine,
@@ -102,7 +103,7 @@ def cluster_2p2d(tiny_model, tmp_path_factory):
     extra: list[ManagedProcess] = []
     try:
         colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1),
-                               kv_cache_space_gb=TEST_KV_CACHE_GB)
+                               kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE)
         extra.append(start_engine(colocated, "colocated", log_dir))
         wait_healthy([(extra[0], colocated.url)], timeout_s=400)
         cluster.colocated = colocated.url
