@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from cluster import small_kv_cluster
+from cluster import TINY_KV_BYTES_PER_TOKEN, small_kv_cluster
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
 from vllm_sessionkv.dev.launch import LocalCluster
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.cluster
 BLOCK = 32
 DEVICE_BLOCKS = 64
 HOST_BLOCKS = 96
-BLOCK_BYTES = BLOCK * 1024  # tiny Llama: 2 layers x K,V x 2 heads x 64 dims x bf16
+BLOCK_BYTES = BLOCK * TINY_KV_BYTES_PER_TOKEN
 COMPLETIONS = "/v1/completions"
 
 
