@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from sessionkv_proxy.index.base import TIER_DEVICE, TIER_HOST, TIER_STORAGE, PrefixMatch
+from sessionkv_proxy.queue_expiry import expiry_route, handle_expires_in_queue
 from sessionkv_proxy.route_types import (
     DecodeTerms,
     Mode,
@@ -373,14 +374,12 @@ def route(
         return decode_only(*alone)
     try:
         # A prefill-only request is a plain request on P: no handle, so no peer pull.
-        prefill_terms = score_prefill(
-            msgspec.structs.replace(inp, peer_pullable_blocks=0) if no_decode else inp,
-            workers, params)
+        prefill_terms, prefill_chosen = _pick_prefill(inp, workers, params, rng, no_decode)
     except NoWorkerAvailable:
         if not params.decode_only_without_prefill:
             raise
         return decode_only("no healthy prefill worker", RouteReason.NO_PREFILL_WORKER)
-    prefill_url = pick({t.url: t.cost for t in prefill_terms}, params.temperature, rng)
+    prefill_url = prefill_chosen.url
     if no_decode:
         return RouteDecision(
             mode=Mode.PREFILL_ONLY, prefill_url=prefill_url, decode_url=decode_url,
@@ -390,23 +389,42 @@ def route(
             uncached_tokens=uncached, prefill_candidates=prefill_terms,
             decode_candidates=decode_terms,
         )
-    prefill_chosen = next(t for t in prefill_terms if t.url == prefill_url)
     queued = _prefill_queued(chosen, prefill_chosen, params, inp.block_size)
-    if queued is not None:
+    expiry = handle_expires_in_queue(inp, prefill_chosen, params) if queued is None else None
+    alone, expiry_words = expiry_route(expiry, chosen, _room(chosen, params), params)
+    if queued is not None or alone:
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,
-            reason=f"{decode_reason}; decode only: {queued}", label=RouteReason.PREFILL_QUEUED,
+            reason=f"{decode_reason}; decode only: {queued or expiry_words}",
+            label=RouteReason.HANDLE_EXPIRES_IN_QUEUE if alone else RouteReason.PREFILL_QUEUED,
             uncached_tokens=uncached, prefill_candidates=prefill_terms,
-            decode_candidates=decode_terms)
+            decode_candidates=decode_terms, handle_expires_in_queue=alone)
+    if expiry is not None:
+        # P recomputes what it would have pulled: priced, picked and counted so.
+        prefill_terms, prefill_chosen = _pick_prefill(inp, workers, params, rng, True)
+        prefill_url = prefill_chosen.url
     why, label, restore, not_asked = _disaggregated_why(inp, workers, params, chosen,
                                                         prefill_chosen, uncached)
     return RouteDecision(
         mode=Mode.DISAGGREGATED, prefill_url=prefill_url, decode_url=decode_url,
         reason=f"{decode_reason}; disaggregated: {why} ({uncached} uncached tokens)"
-               f"{not_asked}",
+               f"{not_asked}{f'; {expiry_words}' if expiry_words else ''}",
         label=label, uncached_tokens=uncached, restore_tokens=restore,
         prefill_candidates=prefill_terms, decode_candidates=decode_terms,
+        handle_expires_in_queue=expiry is not None,
     )
+
+
+def _pick_prefill(inp: RouteInput, workers: Sequence[WorkerLoad], params: RoutingParams,
+                  rng: random.Random, without_handle: bool
+                  ) -> tuple[tuple[PrefillTerms, ...], PrefillTerms]:
+    """The P pool scored, and the chosen P's terms.  ``without_handle``: no session
+    handle goes to P (a prefill-only request, or a handle that would expire in P's
+    queue), so no pull from the session's D is credited."""
+    terms = score_prefill(msgspec.structs.replace(inp, peer_pullable_blocks=0)
+                          if without_handle else inp, workers, params)
+    url = pick({t.url: t.cost for t in terms}, params.temperature, rng)
+    return terms, next(t for t in terms if t.url == url)
 
 
 def _decode_alone(inp: RouteInput, workers: Sequence[WorkerLoad], params: RoutingParams,

@@ -82,6 +82,10 @@ class RouteReason(str, enum.Enum):
     # Decode only: with P's queued prefill work the turn would have its prompt computed
     # later through P than on D alone (``policy._prefill_queued``).
     PREFILL_QUEUED = "prefill_queued"
+    # Decode only: the session's handle would expire in P's queue (P would refuse it and
+    # recompute the history), and the session's D, which holds it, has room
+    # (``queue_expiry.handle_expires_in_queue``).
+    HANDLE_EXPIRES_IN_QUEUE = "handle_expires_in_queue"
     # Decided by the router without the policy:
     ROUND_ROBIN = "round_robin"
     SINGLE_DECODE_WORKER = "single_decode_worker"
@@ -144,7 +148,9 @@ class SessionView(msgspec.Struct, frozen=True, kw_only=True):
 
     session_id: str
     last_decode: str | None = None  # URL of the D that holds the session's KV
-    expires_at_s: float | None = None  # end of D's lease on the blocks; None: unknown
+    # The session handle's end (D's lease on the blocks, ``expires_at_unix_s``); None:
+    # no handle goes with the request, or its end is unknown.
+    expires_at_s: float | None = None
 
 
 class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
@@ -345,6 +351,10 @@ class RouteDecision(msgspec.Struct, frozen=True, kw_only=True):
     # tier for P to pull (the
     # router asks D for them first, as a one-token session turn); 0 otherwise.
     restore_tokens: int = 0
+    # The session's handle would expire in P's queue (``queue_expiry``): it is not sent
+    # to P (the router counts the handle ``expires_in_queue``), whether D serves the
+    # turn alone or P recomputes it.
+    handle_expires_in_queue: bool = False
     prefill_candidates: tuple[PrefillTerms, ...] = ()
     decode_candidates: tuple[DecodeTerms, ...] = ()
 

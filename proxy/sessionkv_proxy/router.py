@@ -307,13 +307,16 @@ class Router:
         self.recent.record(g.keys, sent_to, g.now_s)
         if decision.decode_placed:
             self.recent.record_placement(decision.decode_url, g.now_s)
-        used = mode is Mode.DISAGGREGATED and g.handle is not None
+        # Not sent to P: a handle that would expire in P's queue (P would refuse it).
+        used = (mode is Mode.DISAGGREGATED and g.handle is not None
+                and not decision.handle_expires_in_queue)
         prefill_params, outcome = None, g.outcome
         if mode is Mode.DISAGGREGATED:
-            prefill_params = (g.handle.prefill_params() if g.handle is not None
+            prefill_params = (g.handle.prefill_params() if used
                               else handoff.fresh_prefill_params())
-        elif g.handle is not None:
-            outcome = f"unused_{mode.value}"
+        if g.handle is not None and not used:
+            outcome = ("expires_in_queue" if decision.handle_expires_in_queue
+                       else f"unused_{mode.value}")
         # A handle is single use: P's read tells D to release the blocks, so a second
         # read could fetch reused memory.  The published copy was taken by the read
         # itself (one replica gets it); a record-held one leaves this replica's view

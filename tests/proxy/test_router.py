@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -218,6 +219,77 @@ async def test_a_handle_in_its_last_seconds_is_not_consumed(left_s, outcome) -> 
         else:
             assert plan.prefill_params["remote_engine_id"] == "d1"
             assert stored.handle is None        # consumed: single use
+    finally:
+        await upstream.close()
+
+
+@pytest.mark.parametrize("case", ["alone", "no_room", "control"])
+async def test_a_handle_that_would_expire_in_p_queue_is_not_sent(case) -> None:
+    """A handle with 3 s past the margin, P's queue ~10 s (100,000 queued prompt tokens
+    at 1e-4 s a token): the turn goes to the session's D alone, or, D without room,
+    to P without the handle; either way the handle is left unconsumed and counted
+    ``expires_in_queue``.  Control: the same handle with P idle is attached."""
+    from vllm_sessionkv.wire.protocol import handle_from_params
+
+    from sessionkv_proxy.metrics import ProxyMetrics
+    from sessionkv_proxy.sessions import SessionRecord
+
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none",
+                                "routing": {"params": {"recompute": {
+                                    "s_per_token": 1e-4,
+                                    "s_per_token_per_context_token": 1e-9,
+                                    "load_slowdown_per_unit": 0.0}}}})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    pool = EnginePool.from_configs(config.engines)
+    router = Router(config, pool, MemoryIndex(), upstream)
+    margin_s = router.params.handle_expiry_margin_s
+    handle = handle_from_params({
+        "do_remote_decode": True, "remote_engine_id": "d1", "remote_block_ids": [[1]],
+        "sessionkv": {"engine_url": D1, "expires_at_unix_s": time.time() + margin_s + 3,
+                      "hash_chain": ""}})
+    # 8000 tokens, the first 4800 the session's earlier turns (D's handle): 3200 new,
+    # more than D takes alone behind P's queue.
+    prompt = list(range(100, 8100))
+    if case != "control":
+        pool.get(P_URL).active_prefill_work_tokens = 100_000.0
+    if case == "no_room":
+        pool.get(D1).kv_usage = 0.85
+    try:
+        await router.sessions.save(SessionRecord(
+            session_id="s", last_decode=D1, handle=handle,
+            prompt_keys=request_keys(prompt[:4800], BS)))
+        plan = await router.plan(_body(prompt), False, "s")
+        stored = await router.sessions.load("s", None)
+        metrics = ProxyMetrics()
+        metrics.count_route(plan.mode, plan.reason, plan.handle_outcome, 0.0, 1)
+        get = metrics.registry.get_sample_value
+        if case == "control":
+            assert (plan.mode, plan.reason) == ("disaggregated", "increment_too_large")
+            assert plan.handle_outcome == "attached"
+            assert plan.prefill_params["remote_engine_id"] == "d1"
+            assert stored.handle is None        # consumed: single use
+            return
+        assert plan.handle_outcome == "expires_in_queue"
+        assert stored.handle == handle          # not consumed
+        # 3 s left when the handle was made, less the time the test took to here.
+        assert re.search(r"handle would expire in P's queue \((3\.0|2\.9) s left, "
+                         r"~10\.0 s queued\)", plan.terms["detail"])
+        assert get("sessionkv_proxy_session_handles_total",
+                   {"outcome": "expires_in_queue"}) == 1.0
+        if case == "alone":
+            assert (plan.mode, plan.reason, plan.prefill) == \
+                ("decode_only", "handle_expires_in_queue", None)
+            assert plan.decode_prefill_tokens == 3200   # D computes the new tokens
+            assert get("sessionkv_proxy_routing_decisions_total",
+                       {"mode": "decode_only", "reason": "handle_expires_in_queue"}) == 1.0
+        else:
+            assert plan.mode == "disaggregated" and plan.prefill.url == P_URL
+            assert plan.prefill_params["remote_engine_id"] is None
+            assert "sessionkv" not in plan.prefill_params
+            assert plan.prefill_work_tokens == 8000     # P recomputes it all
+            assert "D has no room (kv usage 0.85 >= 0.8)" in plan.terms["detail"]
     finally:
         await upstream.close()
 
