@@ -110,6 +110,38 @@ def test_decode_engines_can_get_their_own_kv_cache():
     assert _kv_bytes(same._engine("decode", 1, "decode0")) == 2**28
 
 
+def test_a_cluster_is_started_once_by_with_cluster_start(monkeypatch, tmp_path):
+    """``with cluster.start():`` once started every engine twice (__enter__ started the
+    cluster again): small_kv_cluster ran six engines, each start twice as long."""
+    import vllm_sessionkv.dev.launch as launch
+
+    spawned = []
+
+    class FakeProcess:
+        name = "redis"
+
+        def alive(self):
+            return True
+
+    def fake_redis(*_args, **_kwargs):
+        spawned.append("redis")
+        return FakeProcess()
+
+    monkeypatch.setattr(launch, "start_redis", fake_redis)
+    monkeypatch.setattr(launch, "wait_redis", lambda *a, **k: None)
+    monkeypatch.setattr(launch, "stop_all", lambda procs, **k: None)
+    cluster = LocalCluster(ClusterSpec(model="m", prefill=0, decode=0, redis=True,
+                                       proxy=False, log_dir=tmp_path))
+    with cluster.start() as same:
+        assert same is cluster
+    assert spawned == ["redis"]
+    cluster = LocalCluster(ClusterSpec(model="m", prefill=0, decode=0, redis=True,
+                                       proxy=False, log_dir=tmp_path))
+    cluster.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        cluster.start()
+
+
 def _local_cluster_main():
     path = Path(__file__).resolve().parents[2] / "examples" / "local_cluster.py"
     module_spec = importlib.util.spec_from_file_location("local_cluster_cli", path)

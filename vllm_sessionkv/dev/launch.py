@@ -688,6 +688,10 @@ class LocalCluster:
         return [c.proc for c in self._children]
 
     def start(self, timeout_s: float = 600.0) -> LocalCluster:
+        if self._children:
+            # A second start would launch a second set of engines beside the first
+            # (``with cluster.start():`` did, its __enter__ starting again).
+            raise RuntimeError("LocalCluster.start: already started")
         spec = self.spec
         log_dir = spec.log_dir
         try:
@@ -868,7 +872,8 @@ class LocalCluster:
         return [p.pid for p in self.procs]
 
     def __enter__(self) -> LocalCluster:
-        return self.start()
+        """Starts the cluster unless started already (``with cluster.start(...):``)."""
+        return self if self._children else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
