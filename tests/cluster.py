@@ -189,20 +189,33 @@ def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
 
 @contextmanager
 def small_kv_cluster(model: str, log_dir: Path, block_size: int, device_blocks: int,
-                     sessionkv: dict) -> Iterator[LocalCluster]:
-    """1P + 1D with Redis and a co-located server (the baseline), from
-    ``dev/launch.py``: P's and D's device KV ``device_blocks`` blocks of
-    ``block_size`` tokens, for what D's session holds do when its KV runs short.
+                     sessionkv: dict, colocated_url: str) -> Iterator[LocalCluster]:
+    """1P + 1D with Redis, from ``dev/launch.py``: P's and D's device KV
+    ``device_blocks`` blocks of ``block_size`` tokens, for what D's session holds do
+    when its KV runs short; ``colocated_url`` (the session's server) is its baseline.
     ``sessionkv`` is the connector's config; stopped on exit."""
     from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 
     cluster = LocalCluster(ClusterSpec(
-        model=model, prefill=1, decode=1, colocated=True, redis=True,
+        model=model, prefill=1, decode=1, colocated=False, redis=True,
         base_port=free_port_block(40), block_size=block_size, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=device_blocks,
         dtype=TEST_DTYPE, log_dir=log_dir, sessionkv=sessionkv))
     with cluster.start(timeout_s=600):
-        yield cluster
+        yield with_baseline(cluster, colocated_url)
+
+
+@dataclass(frozen=True)
+class Baseline:
+    url: str
+
+
+def with_baseline(cluster: LocalCluster, colocated_url: str) -> LocalCluster:
+    """``cluster`` with the session's co-located server (``colocated_url`` fixture) as
+    its ``colocated``: a module cluster started without its own baseline engine (one
+    engine less to start) reads ``cluster.colocated.url`` as before."""
+    cluster.colocated = Baseline(colocated_url)
+    return cluster
 
 
 def launcher_child(cluster: Cluster, port: int | None = None, argv_has: str | None = None

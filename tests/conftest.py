@@ -74,6 +74,14 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def colocated_url(pd_cluster) -> str:
+    """The plain co-located server on the tiny model in float32 (pd_cluster's), the
+    baseline of every module whose own cluster needs none beside it: one engine less
+    to start per module."""
+    return pd_cluster.colocated
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _shared_cluster_in_known_state(request):
     """Before each module whose tests use ``pd_cluster``: the cluster back to its known

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, TINY_KV_BYTES_PER_TOKEN, free_port_block
+from cluster import (
+    TEST_DTYPE,
+    TEST_KV_CACHE_GB,
+    TINY_KV_BYTES_PER_TOKEN,
+    free_port_block,
+    with_baseline,
+)
 from helpers import assert_same, completion_body, metric_sum, post, wait_until
 from vllm_sessionkv.dev.launch import ClusterSpec, LocalCluster
 from vllm_sessionkv.wire.hashing import request_keys
@@ -47,7 +53,7 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def disk_pd(tiny_model, tmp_path_factory):
+def disk_pd(tiny_model, colocated_url, tmp_path_factory):
     root = tmp_path_factory.mktemp("disk-tier")
     # The router credits a prefix it routed in the last 30 s as on the device
     # (recent.py), which would hide the disk tier for that long: route on the
@@ -55,7 +61,7 @@ def disk_pd(tiny_model, tmp_path_factory):
     proxy_config = root / "proxy.json"
     proxy_config.write_text(json.dumps({"routing": {"recent_routes_ttl_s": 0}}))
     cluster = LocalCluster(ClusterSpec(
-        model=tiny_model, prefill=1, decode=1, colocated=True, redis=True,
+        model=tiny_model, prefill=1, decode=1, colocated=False, redis=True,
         base_port=free_port_block(30), block_size=BLOCK, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=DEVICE_BLOCKS,
         dtype=TEST_DTYPE, log_dir=root / "logs", proxy_args=["--config", str(proxy_config)],
@@ -67,7 +73,7 @@ def disk_pd(tiny_model, tmp_path_factory):
                    # blocks is under test, not the tiny model's prices.
                    "cost": {"per_transfer_s": 0.0, "recompute_s_per_token": 1.0}}))
     with cluster:   # __enter__ starts it
-        yield cluster, root / "disk" / "decode0" / "rank0"
+        yield with_baseline(cluster, colocated_url), root / "disk" / "decode0" / "rank0"
 
 
 def _acct(got, name: str) -> dict:

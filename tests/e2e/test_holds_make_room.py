@@ -26,10 +26,10 @@ COMPLETIONS = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
+def cluster(tiny_model, colocated_url, tmp_path_factory):
     sessionkv = {"retention": "value", "session_hold_max_kv_fraction": 0.5}
     with small_kv_cluster(tiny_model, tmp_path_factory.mktemp("make-room-logs"), BLOCK,
-                          DEVICE_BLOCKS, sessionkv) as c:
+                          DEVICE_BLOCKS, sessionkv, colocated_url) as c:
         yield c
 
 

@@ -64,7 +64,7 @@ class EventLog:
 
 
 @pytest.fixture(scope="module")
-def host_engine(tiny_model, tmp_path_factory):
+def host_engine(tiny_model, colocated_url, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("host-tier-logs")
     base = free_port_block(6)
     engine = EngineSpec(
@@ -73,14 +73,11 @@ def host_engine(tiny_model, tmp_path_factory):
         kv_events_port=base + 2, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=2000,
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": 2.0,
                    "superseded_hold_grace_s": 1.0})
-    colocated = EngineSpec(role="colocated", model=tiny_model, port=base + 4,
-                           kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE)
-    procs = [start_engine(engine, "decode-host-tier", log_dir),
-             start_engine(colocated, "colocated", log_dir)]
+    procs = [start_engine(engine, "decode-host-tier", log_dir)]
     try:
-        wait_healthy([(procs[0], engine.url), (procs[1], colocated.url)], timeout_s=400)
+        wait_healthy([(procs[0], engine.url)], timeout_s=400)
         events = EventLog(engine.kv_events_endpoint)
-        yield engine, colocated, events
+        yield engine, colocated_url, events
         events.close()
     finally:
         stop_all(procs)
@@ -150,7 +147,7 @@ def test_evicted_session_is_restored_from_host(host_engine):
     restored_before = metric_sum(engine.url, "sessionkv_prompt_tokens_total",
                                  source="pulled_from_host")
     second, acct = _turn(engine.url, model, prompt2, "host-s1")
-    assert_same(second, post(colocated.url, "/v1/completions",
+    assert_same(second, post(colocated, "/v1/completions",
                              completion_body(model, prompt2, max_tokens=32)), "turn 2")
     print(f"turn 2 accounting: {acct}")
     assert acct.get("pulled_from_host_tokens", 0) > 0, acct

@@ -20,7 +20,13 @@ import json
 
 import pytest
 
-from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, TINY_KV_BYTES_PER_TOKEN, free_port_block
+from cluster import (
+    TEST_DTYPE,
+    TEST_KV_CACHE_GB,
+    TINY_KV_BYTES_PER_TOKEN,
+    free_port_block,
+    with_baseline,
+)
 from helpers import (
     assert_same,
     compare,
@@ -48,10 +54,10 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def host_pd(tiny_model, tmp_path_factory):
+def host_pd(tiny_model, colocated_url, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("host-pd-logs")
     cluster = LocalCluster(ClusterSpec(
-        model=tiny_model, prefill=1, decode=2, colocated=True, redis=True,
+        model=tiny_model, prefill=1, decode=2, colocated=False, redis=True,
         base_port=free_port_block(40), block_size=BLOCK, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=DEVICE_BLOCKS,
         dtype=TEST_DTYPE, log_dir=log_dir,
@@ -61,7 +67,7 @@ def host_pd(tiny_model, tmp_path_factory):
                    # is under test here, not the tiny model's pull price.
                    "cost": {"per_transfer_s": 0.0, "recompute_s_per_token": 1.0}}))
     with cluster:   # __enter__ starts it
-        yield cluster
+        yield with_baseline(cluster, colocated_url)
 
 
 def _session_turn(c: LocalCluster, prompt: list[int], session: str, max_tokens: int = 16):

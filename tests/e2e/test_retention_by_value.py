@@ -34,13 +34,13 @@ def _ids(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
+def cluster(tiny_model, colocated_url, tmp_path_factory):
     sessionkv = {"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "retention": "value",
                  # Pull whenever verified KV exists: which hold survives is under
                  # test, not the tiny model's pull price.
                  "cost": {"per_transfer_s": 0.0, "recompute_s_per_token": 1.0}}
     with small_kv_cluster(tiny_model, tmp_path_factory.mktemp("retention-logs"), BLOCK,
-                          DEVICE_BLOCKS, sessionkv) as c:
+                          DEVICE_BLOCKS, sessionkv, colocated_url) as c:
         yield c
 
 

@@ -1,7 +1,7 @@
 """Session routing on 2 prefill + 2 decode engines, one and two proxy replicas.
 
 A module-scoped cluster from ``examples/local_cluster.py`` (2P + 2D + Redis + proxy),
-with a plain co-located vLLM server beside it as the baseline.
+with the session's plain co-located vLLM server (``colocated_url``) as the baseline.
 
 * 8 interleaved sessions of 6 chat turns each (distinct system prompts, temperature
   0, 100-200 new tokens a turn).  Every turn after the first must go where its KV is:
@@ -29,8 +29,6 @@ import pytest
 import requests
 
 from cluster import (
-    TEST_DTYPE,
-    TEST_KV_CACHE_GB,
     free_port_block,
     kill_engine,
     launch_cluster,
@@ -42,9 +40,6 @@ from cluster import (
 from helpers import assert_same, chat_body, metric_sum, post, wait_until
 
 from vllm_sessionkv.dev.launch import (
-    EngineSpec,
-    ManagedProcess,
-    start_engine,
     start_process,
     stop_all,
     wait_healthy,
@@ -87,7 +82,7 @@ def _engine_layout(cluster) -> dict[str, dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def cluster_2p2d(tiny_model, tmp_path_factory):
+def cluster_2p2d(tiny_model, colocated_url, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("2p2d-logs")
     # Four engines start at once; on a shared 2-core machine that can take longer
     # than the 1P+1D fixture's limit.  Pull whenever verified KV exists (as
@@ -100,16 +95,10 @@ def cluster_2p2d(tiny_model, tmp_path_factory):
         "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
                                                    "recompute_s_per_token": 1.0}}),
     ], ready_timeout_s=600)
-    extra: list[ManagedProcess] = []
     try:
-        colocated = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1),
-                               kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE)
-        extra.append(start_engine(colocated, "colocated", log_dir))
-        wait_healthy([(extra[0], colocated.url)], timeout_s=400)
-        cluster.colocated = colocated.url
+        cluster.colocated = colocated_url
         yield cluster
     finally:
-        stop_all(extra)
         report = stop_cluster(cluster)
         assert not report["alive"], f"processes left after SIGTERM: {report['alive']}"
 

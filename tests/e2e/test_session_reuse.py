@@ -8,7 +8,6 @@ wrong-output bug (vLLM #43094) that our verification prevents.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from dataclasses import dataclass
