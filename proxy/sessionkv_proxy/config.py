@@ -137,7 +137,7 @@ class RoutingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("routing.recent_routes_ttl_s must be >= 0")
         if self.policy not in ("cost", "round_robin"):
             raise ValueError(f"routing.policy must be 'cost' or 'round_robin', got {self.policy!r}")
-        from sessionkv_proxy.policy import routing_params_from_config
+        from sessionkv_proxy.prices import routing_params_from_config
 
         routing_params_from_config(self.params)  # fail at start-up, naming the key
 

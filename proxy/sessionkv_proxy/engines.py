@@ -28,8 +28,8 @@ import aiohttp
 from sessionkv_proxy.config import EngineConfig
 from sessionkv_proxy.route_types import Role
 
-__all__ = ["Engine", "EnginePool", "parse_num_gpu_blocks", "parse_vllm_metrics",
-           "reclaimable_share"]
+__all__ = ["Engine", "EnginePool", "parse_num_gpu_blocks", "parse_recompute_price",
+           "parse_vllm_metrics", "reclaimable_share"]
 
 logger = logging.getLogger("sessionkv_proxy.engines")
 
@@ -40,6 +40,8 @@ _METRIC_RE = re.compile(
 # vLLM's cache config as an info gauge; its num_gpu_blocks label is the engine's KV
 # blocks (summed over data-parallel ranks, the same on each rank's series).  Other
 # labels' values may hold braces (a config value's repr): any text up to it.
+_RECOMPUTE_PRICE_RE = re.compile(
+    r"^sessionkv_recompute_seconds_per_token(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
 _NUM_GPU_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{.*?\bnum_gpu_blocks="(\d+)"',
                                 re.M)
 
@@ -56,6 +58,20 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             continue
         out[name] = out.get(name, 0.0) + number
     return out
+
+
+def parse_recompute_price(text: str) -> float | None:
+    """The connector's recompute price per new token (seconds), the mean over the
+    engine's label sets (data-parallel ranks each export one); None when absent."""
+    prices = []
+    for value in _RECOMPUTE_PRICE_RE.findall(text):
+        try:
+            price = float(value)
+        except ValueError:
+            continue
+        if price == price and price > 0:   # not NaN, a price
+            prices.append(price)
+    return sum(prices) / len(prices) if prices else None
 
 
 def parse_num_gpu_blocks(text: str) -> int | None:
@@ -93,6 +109,9 @@ class Engine:
     running_requests: float = 0.0
     kv_usage: float = 0.0
     kv_reclaimable: float = 0.0    # of kv_usage, what only session holds keep
+    # The connector's calibrated recompute price (sessionkv_recompute_seconds_per_token)
+    # when the engine exports it; None for stock vLLM or before it reports one.
+    recompute_s_per_token: float | None = None
     healthy: bool = True
     # When connections to it were last refused (unix s): a process that comes back
     # on the same port is a new one, and its NIXL memory holds none of the old KV.
@@ -282,5 +301,6 @@ class EnginePool:
         engine.kv_usage = gauges.get("vllm:kv_cache_usage_perc", 0.0)
         engine.kv_reclaimable = reclaimable_share(gauges.get("sessionkv_session_hold_blocks"),
                                                   parse_num_gpu_blocks(text))
+        engine.recompute_s_per_token = parse_recompute_price(text)
         engine.last_scrape_s = time.monotonic()
         self.mark_success(engine)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import msgspec
 
@@ -56,7 +55,6 @@ __all__ = [
     "overlaps_from_match",
     "pick",
     "route",
-    "routing_params_from_config",
     "score_decode",
     "score_prefill",
 ]
@@ -188,6 +186,7 @@ def score_prefill(
             excess_blocks=excess, decay=decay, credit_blocks=credit,
             adjusted_prefill_blocks=adjusted, active_decode_blocks=w.active_decode_blocks,
             cost=cost, queued_prefill_blocks=w.queued_prefill_blocks,
+            recompute_s_per_token=w.recompute_s_per_token,
             disk_blocks=disk, disk_weight=disk_weight,
         ))
     return tuple(out)
@@ -563,8 +562,7 @@ def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerm
 
     Only where no handle already offers P the session's blocks on D (a handle's
     blocks are ``peer_pullable_blocks``) and D's reach (device and host) goes beyond
-    P's own: P would
-    pull that difference after D's restore, and
+    P's own: P would pull that difference after D's restore, and
     :func:`vllm_sessionkv.wire.cost.decide_restore_for_pull` prices the restore and the
     pull against P recomputing it.  P's connector prices the pull again itself."""
     restored = decode.host_blocks + decode.disk_blocks
@@ -583,17 +581,3 @@ def _restore_for_pull(inp: RouteInput, decode: DecodeTerms, prefill: PrefillTerm
         params.recompute, restore_link, params.link)
     return decode_reach * inp.block_size if priced.pull else 0
 
-
-def routing_params_from_config(raw: Mapping[str, Any]) -> RoutingParams:
-    """``RoutingParams`` from the proxy config; the connector's cost defaults where
-    ``recompute`` and ``link`` are unset.  ``kv_bytes_per_token`` is a request-level
-    input, not a policy parameter, and is skipped here."""
-    from vllm_sessionkv.wire.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
-
-    values = {k: v for k, v in raw.items() if k != "kv_bytes_per_token"}
-    values.setdefault("recompute", msgspec.to_builtins(DEFAULT_RECOMPUTE))
-    values.setdefault("link", msgspec.to_builtins(DEFAULT_LINK))
-    try:
-        return msgspec.convert(values, RoutingParams)
-    except (msgspec.ValidationError, ValueError) as exc:
-        raise ValueError(f"invalid routing.params: {exc}") from None

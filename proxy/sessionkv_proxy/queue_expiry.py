@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
+from sessionkv_proxy.prices import recompute_price
 from sessionkv_proxy.route_types import DecodeTerms, PrefillTerms, RouteInput, RoutingParams
 from vllm_sessionkv.wire.cost import RecomputeModel
 
@@ -35,8 +36,8 @@ def prefill_queue_wait_s(queued_prefill_blocks: float, block_size: int,
                          recompute: RecomputeModel) -> float:
     """The wait before P starts a request routed to it now: P's queued prompt compute
     (``PrefillTerms.queued_prefill_blocks``, the proxy's count of what it routed
-    there and has not seen answered) at the routing's recompute price
-    (``routing.params.recompute``, the connector's ``cost.recompute_*``).
+    there and has not seen answered) at ``recompute``: P's own calibrated price, or
+    the configured one (``prices.recompute_price``).
 
     Only the price per token on an idle engine: the queued requests' contexts (the
     attention term) and the engine's load are unknown here, so this is a lower bound,
@@ -57,7 +58,7 @@ def handle_expires_in_queue(inp: RouteInput, prefill: PrefillTerms,
         return None
     left_s = session.expires_at_s - inp.now_s - params.handle_expiry_margin_s
     queued_s = prefill_queue_wait_s(prefill.queued_prefill_blocks, inp.block_size,
-                                    params.recompute)
+                                    recompute_price(params, prefill.recompute_s_per_token))
     if queued_s <= left_s:
         return None
     return QueueExpiry(left_s=left_s, queued_s=queued_s)

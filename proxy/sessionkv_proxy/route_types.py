@@ -125,6 +125,9 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     # request it cannot admit.  0 where the engine does not say (stock vLLM, an older
     # connector).  The policy reads ``policy.net_kv_usage``.
     kv_reclaimable: float = 0.0
+    # The engine's own recompute price per new token (P: its calibrated
+    # sessionkv_recompute_seconds_per_token); None where it does not say.
+    recompute_s_per_token: float | None = None
     recent_placements: int = 0  # requests placed here by cost in the last window
     # A host-tier restore here gave a handle already inside the expiry margin (its
     # session lease is shorter): no restore for P's pull is asked of it.
@@ -195,6 +198,11 @@ class RouteInput(msgspec.Struct, frozen=True, kw_only=True):
 
 class RoutingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     recompute: RecomputeModel  # prices the peer credit; the connector's own model
+    # Price a P's queue with the recompute price P reports
+    # (sessionkv_recompute_seconds_per_token, calibrated) in place of
+    # recompute.s_per_token (prices.recompute_price).  routing_params_from_config
+    # turns it off where ``recompute`` is configured: the operator's price rules.
+    recompute_from_engines: bool = True
     link: LinkModel  # D -> P link used by peer pulls
     # Host DRAM -> engine KV copies: prices host-tier credits (the connector's
     # ``host_copy_*``), in place of a fixed host weight.
@@ -297,6 +305,7 @@ class PrefillTerms(msgspec.Struct, frozen=True, kw_only=True):
     # ``WorkerLoad.queued_prefill_blocks`` (P's queued compute), for the load-aware
     # decode-only rule; not part of ``cost``.
     queued_prefill_blocks: float = 0.0
+    recompute_s_per_token: float | None = None  # ``WorkerLoad.recompute_s_per_token``
     disk_blocks: int = 0  # beyond device_blocks and host_blocks, on P's disk tier
     disk_weight: float = 0.0  # credit per disk block
 

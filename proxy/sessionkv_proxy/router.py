@@ -25,7 +25,7 @@ from typing import Any
 from vllm_sessionkv.wire.hashing import common_prefix_len
 from vllm_sessionkv.wire.protocol import SessionHandle, session_store_key
 
-from sessionkv_proxy import handoff, policy
+from sessionkv_proxy import handoff, policy, prices
 from sessionkv_proxy.block_size import BlockSize
 from sessionkv_proxy.config import ProxyConfig
 from sessionkv_proxy.engines import Engine, EnginePool
@@ -125,7 +125,7 @@ class Router:
         self.pool = pool
         self.index = index
         self.rng = rng or random.Random()
-        self.params = policy.routing_params_from_config(config.routing.params)
+        self.params = prices.routing_params_from_config(config.routing.params)
         # KV bytes per token of the served model, to price peer pulls; 0 = unknown,
         # then the policy credits pullable blocks with a fixed weight.
         self.kv_bytes_per_token = float(config.routing.params.get("kv_bytes_per_token", 0.0))
@@ -292,6 +292,7 @@ class Router:
             queued_decode_blocks=e.active_decode_work_tokens / block_size,
             queued_prefill_blocks=e.active_prefill_work_tokens / block_size,
             kv_usage=e.kv_usage, kv_reclaimable=e.kv_reclaimable,
+            recompute_s_per_token=e.recompute_s_per_token,
             recent_placements=placed.get(e.url, 0),
             restores_expire=e.restore_handles_expire)
             for e in self.pool.engines]

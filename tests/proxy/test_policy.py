@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 
-from sessionkv_proxy import policy
+from sessionkv_proxy import policy, prices
 from sessionkv_proxy.policy import (
     Mode,
     NoWorkerAvailable,
@@ -1007,12 +1007,12 @@ def test_a_session_on_a_decode_workers_disk_tier_returns_there_and_the_reason_na
 
 def test_routing_params_validate_tier_prices():
     with pytest.raises(ValueError, match="disk_link"):
-        policy.routing_params_from_config({"disk_link": {"bytes_per_s": 0, "per_transfer_s": 0}})
+        prices.routing_params_from_config({"disk_link": {"bytes_per_s": 0, "per_transfer_s": 0}})
     with pytest.raises(ValueError, match="disk"):
-        policy.routing_params_from_config({"weights": {"disk": -0.5}})
+        prices.routing_params_from_config({"weights": {"disk": -0.5}})
     with pytest.raises(ValueError, match="disk_lnk"):
-        policy.routing_params_from_config({"disk_lnk": {}})
-    got = policy.routing_params_from_config({"disk_link": {"bytes_per_s": 2e9,
+        prices.routing_params_from_config({"disk_lnk": {}})
+    got = prices.routing_params_from_config({"disk_link": {"bytes_per_s": 2e9,
                                                            "per_transfer_s": 1e-3}})
     assert got.disk_link == LinkModel(bytes_per_s=2e9, per_transfer_s=1e-3)
 

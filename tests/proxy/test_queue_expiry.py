@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from sessionkv_proxy.engines import parse_recompute_price
 from sessionkv_proxy.policy import (
     Mode,
     Role,
@@ -18,6 +19,7 @@ from sessionkv_proxy.policy import (
     route,
     score_prefill,
 )
+from sessionkv_proxy.prices import recompute_price, routing_params_from_config
 from sessionkv_proxy.queue_expiry import (
     expiry_route,
     handle_expires_in_queue,
@@ -164,3 +166,47 @@ def test_the_prefill_queue_rule_decides_first_and_keeps_its_reason():
     d = decide(inp, [P(QUEUE_10_S), D()])
     assert d.mode is Mode.DECODE_ONLY and d.label.value == "prefill_queued"
     assert not d.handle_expires_in_queue and "expire" not in d.reason
+
+
+# --------------------------------------------------------------- P's own recompute price
+
+
+def test_p_reported_price_sizes_its_queue_unless_recompute_is_configured():
+    """P's calibrated sessionkv_recompute_seconds_per_token (a real model's, 100x the
+    prior here) prices its queue; a configured routing.params.recompute rules."""
+    inp = turn(left_s=3.0)
+    blocks = QUEUE_10_S / 100            # 0.1 s at RECOMPUTE, 10 s at P's own price
+    reported = RECOMPUTE.s_per_token * 100
+    prefill = score_prefill(inp, [P(blocks, recompute_s_per_token=reported), D()],
+                            params())[0]
+    assert prefill.recompute_s_per_token == reported
+    found = handle_expires_in_queue(inp, prefill, params())
+    assert found is not None and found.queued_s == pytest.approx(10.0)
+    # Control: the operator's price (recompute configured) and an engine that says
+    # nothing both leave the wait at 0.1 s.
+    assert handle_expires_in_queue(inp, prefill, params(recompute_from_engines=False)) is None
+    silent = score_prefill(inp, [P(blocks), D()], params())[0]
+    assert handle_expires_in_queue(inp, silent, params()) is None
+
+
+@pytest.mark.parametrize("reported", [None, 0.0, -1.0, float("nan")])
+def test_no_usable_reported_price_keeps_the_configured_one(reported):
+    assert recompute_price(params(), reported) == RECOMPUTE
+
+
+def test_configuring_recompute_turns_engine_prices_off():
+    assert routing_params_from_config({}).recompute_from_engines
+    configured = {"recompute": {"s_per_token": 2e-3, "s_per_token_per_context_token": 0.0,
+                                "load_slowdown_per_unit": 0.0}}
+    assert not routing_params_from_config(configured).recompute_from_engines
+    both = routing_params_from_config({**configured, "recompute_from_engines": True})
+    assert both.recompute_from_engines and both.recompute.s_per_token == 2e-3
+
+
+def test_the_scraped_price_is_the_mean_over_label_sets_and_none_when_absent():
+    text = ("# TYPE sessionkv_recompute_seconds_per_token gauge\n"
+            'sessionkv_recompute_seconds_per_token{engine="0"} 0.002\n'
+            'sessionkv_recompute_seconds_per_token{engine="1"} 0.004\n'
+            'sessionkv_recompute_seconds_per_token{engine="2"} NaN\n')
+    assert parse_recompute_price(text) == pytest.approx(0.003)
+    assert parse_recompute_price("vllm:num_requests_waiting 0.0\n") is None

@@ -33,7 +33,7 @@ import msgspec
 import pytest
 from helpers import connector_series, proxy_series
 
-from sessionkv_proxy import policy
+from sessionkv_proxy import prices
 from sessionkv_proxy.__main__ import _parser
 from sessionkv_proxy.config import EngineConfig, ProxyConfig
 from vllm_sessionkv.config import SessionKVConfig
@@ -98,7 +98,7 @@ def proxy_fields() -> dict[str, Any]:
     fields = _fields(ProxyConfig)
     del fields["routing.params"]   # a dict: its keys are the policy's parameters below
     fields.update(_fields(EngineConfig, "engines[]."))
-    params = policy.routing_params_from_config({})
+    params = prices.routing_params_from_config({})
     fields.update(_fields(type(params), "routing.params.", params))
     fields["routing.params.kv_bytes_per_token"] = 0.0   # read by the router, not the policy
     return fields
