@@ -1,9 +1,11 @@
-"""The agent benchmark's ``--quick`` smoke run: every arm ran, and the numbers it prints
-agree with each other (no targets: the full run in docs/benchmarks is for those).
+"""The agent benchmark's ``--quick`` smoke run: every arm it runs ran (``QUICK_ARMS``:
+all but 4-nixl-bidi and 6-ours-nopull), and the numbers it prints agree with each
+other (no targets: the full run in docs/benchmarks is for those).
 
-It starts five two-engine clusters one after the other, a minute or more each on the
-2-core CI machine, which is most of its run: passed in 663 s under the cluster lock on
-2026-12-03 (the side venv, about 60 s once per checkout, already there)."""
+It starts three two-engine clusters one after the other (co-located, stock NIXL,
+ours), a minute or more each on the 2-core CI machine, which is most of its run:
+passed in 305 s under the cluster lock on 2026-12-07 (538 s with the two arms, the
+side venv, about 60 s once per checkout, already there)."""
 
 from __future__ import annotations
 
