@@ -19,6 +19,9 @@ its requests over the rounds (``sessionkv_bench.stats.pct``), as a ratio to the 
 engine's; vLLM's own timings of each engine, read between rounds, split it into the
 engine core's part, the API server's and the HTTP exchange.  ``--cores`` moves the
 engines' model threads (a plain engine's spin costs whoever computes beside it).
+``--connector nixl`` starts the same cluster with vLLM's stock ``NixlConnector`` on
+P and D (the report ``engine_latency[_real]_nixl``): what NIXL alone costs an engine,
+against which our connector's part of its ratio is read.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--settle-s", type=float, default=1.5)
     p.add_argument("--base-port", type=int, default=0)
     p.add_argument("--cores", default="auto", help="the launcher's --cores (P,D,plain)")
+    p.add_argument("--connector", choices=("sessionkv", "nixl"), default="sessionkv",
+                   help="P's and D's connector: ours, or vLLM's stock NixlConnector")
     p.add_argument("--out-dir", default=str(report.OUT_DIR))
     return p.parse_args(argv)
 
@@ -140,7 +145,9 @@ def render(result: dict) -> str:
             for spacing, fig in result["figures"].items() for name, f in fig.items()]
     lines = report.head(f"Whole-request latency, engine by engine ({result['model']})",
                         result["meta"])
-    lines += [f"{result['cores']}.", "",
+    connector = {"nixl": "vLLM's stock NixlConnector", "sessionkv": "our connector"}[
+        result.get("connector", "sessionkv")]
+    lines += [f"{result['cores']}. P and D run {connector}.", "",
               f"Ratios to the plain co-located engine's figure in the same spacing; "
               f"{result['requests_per_engine']} requests per engine and spacing, pooled "
               f"over {result['rounds']} rounds; {result['max_tokens']} streamed tokens "
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(generate_tiny_model(tmp / served))
     cluster = LocalCluster(ClusterSpec(model=model, served_model_name=served, colocated=True,
                                        base_port=args.base_port, log_dir=tmp / "logs",
-                                       cores=args.cores))
+                                       cores=args.cores, connector=args.connector,
+                                       proxy=args.connector == "sessionkv"))
     print(cluster.core_plan.rule, flush=True)
     with cluster.start():
         urls = {"P": cluster.prefill[0].url, "D": cluster.decode[0].url,
@@ -183,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"meta": meta,
               "model": "SmolLM2-135M-Instruct" if args.model_dir else "tiny model",
               "cores": cluster.core_plan.rule, "rounds": args.rounds,
+              "connector": args.connector,
               "requests_per_engine": args.rounds * args.requests,
               "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
               "figures": summarize(samples, list(urls)), "samples": samples,
               "engine_split": engine_split(samples, spans, list(urls)), "spans": spans}
-    stem = "engine_latency_real" if args.model_dir else "engine_latency"
+    stem = ("engine_latency_real" if args.model_dir else "engine_latency") + (
+        "_nixl" if args.connector == "nixl" else "")
     report.write(Path(args.out_dir), stem, result, render(result))
     print(render(result))
     return 0
