@@ -326,8 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                                           redis=True, base_port=args.base_port,
                                           log_dir=work / "logs")) as cluster:
                 targets, loads = loads_at(load, {"ours": cluster.proxy_url,
-                                                 "colocated": cluster.colocated.url},
-                                          args.rates)
+                                                 "colocated": cluster.colocated.url}, args.rates)
                 meta["targets"] = {
                     "ours": "our proxy over 1 P + 1 D with our connector, Redis, the "
                             "launcher's defaults",

@@ -19,9 +19,8 @@ its requests over the rounds (``sessionkv_bench.stats.pct``), as a ratio to the 
 engine's; vLLM's own timings of each engine, read between rounds, split it into the
 engine core's part, the API server's and the HTTP exchange.  ``--cores`` moves the
 engines' model threads (a plain engine's spin costs whoever computes beside it).
-``--connector nixl`` starts the same cluster with vLLM's stock ``NixlConnector`` on
-P and D (the report ``engine_latency[_real]_nixl``): what NIXL alone costs an engine,
-against which our connector's part of its ratio is read.
+``--connector nixl``: vLLM's stock ``NixlConnector`` on P and D (report ``..._nixl``),
+what NIXL alone costs an engine, against which our connector's part is read.
 """
 
 from __future__ import annotations
@@ -145,9 +144,8 @@ def render(result: dict) -> str:
             for spacing, fig in result["figures"].items() for name, f in fig.items()]
     lines = report.head(f"Whole-request latency, engine by engine ({result['model']})",
                         result["meta"])
-    connector = {"nixl": "vLLM's stock NixlConnector", "sessionkv": "our connector"}[
-        result.get("connector", "sessionkv")]
-    lines += [f"{result['cores']}. P and D run {connector}.", "",
+    who = "vLLM's stock NixlConnector" if result.get("connector") == "nixl" else "our connector"
+    lines += [f"{result['cores']}. P and D run {who}.", "",
               f"Ratios to the plain co-located engine's figure in the same spacing; "
               f"{result['requests_per_engine']} requests per engine and spacing, pooled "
               f"over {result['rounds']} rounds; {result['max_tokens']} streamed tokens "
@@ -190,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         samples = asyncio.run(measure(urls, served, args, spans := []))
     result = {"meta": meta,
               "model": "SmolLM2-135M-Instruct" if args.model_dir else "tiny model",
-              "cores": cluster.core_plan.rule, "rounds": args.rounds,
-              "connector": args.connector,
+              "cores": cluster.core_plan.rule, "rounds": args.rounds, "connector": args.connector,
               "requests_per_engine": args.rounds * args.requests,
               "max_tokens": args.max_tokens, "prompt_len": args.prompt_len,
               "figures": summarize(samples, list(urls)), "samples": samples,

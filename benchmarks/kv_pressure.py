@@ -80,8 +80,7 @@ class Shape:
 
 FULL = Shape(sessions=20, concurrent_turns=4, final_turns=1, prefix_tokens=(1536, 2200),
              user_tokens=(24, 64), long_turn_tokens=(600, 700), long_turns=(3,),
-             every_session_long=False, max_tokens=16, decode_kv_cache_gb=0.02,
-             kv_cache_gb=0.25)
+             every_session_long=False, max_tokens=16, decode_kv_cache_gb=0.02, kv_cache_gb=0.25)
 # Six sessions hold about 400 blocks after their first turn: D's 0.012 GiB (393
 # blocks) lets holds pin at most half of that, so D still ends some for kv_pressure.
 QUICK = dataclasses.replace(FULL, sessions=6, concurrent_turns=3, decode_kv_cache_gb=0.012)

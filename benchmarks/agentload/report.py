@@ -404,8 +404,7 @@ def plot(json_path: str, out_dir: str, stem: str) -> None:
     def figure(name: str, panels: dict, draw) -> None:
         if not panels:
             return
-        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5),
-                                 squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
         for ax, (wname, per_arm) in zip(axes[0], panels.items()):
             draw(ax, wname, per_arm)
             ax.legend(fontsize=7) if ax.get_legend_handles_labels()[0] else None

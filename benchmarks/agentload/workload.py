@@ -286,8 +286,7 @@ def agent_workload(cfg: AgentConfig, name: str = "agent") -> Workload:
         task = tokens(cfg.task_tokens)
         steps = make_steps(n, task)
         sessions.append(Session(sid=sid, head=prefix, steps=steps,
-                                start_s=round(i * cfg.stagger_s, 3),
-                                hot=cfg.skew > 0 and i < 2))
+                                start_s=round(i * cfg.stagger_s, 3), hot=cfg.skew > 0 and i < 2))
         if n >= 2 and rng.random() < cfg.subagent_share:
             spawn = rng.randrange(0, n - 1)
             subagents.append(Session(sid=f"{sid}-sub", head=(), parent=sid, spawn_after=spawn,

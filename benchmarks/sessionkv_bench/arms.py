@@ -148,10 +148,8 @@ ARMS = [
     # turns the load-aware decode-only rule off too).
     Arm("7-ours-pd", "7 ours, P/D forced on every turn", "ours", "cluster-pd"),
     # Mooncake replay and chat_goodput only: vllm-router over the co-located pair.
-    Arm("5-vr-cache-coloc", "5 vllm-router cache_aware (co-located)", "coloc",
-        "vr:cache_aware"),
-    Arm("5-vr-rr-coloc", "5 vllm-router round_robin (co-located)", "coloc",
-        "vr:round_robin"),
+    Arm("5-vr-cache-coloc", "5 vllm-router cache_aware (co-located)", "coloc", "vr:cache_aware"),
+    Arm("5-vr-rr-coloc", "5 vllm-router round_robin (co-located)", "coloc", "vr:round_robin"),
     # The host-tier workload only: ours with a short session lease and a small D, with
     # and without the host tier.
     Arm("8-ours-nohost", "8 ours, short lease, no host tier", "hostless", "cluster"),
@@ -309,15 +307,13 @@ def _start_coloc(run: Running, arms: list[Arm], opts: EngineOptions, ports: Port
         spec = EngineSpec(role="colocated", model=opts.model, port=base,
                           kv_events_port=base + 1, kv_events_replay_port=base + 2,
                           block_size=BLOCK_SIZE, max_model_len=opts.max_model_len,
-                          kv_cache_space_gb=opts.kv_cache_gb,
-                          num_gpu_blocks_override=blocks,
+                          kv_cache_space_gb=opts.kv_cache_gb, num_gpu_blocks_override=blocks,
                           extra_args=list(opts.extra_args),
                           extra_env=dict(opts.engine_env[i]) if opts.engine_env else {},
                           gpus=opts.gpus[i % len(opts.gpus)] if opts.gpus else None)
         run.procs.append(start_engine(spec, f"{name}{i}", log_dir))
         run.engines.append(("coloc", spec.url))
-        backends.append(Backend(spec.url, spec.kv_events_endpoint,
-                                spec.kv_events_replay_endpoint))
+        backends.append(Backend(spec.url, spec.kv_events_endpoint, spec.kv_events_replay_endpoint))
     wait_healthy([(p, u) for p, (_, u) in zip(run.procs, run.engines)], timeout_s=900)
     _serve(run, {a.key: router_argv(a.router, backends, ports) for a in arms}, log_dir)
 
@@ -429,8 +425,7 @@ def reset(run: Running) -> str:
         requests.post(admin + "/admin/reset", params={"timeout_s": "30"}, timeout=60)
     note = ""
     if run.admin:
-        resp = requests.post(run.admin + "/admin/reset", params={"timeout_s": "30"},
-                             timeout=60)
+        resp = requests.post(run.admin + "/admin/reset", params={"timeout_s": "30"}, timeout=60)
         if resp.status_code == 200:
             return ""
         note = f"admin reset answered {resp.status_code}: {resp.text[:200]}"

@@ -1,5 +1,5 @@
-"""The agent benchmark's ``--quick`` smoke run: every arm it runs ran (``QUICK_ARMS``:
-all but 4-nixl-bidi and 6-ours-nopull), and the numbers it prints agree with each
+"""The agent benchmark's ``--quick`` smoke run: every arm it runs ran (all but
+``QUICK_SKIPS``, 4-nixl-bidi and 6-ours-nopull), and the numbers it prints agree with each
 other (no targets: the full run in docs/benchmarks is for those).
 
 It starts three two-engine clusters one after the other (co-located, stock NIXL,
