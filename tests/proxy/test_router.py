@@ -294,6 +294,42 @@ async def test_a_handle_that_would_expire_in_p_queue_is_not_sent(case) -> None:
         await upstream.close()
 
 
+@pytest.mark.parametrize("reported, outcome", [(1e-4, "expires_in_queue"),
+                                                (None, "attached")])
+async def test_p_queue_is_priced_at_the_recompute_price_p_reports(reported, outcome) -> None:
+    """No ``recompute`` configured: P's scraped ``sessionkv_recompute_seconds_per_token``
+    (the engine's ``recompute_s_per_token``) prices its queue.  100,000 queued tokens
+    at P's 1e-4 s are ~10 s, past the handle's 3 s: not sent.  Control: P reports no
+    price, the prior (2e-5 s) makes it ~2 s, and the handle is attached."""
+    from vllm_sessionkv.wire.protocol import handle_from_params
+
+    from sessionkv_proxy.sessions import SessionRecord
+
+    config = load_config(None, {"engines": [{"url": P_URL, "role": "prefill"},
+                                            {"url": D1, "role": "decode"}],
+                                "block_size": BS, "tokenizer": "none"})
+    upstream = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=1.0)
+    pool = EnginePool.from_configs(config.engines)
+    router = Router(config, pool, MemoryIndex(), upstream)
+    assert router.params.recompute_from_engines
+    handle = handle_from_params({
+        "do_remote_decode": True, "remote_engine_id": "d1", "remote_block_ids": [[1]],
+        "sessionkv": {"engine_url": D1, "hash_chain": "",
+                      "expires_at_unix_s": time.time() + router.params.handle_expiry_margin_s
+                      + 3}})
+    prompt = list(range(100, 8100))
+    p = pool.get(P_URL)
+    p.active_prefill_work_tokens, p.recompute_s_per_token = 100_000.0, reported
+    try:
+        await router.sessions.save(SessionRecord(
+            session_id="s", last_decode=D1, handle=handle,
+            prompt_keys=request_keys(prompt[:4800], BS)))
+        plan = await router.plan(_body(prompt), False, "s")
+        assert plan.handle_outcome == outcome, plan.terms["detail"]
+    finally:
+        await upstream.close()
+
+
 def test_router_policy_and_engine_share_one_expiry_margin() -> None:
     from sessionkv_proxy.policy import RoutingParams
     from vllm_sessionkv.config import SessionKVConfig
