@@ -46,9 +46,15 @@ _NUM_GPU_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{.*?\bnum_gpu_blocks="
                                 re.M)
 
 
+# Gauges that are a share of each label set's own KV (a data-parallel rank's): their
+# mean over the label sets is the engine's (equal ranks), where counts add up.
+_MEAN_GAUGES = frozenset({"vllm:kv_cache_usage_perc"})
+
+
 def parse_vllm_metrics(text: str) -> dict[str, float]:
-    """Sum the load gauges we use across label sets (one engine may export several)."""
-    out: dict[str, float] = {}
+    """The load gauges we use, over the label sets one engine exports (a data-parallel
+    engine, one per rank): counts summed, shares (``_MEAN_GAUGES``) averaged."""
+    values: dict[str, list[float]] = {}
     for name, value in _METRIC_RE.findall(text):
         try:
             number = float(value)
@@ -56,8 +62,9 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
             continue
         if number != number:  # NaN
             continue
-        out[name] = out.get(name, 0.0) + number
-    return out
+        values.setdefault(name, []).append(number)
+    return {name: sum(v) / len(v) if name in _MEAN_GAUGES else sum(v)
+            for name, v in values.items()}
 
 
 def parse_recompute_price(text: str) -> float | None:

@@ -30,6 +30,16 @@ def test_parse_sums_label_sets_and_skips_nan():
                    "vllm:kv_cache_usage_perc": 0.25}
 
 
+def test_kv_usage_of_a_data_parallel_engine_is_the_mean_of_its_ranks():
+    """Two ranks a quarter and three quarters full: the engine is half full (summed,
+    it read 1.0: full, and no turn went to it alone)."""
+    text = METRICS + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n' \
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 1.0\n'
+    got = parse_vllm_metrics(text)
+    assert got["vllm:kv_cache_usage_perc"] == 0.5
+    assert got["vllm:num_requests_waiting"] == 3.0
+
+
 # Our connector's D: vLLM's cache config (the info gauge, as vLLM writes it) and the
 # blocks only session holds keep.
 HELD_METRICS = METRICS + (
