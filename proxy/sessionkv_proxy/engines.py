@@ -28,32 +28,31 @@ import aiohttp
 from sessionkv_proxy.config import EngineConfig
 from sessionkv_proxy.route_types import Role
 
-__all__ = ["Engine", "EnginePool", "parse_num_gpu_blocks", "parse_recompute_price",
-           "parse_vllm_metrics", "reclaimable_share"]
+__all__ = ["Engine", "EnginePool", "parse_num_gpu_blocks", "parse_vllm_metrics",
+           "reclaimable_share"]
 
 logger = logging.getLogger("sessionkv_proxy.engines")
 
 _METRIC_RE = re.compile(
     r"^(vllm:num_requests_waiting|vllm:num_requests_running|vllm:kv_cache_usage_perc"
-    r"|sessionkv_session_hold_blocks)"
+    r"|sessionkv_session_hold_blocks|sessionkv_recompute_seconds_per_token)"
     r"(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
 # vLLM's cache config as an info gauge; its num_gpu_blocks label is the engine's KV
 # blocks (summed over data-parallel ranks, the same on each rank's series).  Other
 # labels' values may hold braces (a config value's repr): any text up to it.
-_RECOMPUTE_PRICE_RE = re.compile(
-    r"^sessionkv_recompute_seconds_per_token(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.M)
 _NUM_GPU_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{.*?\bnum_gpu_blocks="(\d+)"',
                                 re.M)
 
 
-# Gauges that are a share of each label set's own KV (a data-parallel rank's): their
-# mean over the label sets is the engine's (equal ranks), where counts add up.
-_MEAN_GAUGES = frozenset({"vllm:kv_cache_usage_perc"})
+# Gauges each label set (a data-parallel rank) reports of itself, a share of its own
+# KV or its own price: their mean over the label sets is the engine's (equal ranks),
+# where counts add up.
+_MEAN_GAUGES = frozenset({"vllm:kv_cache_usage_perc", "sessionkv_recompute_seconds_per_token"})
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float]:
     """The load gauges we use, over the label sets one engine exports (a data-parallel
-    engine, one per rank): counts summed, shares (``_MEAN_GAUGES``) averaged."""
+    engine, one per rank): counts summed, shares and prices (``_MEAN_GAUGES``) averaged."""
     values: dict[str, list[float]] = {}
     for name, value in _METRIC_RE.findall(text):
         try:
@@ -65,20 +64,6 @@ def parse_vllm_metrics(text: str) -> dict[str, float]:
         values.setdefault(name, []).append(number)
     return {name: sum(v) / len(v) if name in _MEAN_GAUGES else sum(v)
             for name, v in values.items()}
-
-
-def parse_recompute_price(text: str) -> float | None:
-    """The connector's recompute price per new token (seconds), the mean over the
-    engine's label sets (data-parallel ranks each export one); None when absent."""
-    prices = []
-    for value in _RECOMPUTE_PRICE_RE.findall(text):
-        try:
-            price = float(value)
-        except ValueError:
-            continue
-        if price == price and price > 0:   # not NaN, a price
-            prices.append(price)
-    return sum(prices) / len(prices) if prices else None
 
 
 def parse_num_gpu_blocks(text: str) -> int | None:
@@ -308,6 +293,8 @@ class EnginePool:
         engine.kv_usage = gauges.get("vllm:kv_cache_usage_perc", 0.0)
         engine.kv_reclaimable = reclaimable_share(gauges.get("sessionkv_session_hold_blocks"),
                                                   parse_num_gpu_blocks(text))
-        engine.recompute_s_per_token = parse_recompute_price(text)
+        # None where the engine exports no price (stock vLLM); prices.recompute_price
+        # also ignores one that is not positive.
+        engine.recompute_s_per_token = gauges.get("sessionkv_recompute_seconds_per_token")
         engine.last_scrape_s = time.monotonic()
         self.mark_success(engine)

@@ -390,7 +390,8 @@ def route(
         )
     queued = _prefill_queued(chosen, prefill_chosen, params, inp.block_size)
     expiry = handle_expires_in_queue(inp, prefill_chosen, params) if queued is None else None
-    alone, expiry_words = expiry_route(expiry, chosen, _room(chosen, params), params)
+    alone, expiry_words = (expiry_route(expiry, chosen, _room(chosen, params), params)
+                           if expiry is not None else (False, ""))
     if queued is not None or alone:
         return RouteDecision(
             mode=Mode.DECODE_ONLY, prefill_url=None, decode_url=decode_url,

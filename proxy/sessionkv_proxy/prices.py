@@ -35,8 +35,9 @@ def recompute_price(params: RoutingParams, reported_s_per_token: float | None
 def routing_params_from_config(raw: Mapping[str, Any]) -> RoutingParams:
     """``RoutingParams`` from the proxy config; the connector's cost defaults where
     ``recompute`` and ``link`` are unset, and a configured ``recompute`` rules over
-    the engines' prices unless ``recompute_from_engines`` says otherwise.  ``kv_bytes_per_token`` is a request-level
-    input, not a policy parameter, and is skipped here."""
+    the engines' prices unless ``recompute_from_engines`` says otherwise.
+    ``kv_bytes_per_token`` is a request-level input, not a policy parameter, and is
+    skipped here."""
     from vllm_sessionkv.wire.cost import DEFAULT_LINK, DEFAULT_RECOMPUTE
 
     values = {k: v for k, v in raw.items() if k != "kv_bytes_per_token"}

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from sessionkv_proxy.engines import parse_recompute_price
+from sessionkv_proxy.engines import parse_vllm_metrics
 from sessionkv_proxy.policy import (
     Mode,
     Role,
@@ -208,5 +208,6 @@ def test_the_scraped_price_is_the_mean_over_label_sets_and_none_when_absent():
             'sessionkv_recompute_seconds_per_token{engine="0"} 0.002\n'
             'sessionkv_recompute_seconds_per_token{engine="1"} 0.004\n'
             'sessionkv_recompute_seconds_per_token{engine="2"} NaN\n')
-    assert parse_recompute_price(text) == pytest.approx(0.003)
-    assert parse_recompute_price("vllm:num_requests_waiting 0.0\n") is None
+    price = "sessionkv_recompute_seconds_per_token"
+    assert parse_vllm_metrics(text)[price] == pytest.approx(0.003)
+    assert price not in parse_vllm_metrics("vllm:num_requests_waiting 0.0\n")
