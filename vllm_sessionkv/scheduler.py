@@ -12,10 +12,10 @@ each request's state in one ``RequestState`` (its payload decoded once):
   when short (``sync_reads``), its blocks out of the prefix cache until the read is
   seen good (``sync_read_quarantine``); a plain request may restore from host DRAM
   instead (``host_restore``).
-* **End of turn on D** (``request_finished``): a session's blocks stay held under our
-  lease (``session_holds``), the turn's hash chain is exported in
-  ``kv_transfer_params["sessionkv"]`` and published out of band, with a token the
-  pull guard checks (``guard_ledger``); requests without a session free at once.
+* **End of turn** (``request_finished``, ``turn_export``): the turn's hash chain is
+  exported in ``kv_transfer_params["sessionkv"]``; on D a session's blocks stay held
+  under our lease (``session_holds``), the handle published out of band with a token
+  the pull guard checks (``guard_ledger``); requests without a session free at once.
 * **Admission on D** (``admission``): holds end for a request vLLM finds no blocks for.
 * **First-token handoff** (``first_token``) and **early decode** (``early_decode``).
 * **Accounting** (``accounting``): where each prompt token came from.
@@ -45,7 +45,6 @@ from vllm_sessionkv.handle_channel import HandleChannel
 from vllm_sessionkv.host_tier import HostTierManager
 from vllm_sessionkv.metadata import StepInstructions
 from vllm_sessionkv.publisher import HandlePublisher
-from vllm_sessionkv.retention import HoldFacts
 from vllm_sessionkv.scheduling import remote_plan
 from vllm_sessionkv.scheduling.accounting import (
     account_decision,
@@ -63,11 +62,11 @@ from vllm_sessionkv.scheduling.request_state import RequestState, RequestStates
 from vllm_sessionkv.scheduling.session_holds import SessionHolds
 from vllm_sessionkv.scheduling.sync_read_quarantine import SyncReadQuarantine
 from vllm_sessionkv.scheduling.sync_reads import SyncReads
+from vllm_sessionkv.scheduling.turn_export import ChainIdentity, FinishedTurn, TurnExport
 from vllm_sessionkv.stats import SessionKVStats
 from vllm_sessionkv.verification import LocalPrompt, Verdict
 from vllm_sessionkv.wire.cost import LinkModel
-from vllm_sessionkv.wire.hashing import encode_chain, full_blocks
-from vllm_sessionkv.wire.protocol import SESSIONKV_PARAMS_KEY, SessionPayload, encode_payload
+from vllm_sessionkv.wire.protocol import SessionPayload
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -79,18 +78,6 @@ logger = logging.getLogger("vllm.sessionkv.scheduler")
 # An engine whose only requests wait for P's parameters steps this often (it waits
 # on the early-decode socket in between): held requests time out by steps.
 _HELD_STEP_INTERVAL_S = 0.02
-
-# NIXL's own expiry of a held send comes this long after our lease ends: we release
-# the hold ourselves at the lease's end (quietly; NIXL would count and log an expiry
-# as a failed hand-off), so NIXL's timer fires only if our release never reached the
-# worker.
-_NIXL_EXPIRY_BACKSTOP_S = 5.0
-
-
-def _held_blocks(out: dict[str, Any]) -> list[int]:
-    """The blocks a handle names (first KV cache group): what a reader reads."""
-    groups = out.get("remote_block_ids") or ()
-    return list(groups[0]) if groups else []
 
 
 class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
@@ -162,6 +149,15 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if self._early.inbox is not None:
             # A turn sent early marks its session's hold awaited when it arrives.
             arrivals.on_request_added(self._request_arrived)
+        self._export = TurnExport(
+            ChainIdentity(self.block_size, self.hash_algo, self.hash_tokens, self.model_id),
+            self._holds, self._guard, self._first_token, self._early, self.host,
+            kv_bytes_per_token=self.pricing.kv_bytes_per_token,
+            superseded_hold_grace_s=config.superseded_hold_grace_s,
+            engine_url=config.advertise_url or None, engine_epoch=self._epoch,
+            set_send_deadline=functools.partial(nixl_state.set_pending_send_deadline, self),
+            cancel_send=functools.partial(nixl_state.cancel_pending_send, self),
+            deadline_unix_s=nixl_state.pending_send_deadline_unix_s)
         # vLLM's KV cache manager, bound after construction (``bind_kv_cache_manager``).
         self._kv_cache_manager = None
         # This runs in the engine-core process, whose loop the pacing changes.
@@ -535,88 +531,16 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         delay_free, out = super().request_finished(request, block_ids)
         if out is None:
             return delay_free, out
-        session_id = self._session_of(request, state)
-        if not is_d_node:
-            self._finish_prefill(request, state.payload, session_id, acct, delay_free, out)
-        elif not session_id or not delay_free:
-            # Nothing will come back for these blocks by handle; free them now
-            # (prefix caching still keeps them findable until evicted).
-            if delay_free:
-                nixl_state.cancel_pending_send(self, request.request_id)
-            return False, ({SESSIONKV_PARAMS_KEY: encode_payload(
-                SessionPayload(accounting=acct))} if acct else None)
-        else:
-            self._hold_session_turn(request, block_ids, session_id, acct, out,
-                                    state.hold_hint_s)
-        return delay_free, out
-
-    def _hold_session_turn(self, request: Request, block_ids, session_id: str, acct,
-                           out: dict[str, Any], hint_s: float | None) -> None:
-        """D's end of a session turn: hold its blocks for the next turn's pull under
-        the retention rule's lease, offload them to host DRAM, export and publish the
-        handle."""
-        lease, history = self._holds.lease(session_id, hint_s)
-        lease_s = lease.lease_s
-        nixl_state.set_pending_send_deadline(self, request.request_id,
-                                             lease_s + _NIXL_EXPIRY_BACKSTOP_S)
-        now = time.perf_counter()
-        num_tokens = out["remote_num_tokens"]
-        demote = None
-        if self.host is not None:
-            hashes, ids = list(request.block_hashes), list(block_ids[0])
-            self.host.offload(hashes, ids, num_tokens)
-            demote = functools.partial(self.host.offload, hashes, ids, num_tokens)
-        facts = HoldFacts(request_id=request.request_id, started_s=now, lease=lease,
-                          history=history, held_tokens=num_tokens,
-                          held_bytes=int(num_tokens * self.pricing.kv_bytes_per_token))
-        deadline = self._holds.hold(session_id, request.request_id, now, lease_s,
-                                    self.config.superseded_hold_grace_s,
-                                    len(block_ids[0]) if block_ids else 0,
-                                    facts=facts, demote=demote,
-                                    block_ids=[b for group in block_ids for b in group])
-        logger.debug("sessionkv hold request_id=%s session_id=%s lease_s=%.1f source=%s "
-                     "gaps=%d hint_s=%s", request.request_id, session_id, lease_s,
-                     lease.source.value, len(history.gaps_s), hint_s)
-        out["remote_blocks_expiry_time"] = deadline
-        out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
-            **self._chain_export(request, out["remote_num_tokens"]),
-            session_id=session_id, accounting=acct,
-            expires_at_unix_s=nixl_state.pending_send_deadline_unix_s(deadline),
-            engine_url=self.config.advertise_url or None, engine_epoch=self._epoch,
-            hold_token=self._guard.hold_token(request.request_id, _held_blocks(out))))
-        self._holds.publish(session_id, out, lease_s, self.stats, request.request_id)
-
-    def _finish_prefill(self, request: Request, payload: SessionPayload,
-                        session_id: str | None, acct, delay_free: bool,
-                        out: dict[str, Any]) -> None:
-        """P's end of turn: export the chain so D verifies what it pulls from us too,
-        and the token we sampled, for D to continue from; push it all to D when the
-        request was sent there early."""
-        out[SESSIONKV_PARAMS_KEY] = encode_payload(SessionPayload(
-            **self._chain_export(request, out.get("remote_num_tokens") or 0),
-            session_id=session_id or None, accounting=acct,
-            first_token_id=self._first_token.exported(request.output_token_ids,
-                                                       payload.first_token),
-            hold_token=(self._guard.hold_token(request.request_id, _held_blocks(out))
-                        if delay_free else 0)))
-        self._early.push(payload, out, self.stats)
-
-    def _chain_export(self, request: Request, num_tokens: int) -> dict[str, Any]:
-        """Hash chain + partial-block tokens of the first ``num_tokens`` tokens, as
-        ``SessionPayload`` fields."""
-        n_full = full_blocks(num_tokens, self.hash_tokens)
-        hashes = list(request.block_hashes[:n_full])
-        # A hash may not exist yet for a unit whose tokens all arrived this step.
-        n_full = len(hashes)
-        # The partial unit's KV depends on keys beyond its tokens when the request has
-        # any (LoRA, multimodal inputs, prompt embeddings): claim full units only.
-        tail = [] if engine_state.request_has_extra_keys(request) else list(
-            request.all_token_ids[n_full * self.hash_tokens:num_tokens])
-        return {"hash_chain": encode_chain(hashes), "tail_token_ids": tail,
-                "block_size": self.block_size, "hash_algo": self.hash_algo,
-                "hash_tokens": self.hash_tokens, "model_id": self.model_id,
-                "tenant": engine_state.request_cache_salt(request),
-                "num_tokens": n_full * self.hash_tokens + len(tail)}
+        # What the export reads of the request (vLLM's, and what we decided for it).
+        turn = FinishedTurn(
+            request_id=request.request_id, session_id=self._session_of(request, state),
+            payload=state.payload, accounting=acct, block_hashes=request.block_hashes,
+            all_token_ids=request.all_token_ids, output_token_ids=request.output_token_ids,
+            tenant=engine_state.request_cache_salt(request),
+            has_extra_keys=engine_state.request_has_extra_keys(request),
+            hold_hint_s=state.hold_hint_s)
+        return self._export.finished(turn, is_d_node, delay_free, block_ids, out,
+                                     time.perf_counter(), self.stats)
 
     # ------------------------------------------------------------------ engine-wide
     def reset_cache(self) -> bool:

@@ -14,6 +14,8 @@ and tested on plain data (``tests/unit/test_scheduling_*.py``).
 * ``host_restore``: restores from and offloads to the host-DRAM tier.
 * ``session_holds``: holds on D (lease, supersession, the KV cap, reset) and the
   handle's publication.
+* ``turn_export``: the end of a turn: P's chain and token for D; on D, a session
+  turn held, offloaded, exported and published, any other freed at once.
 * ``admission``: holds that end for a request D cannot admit for want of blocks.
 * ``guard_ledger``: the pull guard, holder and reader side.
 * ``first_token``: whether D continues from P's token.
