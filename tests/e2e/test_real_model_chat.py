@@ -1,13 +1,21 @@
-"""A real instruct model through P/D, in chat text, against a co-located server.
+"""A real instruct model through P/D, in chat text, against a co-located server, with
+prices the engines calibrate themselves.
 
 The model is SmolLM2-135M-Instruct, built by ``sessionkv-real-model`` from its PyPI
 wheel (the session fixture ``real_model``), served in float32 (``--dtype``: in bfloat16
 a P/D answer and a co-located one can part at near-ties when the prefill is split
 differently, which would hide real faults in noise).  1P+1D+Redis behind our proxy,
-disaggregation forced (every turn goes P -> D), pulls priced as this model costs on a
-CPU (``real_model.CPU_COST``: P pulls D's blocks of an earlier answer rather than
-recomputing them, so the D -> P path runs too), a plain co-located server as the baseline, and a P that runs
-the model with its k/v projections scaled by -3 for the negative control.
+disaggregation forced (every turn goes P -> D), a plain co-located server as the
+baseline, and a P that runs the model with its k/v projections scaled by -3 for the
+negative control.
+
+No ``cost`` in the connector's config: the recompute price starts at the prior sized
+for the tiny test model (``cost.recompute_prior_s_per_token``), at which P would
+recompute D's blocks of an earlier answer rather than pull them.  The fixture sends two
+warm-up prompts of about a thousand tokens, from whose prefill steps P times itself
+(``Pricing.step_finished``); from then on P pulls where a pull is cheaper, so the
+D -> P path runs in the chat tests too.  ``test_p_pulls_where_a_pull_is_cheaper_from_
+calibrated_prices`` checks the calibration itself, with its control in the same figures.
 
 The session is what a chat client sends: a system prompt, tools in the request, a
 coding task, tool results, the model's answers kept in history as text, streamed and
@@ -15,14 +23,15 @@ non-streamed turns, and one turn whose earlier answer the client trims to its la
 line.  Each answer must equal the co-located server's in text and token ids, with the
 top-5 logprobs within ``REAL_LOGPROB_TOLERANCE``.
 
-Cost on the 2-core machine: 207 s in one run (the model build 29 s, the four eager
-engines' start 141 s, the turns 35 s); see docs/testing.md.
+Cost on the 2-core machine: the model build (about 30 s, once per test session), four
+eager engines' start, two warm-up prompts and the turns; see docs/testing.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 
 import pytest
@@ -33,13 +42,14 @@ from helpers import Generation, chat_body, compare, fresh_prefill_params, post, 
 from sessionkv_proxy.resent_answers import ANSWER_IDS_HEADER
 from sessionkv_proxy.tokenizer import LocalTokenizer
 
+from vllm_sessionkv.config import CostConfig
 from vllm_sessionkv.dev.real_model import (
-    CPU_COST,
     MARKER_NAME,
     SERVED_NAME,
     WHEEL_SHA256,
     build_real_model,
 )
+from vllm_sessionkv.wire.cost import RecomputeModel, recompute_time_s, transfer_time_s
 
 DTYPE = "float32"
 MAX_MODEL_LEN = 4096
@@ -64,6 +74,21 @@ TURNS = [
      "Fix it.", False, False),
     ("Thanks. In one sentence, what did we change?", True, True),
 ]
+
+
+WARM_UPS = 2
+
+
+def long_text(seed: int, sentences: int = 60) -> str:
+    """About a thousand tokens of plain prose, different for each seed (no prefix
+    cache hit between the warm-ups and the sessions)."""
+    words = ["river", "stone", "lantern", "garden", "signal", "harbor", "engine", "meadow",
+             "ledger", "compass", "thread", "window", "orchard", "bridge", "market"]
+    out = []
+    for i in range(sentences):
+        a, b, c = (words[(seed * 7 + i * k) % len(words)] for k in (1, 3, 5))
+        out.append(f"Note {seed}.{i}: the {a} near the {b} kept its {c} until day {i + seed}.")
+    return " ".join(out)
 
 
 def last_line(text: str) -> str:
@@ -111,19 +136,23 @@ def run_session(serve, colocated: str, session: str, turns=TURNS, system: str = 
 
 @pytest.fixture(scope="module")
 def real_cluster(real_model, perturbed_real_model, tmp_path_factory):
-    """1P+1D+Redis+proxy from local_cluster.py in float32, forced disaggregation; a
-    co-located server and the perturbed-model P beside it.  Every engine runs eager
-    (``--enforce-eager``): torch.compile's warm-up took about 50 s an engine on the
-    2-core machine, four engines here, against a few seconds of turns."""
+    """1P+1D+Redis+proxy from local_cluster.py in float32, forced disaggregation, no
+    prices configured; a co-located server and the perturbed-model P beside it; P
+    calibrated by two warm-up prompts.  Every engine runs eager (``--enforce-eager``):
+    torch.compile's warm-up took about 50 s an engine on the 2-core machine, four
+    engines here, against a few seconds of turns."""
     with cluster_with_baselines(real_model, perturbed_real_model,
                                 tmp_path_factory.mktemp("real-cluster-logs"), [
         "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE, "--enforce-eager",
         "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
         "--decode-only-max-uncached-tokens", "-1",
         "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
-        "--sessionkv-config", json.dumps({"cost": CPU_COST}),
     ], ready_timeout_s=900, served_model_name=SERVED_NAME, dtype=DTYPE,
             max_model_len=MAX_MODEL_LEN, extra_args=["--enforce-eager"]) as cluster:
+        for n in range(WARM_UPS):
+            messages = [{"role": "user", "content": long_text(100 + n) + " Summarise."}]
+            post(cluster.proxy, "/v1/chat/completions",
+                 chat_body(SERVED_NAME, messages, max_tokens=8, prompt_cache_key=f"warm-up-{n}"))
         yield cluster
 
 
@@ -312,3 +341,65 @@ def test_a_resent_answer_that_retokenizes_keeps_its_blocks_with_resend_answer_id
 
 def same_ids(got: Generation, base: Generation) -> bool:
     return got.token_ids == base.token_ids and got.text == base.text
+
+
+# --------------------------------------------------------------------------------------
+# Calibration: the pull above happens at prices P measured, not at the prior.
+CALIBRATION_ANSWER_TOKENS = 48
+
+
+def gauge(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    found = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.M)
+    assert found, f"{name} not on {url}/metrics"
+    return float(found.group(1))
+
+
+@pytest.mark.cluster
+def test_p_pulls_where_a_pull_is_cheaper_from_calibrated_prices(real_cluster, real_model):
+    proxy, p_url = real_cluster.proxy, real_cluster.prefill[0]
+    prior = CostConfig().recompute_prior_s_per_token
+    assert CostConfig().recompute_s_per_token is None   # nothing pins it
+    calibrated = gauge(p_url, "sessionkv_recompute_seconds_per_token")
+    print(f"recompute price: prior {prior:.3g} s/token, calibrated {calibrated:.3g} s/token")
+    assert calibrated > 10 * prior, calibrated
+
+    def ask(messages: list[dict]) -> tuple[str, dict]:
+        got = post(proxy, "/v1/chat/completions",
+                   chat_body(SERVED_NAME, messages, max_tokens=CALIBRATION_ANSWER_TOKENS,
+                             prompt_cache_key="calibrated-session"))
+        return got.text, json.loads(got.headers.get("x-sessionkv-prefill", "{}"))
+
+    messages = [{"role": "user", "content": long_text(1) + " Summarise the notes."}]
+    answer, first = ask(messages)
+    messages += [{"role": "assistant", "content": answer},
+                 {"role": "user", "content": "Which note mentions the harbor first?"}]
+    _, second = ask(messages)
+    print(f"turn 1 {first}\nturn 2 {second}")
+    assert second.get("decision", "").startswith("d_to_p:pull"), second
+    assert second.get("pulled_from_peer_tokens", 0) > 0, second
+    # The control: with every price at its prior (the recompute price and the link's,
+    # which earlier pulls in this module may have measured faster), P would have
+    # recomputed the tokens it pulled.  (One more token than accounted: a load of the
+    # whole prompt recomputes its last.)
+    defaults = CostConfig()
+    at_prior_ms = 1e3 * recompute_time_s(
+        second["pulled_from_peer_tokens"] + 1, second["local_hit_tokens"],
+        RecomputeModel(s_per_token=prior,
+                       s_per_token_per_context_token=defaults.recompute_s_per_token_per_context_token,
+                       load_slowdown_per_unit=defaults.load_slowdown_per_unit),
+        second["priced_engine_load"])
+    pull_at_prior_ms = 1e3 * transfer_time_s(
+        second["pulled_from_peer_tokens"] * kv_bytes_per_token(real_model),
+        defaults.link_bytes_per_s, defaults.per_transfer_s)
+    assert second["priced_pull_ms"] < second["priced_recompute_ms"], second
+    assert at_prior_ms < pull_at_prior_ms, (at_prior_ms, pull_at_prior_ms, second)
+
+
+def kv_bytes_per_token(model_dir: str) -> int:
+    """K and V of every layer, in float32."""
+    from pathlib import Path
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
