@@ -3,7 +3,7 @@
 A module-scoped cluster from ``examples/local_cluster.py`` (2P + 2D + Redis + proxy),
 with the session's plain co-located vLLM server (``colocated_url``) as the baseline.
 
-* 8 interleaved sessions of 6 chat turns each (distinct system prompts, temperature
+* 6 interleaved sessions of 4 chat turns each (distinct system prompts, temperature
   0, 100-200 new tokens a turn).  Every turn after the first must go where its KV is:
   the decode engine is the session's previous D, and either P reused KV (its own
   prefix cache or a pull from D: ``local_hit_tokens`` or ``pulled_from_peer_tokens``
@@ -49,8 +49,8 @@ from vllm_sessionkv.dev.workload import new_tokens, system_prompt, user_message
 pytestmark = pytest.mark.cluster
 
 CHAT = "/v1/chat/completions"
-SESSIONS = 8
-TURNS = 6
+SESSIONS = 6
+TURNS = 4
 
 
 def session_headers_and_body(session_id: str, way: str) -> tuple[dict, dict]:
