@@ -31,14 +31,21 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import subprocess
 
 import pytest
 import requests
 
 from cluster import cluster_with_baselines, free_port_block, launcher_child
-from helpers import Generation, chat_body, compare, fresh_prefill_params, post, wait_until
+from helpers import (
+    Generation,
+    chat_body,
+    compare,
+    fresh_prefill_params,
+    metric_sum,
+    post,
+    wait_until,
+)
 from sessionkv_proxy.resent_answers import ANSWER_IDS_HEADER
 from sessionkv_proxy.tokenizer import LocalTokenizer
 
@@ -49,6 +56,7 @@ from vllm_sessionkv.dev.real_model import (
     WHEEL_SHA256,
     build_real_model,
 )
+from vllm_sessionkv.planner.model import model_shape_from_hf_config
 from vllm_sessionkv.wire.cost import RecomputeModel, recompute_time_s, transfer_time_s
 
 DTYPE = "float32"
@@ -348,19 +356,12 @@ def same_ids(got: Generation, base: Generation) -> bool:
 CALIBRATION_ANSWER_TOKENS = 48
 
 
-def gauge(url: str, name: str) -> float:
-    text = requests.get(url + "/metrics", timeout=30).text
-    found = re.search(rf"^{name}\{{[^}}]*\}} ([0-9.eE+-]+)$", text, re.M)
-    assert found, f"{name} not on {url}/metrics"
-    return float(found.group(1))
-
-
 @pytest.mark.cluster
 def test_p_pulls_where_a_pull_is_cheaper_from_calibrated_prices(real_cluster, real_model):
     proxy, p_url = real_cluster.proxy, real_cluster.prefill[0]
     prior = CostConfig().recompute_prior_s_per_token
     assert CostConfig().recompute_s_per_token is None   # nothing pins it
-    calibrated = gauge(p_url, "sessionkv_recompute_seconds_per_token")
+    calibrated = metric_sum(p_url, "sessionkv_recompute_seconds_per_token")   # one P
     print(f"recompute price: prior {prior:.3g} s/token, calibrated {calibrated:.3g} s/token")
     assert calibrated > 10 * prior, calibrated
 
@@ -397,9 +398,8 @@ def test_p_pulls_where_a_pull_is_cheaper_from_calibrated_prices(real_cluster, re
 
 
 def kv_bytes_per_token(model_dir: str) -> int:
-    """K and V of every layer, in float32."""
+    """K and V of every layer, in float32 (the engines' dtype here)."""
     from pathlib import Path
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    return model_shape_from_hf_config(cfg).kv_elements_per_token * 4
