@@ -58,6 +58,7 @@ from .events import (
 from .index.base import TIER_DEVICE, KVIndex
 from .keys import chain_request_keys
 from .tasks import EngineTasks
+from .zmq_inbox import Inbox
 
 __all__ = [
     "ConsumerStats",
@@ -208,23 +209,24 @@ class EngineSubscriber:
 
     async def run(self) -> None:
         """Consume until cancelled."""
-        sub = self._ctx.socket(zmq.SUB)
+        sub = self._ctx.socket(zmq.SUB, socket_class=zmq.Socket)   # read by an Inbox
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         sub.connect(self.source.endpoint)
+        inbox = Inbox(sub)
         try:
             # Whatever the index holds for this engine predates this subscriber and
             # cannot be checked against the stream: rebuild it from the replay buffer.
             await self._guarded(self._index.clear(self.source.engine))
             await self._guarded(self.catch_up())
             while True:
-                frames = await sub.recv_multipart()
+                frames = await inbox.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.stats.batches_undecodable += 1
                     continue
                 seq = int.from_bytes(frames[1], "big")
                 await self._guarded(self.handle_live(seq, frames[2]))
         finally:
-            sub.close(linger=0)
+            inbox.close()
 
     async def _guarded(self, step) -> None:
         # A failed index write leaves _next_seq where it was: the next live batch then

@@ -48,6 +48,7 @@ from vllm_sessionkv.wire.protocol import (
 
 from sessionkv_proxy.index.base import PublishedHandles
 from sessionkv_proxy.tasks import EngineTasks
+from sessionkv_proxy.zmq_inbox import Inbox
 
 __all__ = ["CHANNEL_OUTCOMES", "HandleChannelStats", "HandleSubscriber", "HandleSubscribers"]
 
@@ -91,15 +92,16 @@ class HandleSubscriber:
     async def run(self, context: zmq.asyncio.Context) -> None:
         """Receive until cancelled.  ZMQ reconnects by itself after the engine
         restarts."""
-        sub = context.socket(zmq.SUB)
+        sub = context.socket(zmq.SUB, socket_class=zmq.Socket)   # read by an Inbox
         sub.setsockopt(zmq.SUBSCRIBE, HANDLE_TOPIC)
         sub.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
         sub.connect(self.endpoint)
+        inbox = Inbox(sub)
         try:
             while True:
-                self.receive(await sub.recv_multipart())
+                self.receive(await inbox.recv_multipart())
         finally:
-            sub.close(linger=0)
+            inbox.close()
 
     def receive(self, frames: list[bytes]) -> str:
         """Handle one message; returns its outcome."""

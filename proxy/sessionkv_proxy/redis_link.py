@@ -43,6 +43,11 @@ logger = logging.getLogger("sessionkv_proxy.redis")
 
 T = TypeVar("T")
 
+# A call's deadline, kept in the caller's task (Python 3.11+).  asyncio.wait_for, the
+# fallback, runs the call in a task of its own: 15-30 us more CPU per call, and a
+# request makes four or so (the routing read, its session write, the index stores).
+_timeout = getattr(asyncio, "timeout", None)
+
 
 class RedisUnavailable(Exception):
     """Redis did not serve this call (breaker open, timeout or error)."""
@@ -157,7 +162,11 @@ class RedisLink:
         if not (self.available or (force and self.state is LinkState.RESYNCING)):
             raise RedisUnavailable(f"redis {self.state.value}")
         try:
-            result = await asyncio.wait_for(self._in_turn(make), self.timeout_s * 2)
+            if _timeout is not None:
+                async with _timeout(self.timeout_s * 2):
+                    result = await self._in_turn(make)
+            else:
+                result = await asyncio.wait_for(self._in_turn(make), self.timeout_s * 2)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # timeouts, connection and protocol errors alike

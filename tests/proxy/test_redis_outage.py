@@ -180,3 +180,33 @@ async def test_a_routing_read_while_redis_is_down_comes_from_the_own_copy(
         await index.return_handle("s", b"h", 1000)   # dropped, no raise
     finally:
         own_redis.resume()
+
+
+async def test_a_call_past_its_deadline_is_cut_and_counted_and_the_caller_goes_on():
+    """The link's own deadline (twice ``timeout_s``), for a call the client's socket
+    timeout does not end: the call is cancelled, counted as a timeout, and the
+    calling task (a request) is not left cancelled."""
+    errors: list[str] = []
+    link = RedisLink(object(), timeout_s=0.05, failures_to_open=5, on_error=errors.append)
+    cancelled = asyncio.Event()
+
+    async def hangs() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    started = time.monotonic()
+    with pytest.raises(RedisUnavailable):
+        await link.call("route_read", hangs)
+    assert 0.09 <= time.monotonic() - started < 1.0
+    assert cancelled.is_set() and errors == ["redis_timeout"]
+    assert link.consecutive_failures == 1 and link.state is LinkState.UP
+    assert asyncio.current_task().cancelling() == 0
+    await asyncio.sleep(0.01)   # not cancelled: it waits as any task does
+
+    async def answers() -> str:
+        return "ok"
+
+    assert await link.call("get", answers) == "ok" and link.consecutive_failures == 0
