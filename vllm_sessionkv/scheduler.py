@@ -525,7 +525,7 @@ class SessionKVScheduler(nixl_state.NixlPullConnectorScheduler):
         if state.plan is not None or state.local_hit_tokens is not None:
             acct = accounting(request.num_prompt_tokens, state.plan,
                               state.local_hit_tokens or 0, state.host_restored_tokens,
-                              self.pricing.kv_bytes_per_token)
+                              self.pricing.kv_bytes_per_token, time.perf_counter())
             record_accounting(self.stats, acct)
         is_d_node = bool(params) and not params.get("do_remote_decode")
         delay_free, out = super().request_finished(request, block_ids)

@@ -144,6 +144,9 @@ def test_a_session_turn_is_held_and_pulled_only_where_it_matches(tiny_model_dir)
     assert matched == (7, True) and step.read_guards == {"p1": payload.hold_token}
     assert accounting(answer).decision == "d_to_p:pull:ok"
     assert accounting(answer).pulled_from_peer_tokens == 7
+    # The request ends in the step that queued its read (no step report came between):
+    # the read is timed to the end, not left at 0.
+    assert accounting(answer).pull_ms > 0
     # The same handle on an edited history: verification keeps the first block only.
     edited = list(history)
     edited[20] = 999

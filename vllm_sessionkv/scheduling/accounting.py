@@ -15,7 +15,9 @@ _SOURCES = ("local_hit", "pulled_from_peer", "pulled_from_host", "recomputed",
 
 
 def accounting(num_prompt_tokens: int, plan: RemotePlan | None, local_hit_tokens: int,
-               host_restored_tokens: int, kv_bytes_per_token: float) -> TokenAccounting:
+               host_restored_tokens: int, kv_bytes_per_token: float,
+               now_s: float) -> TokenAccounting:
+    """``now_s``: the ``perf_counter`` time the request finished."""
     if plan is None:
         # No remote KV involved: what was not hit locally or restored from the host
         # tier was computed here.
@@ -42,13 +44,23 @@ def accounting(num_prompt_tokens: int, plan: RemotePlan | None, local_hit_tokens
             0, verdict.verified_tokens + verdict.refused_tokens
             - max(verdict.verified_tokens, plan.local_hit_tokens)),
         pulled_bytes=int(pulled * kv_bytes_per_token),
-        pull_ms=round(plan.pull_ms, 3) if pulled else 0.0,
+        pull_ms=round(_pull_ms(plan, now_s), 3) if pulled else 0.0,
         priced_pull_ms=round(plan.pull_s * 1e3, 4),
         priced_recompute_ms=round(plan.recompute_s * 1e3, 4),
         priced_engine_load=round(plan.engine_load, 3),
         first_token_from_prefill=plan.first_token,
         decision=f"{plan.direction}:{'pull_failed' if plan.failed else plan.decision}"
                  f":{verdict.reason}")
+
+
+def _pull_ms(plan: RemotePlan, now_s: float) -> float:
+    """The read's time, queued to received.  A synchronous read whose request ends in
+    the step that ran it (P's prefill-only turn) is not timed yet: vLLM frees the
+    step's finished requests before it hands the connector the step's transfers
+    (``SyncReads.finished_step``), so it is timed to now."""
+    if plan.pull_ms or not plan.pull_started_s:
+        return plan.pull_ms
+    return max(0.0, now_s - plan.pull_started_s) * 1e3
 
 
 def record_accounting(stats: StatsSink, acct: TokenAccounting) -> None:
