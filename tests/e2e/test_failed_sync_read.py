@@ -67,37 +67,35 @@ def _engine(tiny_model: str, role: str, port: int, **options):
 
 @pytest.fixture(scope="module")
 def engines(tiny_model, tmp_path_factory):
-    """D and the co-located server, shared by both arms."""
+    """D, the co-located server and a P of each arm (quarantine on, off), started
+    together (one after another, the P took a minute more each) and shared."""
     from vllm_sessionkv.dev.launch import start_engine, stop_all, wait_healthy
 
     log_dir = tmp_path_factory.mktemp("failed-sync-read-logs")
-    base = free_port_block(3)
-    decode = _engine(tiny_model, "decode", base, side_channel_port=base + 1,
-                     sessionkv={"cost": SESSION_COST})
-    colocated = _engine(tiny_model, "colocated", base + 2)
-    procs = [start_engine(decode, "decode", log_dir), start_engine(colocated, "colocated",
-                                                                   log_dir)]
+    base = free_port_block(7)
+    specs = {"decode": _engine(tiny_model, "decode", base, side_channel_port=base + 1,
+                               sessionkv={"cost": SESSION_COST}),
+             "colocated": _engine(tiny_model, "colocated", base + 2)}
+    for i, quarantine in enumerate((True, False)):
+        port = base + 3 + 2 * i
+        specs[f"prefill-{quarantine}"] = _engine(
+            tiny_model, "prefill", port, side_channel_port=port + 1,
+            sessionkv={"cost": SYNC_COST, "sync_read_quarantine": quarantine},
+            extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS)])
+    procs = []
     try:
-        wait_healthy([(procs[0], decode.url), (procs[1], colocated.url)], timeout_s=400)
-        yield {"decode": decode.url, "colocated": colocated.url, "log_dir": log_dir}
+        for name, spec in specs.items():
+            procs.append(start_engine(spec, name, log_dir))
+        wait_healthy([(proc, spec.url) for proc, spec in zip(procs, specs.values())],
+                     timeout_s=400)
+        yield {name: spec.url for name, spec in specs.items()}
     finally:
         stop_all(procs)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["quarantine", "no_quarantine"])
-def prefill(request, tiny_model, engines):
-    from vllm_sessionkv.dev.launch import start_engine, stop_all, wait_healthy
-
-    base = free_port_block(2)
-    spec = _engine(tiny_model, "prefill", base, side_channel_port=base + 1,
-                   sessionkv={"cost": SYNC_COST, "sync_read_quarantine": request.param},
-                   extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS)])
-    proc = start_engine(spec, f"prefill-{request.param}", engines["log_dir"])
-    try:
-        wait_healthy([(proc, spec.url)], timeout_s=400)
-        yield spec.url, request.param
-    finally:
-        stop_all([proc])
+def prefill(request, engines):
+    return engines[f"prefill-{request.param}"], request.param
 
 
 def _held_on_d(d_url: str, model: str, prompt: list[int], session: str):
