@@ -20,7 +20,10 @@ import pytest
 
 from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
     SESSION_COST,
+    TEST_DTYPE,
+    TEST_KV_CACHE_GB,
     cluster_with_baselines,
+    free_port_block,
 )
 from known_state import restore_known_state
 
@@ -83,6 +86,35 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
         "--sessionkv-config", json.dumps({"cost": SESSION_COST}),
     ]) as cluster:
         yield cluster
+
+
+# The plain engines' block size: a multiple of 32 (the CPU build's) that is not the
+# proxy's default, so that a proxy at its defaults must learn it.
+PLAIN_BLOCK_SIZE = 64
+
+
+@pytest.fixture(scope="session")
+def plain_engines(tiny_model, tmp_path_factory):
+    """Two plain vLLM servers (no connector) on the tiny model in float32, at block size
+    ``PLAIN_BLOCK_SIZE``, each publishing KV events with a replay port: {"a": EngineSpec,
+    "b": EngineSpec}.  For the tests of the proxy over engines it did not start
+    (test_block_size_learned, test_chat_tokenize_in_proxy): one start for both."""
+    from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
+
+    log_dir = tmp_path_factory.mktemp("plain-engines-logs")
+    base = free_port_block(6)
+    specs = {name: EngineSpec(role="colocated", model=tiny_model, port=base + 3 * i,
+                              kv_events_port=base + 3 * i + 1,
+                              kv_events_replay_port=base + 3 * i + 2,
+                              kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
+                              block_size=PLAIN_BLOCK_SIZE)
+             for i, name in enumerate(("a", "b"))}
+    procs = [start_engine(spec, f"engine-{name}", log_dir) for name, spec in specs.items()]
+    try:
+        wait_healthy([(p, s.url) for p, s in zip(procs, specs.values())], timeout_s=400)
+        yield specs
+    finally:
+        stop_all(procs)
 
 
 @pytest.fixture(scope="session")

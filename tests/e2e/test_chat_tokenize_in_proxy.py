@@ -30,18 +30,21 @@ import aiohttp
 import pytest
 import requests
 
-from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, free_port_block
+from cluster import free_port_block
 from helpers import chat_body
 
 from sessionkv_proxy.app import ProxyApp, create_app
 from sessionkv_proxy.config import load_config
-from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
+
 from vllm_sessionkv.wire.hashing import request_keys
 
 pytestmark = pytest.mark.cluster
 
-BLOCK_SIZE = 32
-SYSTEM = {"role": "system", "content": "You answer in the words of the sea: ka to ri mu."}
+BLOCK_SIZE = 64     # the session's plain engines' (conftest.PLAIN_BLOCK_SIZE)
+# Long enough that every conversation below fills at least one block.
+SYSTEM = {"role": "system", "content": "You answer in the words of the sea: ka to ri mu. The "
+          "tide keeps the time, the gulls keep the count, and the shore keeps what the "
+          "waves bring in."}
 CONVERSATIONS = {
     "system_user": {"messages": [SYSTEM, {"role": "user", "content": "sen lo va qu zi?"}]},
     "multi_turn": {"messages": [SYSTEM, {"role": "user", "content": "pe dra mon?"},
@@ -66,19 +69,9 @@ CONVERSATIONS = {
 
 
 @pytest.fixture(scope="module")
-def two_engines(tiny_model, tmp_path_factory) -> list[str]:
-    log_dir = tmp_path_factory.mktemp("chat-tokenize-logs")
-    base = free_port_block(2)
-    specs = [EngineSpec(role="colocated", model=tiny_model, port=base + i,
-                        kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
-                        block_size=BLOCK_SIZE)
-             for i in range(2)]
-    procs = [start_engine(spec, f"engine-{i}", log_dir) for i, spec in enumerate(specs)]
-    try:
-        wait_healthy([(p, s.url) for p, s in zip(procs, specs)], timeout_s=400)
-        yield [s.url for s in specs]
-    finally:
-        stop_all(procs)
+def two_engines(plain_engines) -> list[str]:
+    assert all(spec.block_size == BLOCK_SIZE for spec in plain_engines.values())
+    return [spec.url for spec in plain_engines.values()]
 
 
 def tokenize_calls(engines: list[str]) -> float:
