@@ -2,8 +2,8 @@
 
 The fenced blocks marked ``<!-- cpu-recipe -->`` are run, in order, as one bash script
 in a process group of their own, with the recipe's settings given in the environment:
-free ports, the two cores, the tiny test model and a log folder of the test's.  A
-co-located vLLM server (float32, the same block size) starts beside it as the
+free ports, the two cores, the tiny test model and a log folder of the test's.  The
+session's co-located vLLM server (the same model, float32, the same block size) is the
 reference.  Then:
 
 * the recipe's own chat turn printed the route the doc says a short turn gets
@@ -15,7 +15,7 @@ reference.  Then:
   temperature 0 (the recipe's float32); the negative control: turn 2's answer
   differs from the co-located answer to another prompt.
 
-About a minute and a half, most of it three engine starts on two cores.
+About a minute and a half, most of it the recipe's two engine starts on two cores.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import pytest
 from cluster import free_port_block
 from helpers import assert_same, chat_body, compare, post
 
-from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 
 pytestmark = pytest.mark.cluster
 
@@ -71,19 +70,15 @@ def _log_summary(path: Path) -> str:
 
 
 @pytest.fixture
-def recipe(tiny_model, tmp_path):
-    """Runs the recipe beside a co-located server; yields (the recipe's proxy, the
-    co-located server, the script's output); stops what it started."""
+def recipe(tiny_model, colocated_url, tmp_path):
+    """Runs the recipe; yields (the recipe's proxy, the session's co-located server on
+    the same model in float32, the script's output); stops what it started."""
     cores = sorted(os.sched_getaffinity(0))
     base, port = free_port_block(11), free_port_block(1)
     env = {**os.environ, "MODEL": tiny_model, "NAME": NAME, "PORT": str(port),
            "BASE": str(base), "P_CORE": str(cores[0]), "D_CORE": str(cores[-1]),
            "LOGS": str(tmp_path / "logs")}
     script = "set -u\n" + "\n".join(recipe_blocks(DOC.read_text()))
-    reference = EngineSpec(role="colocated", model=tiny_model, port=free_port_block(1),
-                           dtype="float32", served_model_name=NAME,
-                           kv_cache_space_gb=1.0)
-    ref_proc = start_engine(reference, "colocated", tmp_path / "logs")
     output = tmp_path / "recipe.out"
     with open(output, "w") as out_file:
         proc = subprocess.Popen(["bash", "-c", script], env=env, cwd=tmp_path,
@@ -98,8 +93,7 @@ def recipe(tiny_model, tmp_path):
         out = output.read_text()
         logs = "\n".join(_log_summary(p) for p in sorted((tmp_path / "logs").glob("*.log")))
         assert proc.returncode == 0 and "died" not in out, out + logs
-        wait_healthy([(ref_proc, reference.url)], timeout_s=400)
-        yield f"http://127.0.0.1:{port}", reference.url, out
+        yield f"http://127.0.0.1:{port}", colocated_url, out
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -110,11 +104,13 @@ def recipe(tiny_model, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        stop_all([ref_proc])
 
 
-def test_the_cpu_recipe_serves_p_to_d_with_reuse_equal_to_a_colocated_engine(recipe):
+def test_the_cpu_recipe_serves_p_to_d_with_reuse_equal_to_a_colocated_engine(recipe,
+                                                                              tiny_model):
     proxy, colocated, out = recipe
+    # The recipe serves the model as NAME, the session's co-located server under its
+    # path: the same model in float32.
     # The recipe's short turn: D alone, as the doc says of the defaults.
     assert re.search(r"(?im)^x-sessionkv-route: decode_only", out), out
     assert re.search(r"(?im)^x-sessionkv-route-reason: .*; decode only: \d+ uncached tokens",
@@ -124,8 +120,8 @@ def test_the_cpu_recipe_serves_p_to_d_with_reuse_equal_to_a_colocated_engine(rec
     session = {"X-Session-ID": "recipe-session"}
     first = post(proxy, "/v1/chat/completions", chat_body(NAME, messages, 64), session)
     assert first.headers["x-sessionkv-route"] == "disaggregated", first.headers
-    assert_same(first, post(colocated, "/v1/chat/completions", chat_body(NAME, messages, 64)),
-                "turn 1")
+    assert_same(first, post(colocated, "/v1/chat/completions",
+                            chat_body(tiny_model, messages, 64)), "turn 1")
     messages += [{"role": "assistant", "content": first.text},
                  {"role": "user", "content": _words(300, 3)}]
     second = post(proxy, "/v1/chat/completions", chat_body(NAME, messages, 64), session)
@@ -133,9 +129,9 @@ def test_the_cpu_recipe_serves_p_to_d_with_reuse_equal_to_a_colocated_engine(rec
     prefill = json.loads(second.headers["x-sessionkv-prefill"])
     # P's own cache holds turn 1's prompt; turn 1's answer comes from D.
     assert prefill["local_hit_tokens"] > 0 and prefill["pulled_from_peer_tokens"] > 0, prefill
-    baseline = post(colocated, "/v1/chat/completions", chat_body(NAME, messages, 64))
+    baseline = post(colocated, "/v1/chat/completions", chat_body(tiny_model, messages, 64))
     assert_same(second, baseline, "turn 2")
     # Negative control: the comparison tells answers to another prompt apart.
     other = messages[:-1] + [{"role": "user", "content": _words(300, 5)}]
     assert not compare(second, post(colocated, "/v1/chat/completions",
-                                    chat_body(NAME, other, 64))).equal
+                                    chat_body(tiny_model, other, 64))).equal
