@@ -34,14 +34,19 @@ if [ $# -gt 0 ]; then
   exec python -m pytest -ra -p no:cacheprovider "$@"
 fi
 # The whole suite, in lanes: the fast suites (no engines; minutes) first, so a broken
-# build fails in minutes; then the tests that ask PyPI (a resolution of the install);
-# then the tests that start vLLM clusters; then the benchmarks' --quick smoke runs.  Each lane prints its slowest tests; the first failing lane stops
-# the run.
+# build fails in minutes, and beside them the tests that ask PyPI (a resolution of the
+# install: mostly waiting on the network, so it runs while the fast lane computes, its
+# output printed after it); then the tests that start vLLM clusters; then the
+# benchmarks' --quick smoke runs.  Each lane prints its slowest tests; the first
+# failing lane stops the run.
 # The lanes are separate test sessions: the real model is built once for all of them
 # (tests/conftest.py's real_model), in a folder of this run's.
 SESSIONKV_TEST_MODEL_DIR=$(mktemp -d "${TMPDIR:-/tmp}/sessionkv-test-model.XXXXXX")
 export SESSIONKV_TEST_MODEL_DIR
-trap 'rm -rf "$SESSIONKV_TEST_MODEL_DIR"' EXIT
+NETWORK_LOG=$(mktemp "${TMPDIR:-/tmp}/sessionkv-network-lane.XXXXXX")
+network_pid=
+trap '[ -z "$network_pid" ] || kill "$network_pid" 2>/dev/null
+      rm -rf "$SESSIONKV_TEST_MODEL_DIR" "$NETWORK_LOG"' EXIT
 lane() {
   local name=$1; shift
   echo "=== lane: $name ($(date -u +%H:%M:%S) UTC)"
@@ -49,7 +54,13 @@ lane() {
   python -m pytest -ra -p no:cacheprovider --durations=10 "$@"
   echo "=== lane: $name passed in $((SECONDS - start)) s"
 }
+lane network -m "network and not cluster and not bench" tests >"$NETWORK_LOG" 2>&1 &
+network_pid=$!
 lane fast -m "not cluster and not bench and not network" tests
-lane network -m "network and not cluster and not bench" tests
+network_rc=0
+wait "$network_pid" || network_rc=$?
+network_pid=
+cat "$NETWORK_LOG"
+[ "$network_rc" = 0 ] || exit "$network_rc"
 lane cluster -m "cluster and not bench" tests
 lane bench -m bench tests

@@ -255,11 +255,20 @@ def test_test_sh_installs_chart_tools_only_for_the_tests_that_use_them(machine, 
     pytest_calls = [c for c in calls if c.startswith("python -m pytest")]
     if args:
         assert pytest_calls == ["python -m pytest -ra -p no:cacheprovider " + " ".join(args)]
-    else:   # the whole suite, in lanes
-        assert [c.split(" -m ", 2)[-1] for c in pytest_calls] == [
-            "not cluster and not bench and not network tests",
-            "network and not cluster and not bench tests",
-            "cluster and not bench tests", "bench tests"]
+    else:   # the whole suite, in lanes: fast and network side by side, then the others
+        lanes = [c.split(" -m ", 2)[-1] for c in pytest_calls]
+        assert sorted(lanes[:2]) == ["network and not cluster and not bench tests",
+                                     "not cluster and not bench and not network tests"]
+        assert lanes[2:] == ["cluster and not bench tests", "bench tests"]
+
+
+@pytest.mark.parametrize("failing", ["not cluster and not bench and not network",
+                                     "network and not cluster and not bench"])
+def test_a_failing_fast_or_network_lane_stops_the_run(machine, failing):
+    done = machine.run("test.sh", fail_on=failing)
+    assert done.returncode != 0
+    assert not any("cluster and not bench tests" in c and "not cluster" not in c
+                   for c in machine.calls())
 
 
 @pytest.mark.parametrize("step", ["--upgrade pip", "-e .[cpu,proxy,test,real-model]", "uninstall",
