@@ -85,12 +85,16 @@ class Monitor:
             await asyncio.sleep(0.005)
 
     def client_commands(self, start: int, end: int) -> list[str]:
-        """Commands clients sent between two marks (not those a script ran, and not
-        the upkeep's periodic INFO/PING, which belong to no request)."""
+        """Commands clients sent between two marks (not those a script ran, not the
+        upkeep's periodic INFO/PING, which belong to no request, and not a new
+        connection's handshake: redis-py opens one when its others are busy, as with
+        the upkeep's or an earlier request's call still in flight on a loaded machine,
+        where a run here saw ``HELLO 3`` before the routing script)."""
         out = []
         for cmd in self.seen[start + 1:end]:
             name = cmd["command"].split(" ", 1)[0].upper()
-            if cmd["client_type"] == "lua" or name in ("INFO", "PING", "ECHO"):
+            if cmd["client_type"] == "lua" or name in ("INFO", "PING", "ECHO", "HELLO",
+                                                       "CLIENT"):
                 continue
             out.append(cmd["command"])
         return out
