@@ -162,23 +162,19 @@ def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
     and nothing the launcher started may be left."""
     from vllm_sessionkv.dev.launch import EngineSpec, start_engine, stop_all, wait_healthy
 
-    base = free_port_block(3)
-    options = {"kv_cache_space_gb": TEST_KV_CACHE_GB, "served_model_name": model,
-               "dtype": TEST_DTYPE, **engine_options}
-    colocated = EngineSpec(role="colocated", model=model, port=base, **options)
-    # D skips NIXL's model-compatibility check so that this P can hand it KV.
-    perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
-                           side_channel_port=base + 2,
-                           nixl_extra={"enforce_handshake_compat": False}, **options)
-    # The two start while the launcher starts its cluster, not after it is ready: one
-    # engine's start leaves the 2-core machine partly idle (two started together took
-    # about 55 s here, one alone 35 s).
-    extra = [start_engine(colocated, "colocated", log_dir),
-             start_engine(perturbed, "perturbed-prefill", log_dir)]
-    cluster = None
+    cluster = launch_cluster(model, log_dir, launcher_args, ready_timeout_s=ready_timeout_s)
+    extra = []
     try:
-        cluster = launch_cluster(model, log_dir, launcher_args,
-                                 ready_timeout_s=ready_timeout_s)
+        base = free_port_block(3)
+        options = {"kv_cache_space_gb": TEST_KV_CACHE_GB, "served_model_name": model,
+                   "dtype": TEST_DTYPE, **engine_options}
+        colocated = EngineSpec(role="colocated", model=model, port=base, **options)
+        # D skips NIXL's model-compatibility check so that this P can hand it KV.
+        perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
+                               side_channel_port=base + 2,
+                               nixl_extra={"enforce_handshake_compat": False}, **options)
+        extra = [start_engine(colocated, "colocated", log_dir),
+                 start_engine(perturbed, "perturbed-prefill", log_dir)]
         wait_healthy([(extra[0], colocated.url), (extra[1], perturbed.url)],
                      timeout_s=max(ready_timeout_s, 400))
         cluster.colocated = colocated.url
@@ -186,10 +182,9 @@ def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
         yield cluster
     finally:
         stop_all(extra)
-        if cluster is not None:
-            cluster.teardown_report.update(stop_cluster(cluster))
-            alive = cluster.teardown_report.get("alive")
-            assert not alive, f"processes left after SIGTERM to local_cluster.py: {alive}"
+        cluster.teardown_report.update(stop_cluster(cluster))
+        alive = cluster.teardown_report.get("alive")
+        assert not alive, f"processes left after SIGTERM to local_cluster.py: {alive}"
 
 
 @contextmanager
