@@ -24,6 +24,8 @@ from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
     TEST_KV_CACHE_GB,
     cluster_with_baselines,
     free_port_block,
+    launch_cluster,
+    stop_cluster,
 )
 from known_state import restore_known_state
 
@@ -115,6 +117,32 @@ def plain_engines(tiny_model, tmp_path_factory):
         yield specs
     finally:
         stop_all(procs)
+
+
+@pytest.fixture(scope="session")
+def cluster_2p2d(tiny_model, colocated_url, tmp_path_factory):
+    """2P + 2D + Redis + proxy from local_cluster.py, for test_routing_2p2d (where
+    sessions go) and test_engine_set_cluster (its own proxy over P0, D0 and D1): one
+    four-engine start for both.  A module that kills or freezes an engine leaves it
+    running again (the supervisor restarts a killed D; the tests wait for it)."""
+    log_dir = tmp_path_factory.mktemp("2p2d-logs")
+    # Four engines start at once; on a shared 2-core machine that can take longer
+    # than the 1P+1D fixture's limit.  Pull whenever verified KV exists (as
+    # pd_cluster does): this module tests where turns are routed; whether a short
+    # pull beats recompute is priced and tested elsewhere, and the tiny model's text
+    # re-tokenizes differently, so often only the previous prompt's blocks verify
+    # and a default-priced pull of them loses to recompute.
+    cluster = launch_cluster(tiny_model, log_dir, [
+        "--prefill", "2", "--decode", "2", "--redis",
+        "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
+                                                   "recompute_s_per_token": 1.0}}),
+    ], ready_timeout_s=600)
+    try:
+        cluster.colocated = colocated_url
+        yield cluster
+    finally:
+        report = stop_cluster(cluster)
+        assert not report["alive"], f"processes left after SIGTERM: {report['alive']}"
 
 
 @pytest.fixture(scope="session")

@@ -2,9 +2,10 @@
 gets traffic, and one removed gets none, with no restart; a request in flight on the
 removed engine finishes.
 
-The launcher starts 1P + 2D (no proxy); the test runs the proxy itself on a watched
-``--engines-file`` that first lists P0 and D0 only, then adds D1, then removes D0
-while a streamed request runs there.  Which D served a request is the proxy's
+On the session's 2P + 2D cluster (``cluster_2p2d`` in tests/conftest.py, shared with
+test_routing_2p2d), the test runs a proxy of its own beside the launcher's, on a
+watched ``--engines-file`` that first lists P0 and D0 only, then adds D1, then
+removes D0 while a streamed request runs there.  Which D served a request is the proxy's
 ``x-sessionkv-decode-engine`` header, and each D's own count of finished requests
 (``vllm:request_success_total``) confirms it.  Round-robin routing makes "gets
 traffic" exact; every request goes P -> NIXL -> D, D1's through its early-decode
@@ -21,7 +22,7 @@ import sys
 
 import pytest
 import requests
-from cluster import REPO, free_port_block, launch_cluster, stop_cluster
+from cluster import REPO, free_port_block
 from helpers import (completion_body, engine_pid, metric_sum, parse_stream, post, signal_tree,
                      wait_until)
 
@@ -33,14 +34,8 @@ STREAM_TOKENS = 2000
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_model, tmp_path_factory):
-    cluster = launch_cluster(tiny_model, tmp_path_factory.mktemp("engine-set-logs"), [
-        "--prefill", "1", "--decode", "2", "--no-proxy"])
-    try:
-        yield cluster
-    finally:
-        report = stop_cluster(cluster)
-        assert not report["alive"], report
+def engines(cluster_2p2d):
+    return cluster_2p2d
 
 
 def _entry(cluster, url: str, role: str) -> dict:

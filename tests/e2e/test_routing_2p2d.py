@@ -1,7 +1,9 @@
 """Session routing on 2 prefill + 2 decode engines, one and two proxy replicas.
 
-A module-scoped cluster from ``examples/local_cluster.py`` (2P + 2D + Redis + proxy),
-with the session's plain co-located vLLM server (``colocated_url``) as the baseline.
+The session's 2P + 2D cluster (``cluster_2p2d`` in tests/conftest.py:
+``examples/local_cluster.py`` with Redis and the proxy, shared with
+test_engine_set_cluster), with the session's plain co-located vLLM server
+(``colocated_url``) as the baseline.
 
 * 6 interleaved sessions of 4 chat turns each (distinct system prompts, temperature
   0, 100-200 new tokens a turn).  Every turn after the first must go where its KV is:
@@ -31,9 +33,7 @@ import requests
 from cluster import (
     free_port_block,
     kill_engine,
-    launch_cluster,
     refresh_descendants,
-    stop_cluster,
     wait_engine_restarted,
     wait_proxy_sees,
 )
@@ -79,28 +79,6 @@ def _engine_layout(cluster) -> dict[str, dict[str, str]]:
             "events": cfg["endpoint"].replace("*", "127.0.0.1"),
             "replay": cfg["replay_endpoint"].replace("*", "127.0.0.1")}
     return out
-
-
-@pytest.fixture(scope="module")
-def cluster_2p2d(tiny_model, colocated_url, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("2p2d-logs")
-    # Four engines start at once; on a shared 2-core machine that can take longer
-    # than the 1P+1D fixture's limit.  Pull whenever verified KV exists (as
-    # pd_cluster does): this module tests where turns are routed; whether a short
-    # pull beats recompute is priced and tested elsewhere, and the tiny model's text
-    # re-tokenizes differently, so often only the previous prompt's blocks verify
-    # and a default-priced pull of them loses to recompute.
-    cluster = launch_cluster(tiny_model, log_dir, [
-        "--prefill", "2", "--decode", "2", "--redis",
-        "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
-                                                   "recompute_s_per_token": 1.0}}),
-    ], ready_timeout_s=600)
-    try:
-        cluster.colocated = colocated_url
-        yield cluster
-    finally:
-        report = stop_cluster(cluster)
-        assert not report["alive"], f"processes left after SIGTERM: {report['alive']}"
 
 
 @pytest.fixture(scope="module")
