@@ -128,8 +128,9 @@ def cluster_2p2d(tiny_model, colocated_url, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("2p2d-logs")
     # Four engines start at once; on a shared 2-core machine that can take longer
     # than the 1P+1D fixture's limit.  Pull whenever verified KV exists (as
-    # pd_cluster does): this module tests where turns are routed; whether a short
-    # pull beats recompute is priced and tested elsewhere, and the tiny model's text
+    # pd_cluster does): test_routing_2p2d tests where turns are routed (the engine-set
+    # test's requests have no session, so no pull); whether a short pull beats
+    # recompute is priced and tested elsewhere, and the tiny model's text
     # re-tokenizes differently, so often only the previous prompt's blocks verify
     # and a default-priced pull of them loses to recompute.
     cluster = launch_cluster(tiny_model, log_dir, [
