@@ -12,6 +12,7 @@ backwards to show it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -95,6 +96,38 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
 PLAIN_BLOCK_SIZE = 64
 
 
+# ------------------------------------- session engines stopped after their last test
+# Session fixtures whose engines are stopped once the last test that uses them has run,
+# not at the session's end, and whose users' modules run one after another (module
+# order below).  Every running engine holds memory: with these kept to the session's
+# end beside pd_cluster's four and a module's own cluster (the real model's four),
+# fourteen engines ran at once, and CI's 24 GB machine lost engines mid-lane.
+RELEASED_AFTER_LAST_USE = ("plain_engines", "cluster_2p2d")
+_release_stacks: dict[str, contextlib.ExitStack] = {}
+
+
+def _released_after_last_use(name: str) -> contextlib.ExitStack:
+    """An ExitStack for fixture ``name``'s teardown, closed after the last test in the
+    run that uses the fixture (``pytest_runtest_teardown`` below), or at the fixture's
+    own teardown if that comes first (an interrupted run): closing twice is a no-op."""
+    assert name in RELEASED_AFTER_LAST_USE, name
+    stack = contextlib.ExitStack()
+    _release_stacks[name] = stack
+    return stack
+
+
+def _users(items, name: str) -> list:
+    return [item for item in items if name in getattr(item, "fixturenames", ())]
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item, nextitem):
+    for name in list(_release_stacks):
+        users = _users(item.session.items, name)
+        if users and users[-1] is item:
+            _release_stacks.pop(name).close()
+
+
 @pytest.fixture(scope="session")
 def plain_engines(tiny_model, tmp_path_factory):
     """Two plain vLLM servers (no connector) on the tiny model in float32, at block size
@@ -111,12 +144,11 @@ def plain_engines(tiny_model, tmp_path_factory):
                               kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
                               block_size=PLAIN_BLOCK_SIZE)
              for i, name in enumerate(("a", "b"))}
-    procs = [start_engine(spec, f"engine-{name}", log_dir) for name, spec in specs.items()]
-    try:
+    with _released_after_last_use("plain_engines") as release:
+        procs = [start_engine(spec, f"engine-{name}", log_dir) for name, spec in specs.items()]
+        release.callback(stop_all, procs)
         wait_healthy([(p, s.url) for p, s in zip(procs, specs.values())], timeout_s=400)
         yield specs
-    finally:
-        stop_all(procs)
 
 
 @pytest.fixture(scope="session")
@@ -138,12 +170,15 @@ def cluster_2p2d(tiny_model, colocated_url, tmp_path_factory):
         "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
                                                    "recompute_s_per_token": 1.0}}),
     ], ready_timeout_s=600)
-    try:
+    with _released_after_last_use("cluster_2p2d") as release:
+        release.callback(_stop_and_check, cluster)
         cluster.colocated = colocated_url
         yield cluster
-    finally:
-        report = stop_cluster(cluster)
-        assert not report["alive"], f"processes left after SIGTERM: {report['alive']}"
+
+
+def _stop_and_check(cluster) -> None:
+    report = stop_cluster(cluster)
+    assert not report["alive"], f"processes left after SIGTERM: {report['alive']}"
 
 
 @pytest.fixture(scope="session")
@@ -173,9 +208,28 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.getoption("--reverse-modules"):
-        return
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    items[:] = [item for name in reversed(modules) for item in modules[name]]
+    order = _sharers_together(modules)
+    if config.getoption("--reverse-modules"):
+        order.reverse()
+    items[:] = [item for name in order for item in modules[name]]
+
+
+def _sharers_together(modules: dict[str, list]) -> list[str]:
+    """Module names in collection order, except that the modules using one of the
+    ``RELEASED_AFTER_LAST_USE`` fixtures follow the first of them at once, so that its
+    engines run only while their users do."""
+    def shared(name: str) -> set[str]:
+        return {f for f in RELEASED_AFTER_LAST_USE if _users(modules[name], f)}
+
+    order: list[str] = []
+    for name in modules:
+        if name in order:
+            continue
+        order.append(name)
+        uses = shared(name)
+        order += [other for other in modules
+                  if other not in order and shared(other) & uses]
+    return order
