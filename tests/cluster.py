@@ -40,6 +40,13 @@ TEST_DTYPE = "float32"
 # test's need.  vLLM's 1 GiB default put up to nine engines' worth on this 24 GiB
 # machine while the session cluster and the 2P+2D one ran together.
 TEST_KV_CACHE_GB = 0.5
+# Every test engine's extra arguments: eager (vLLM's --enforce-eager), no torch.compile
+# warm-up at start, which took about 8 s of each engine's start here with the compile
+# cache warm (30 s cold), over some 55 engine starts a cluster lane.  What the tests
+# check (the connector's hooks, NIXL reads, verification, answers equal to a co-located
+# engine that runs eager too) does not depend on it.  test_docs_cpu_recipe runs the
+# documented commands as written, compiled.
+TEST_ENGINE_ARGS: tuple[str, ...] = ("--enforce-eager",)
 # The tiny Llama's KV bytes per token in TEST_DTYPE: 2 layers x K,V x 2 heads x 64 dims
 # x 4 bytes (what a block holds in the host and disk tiers: block size x this).
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
@@ -107,7 +114,7 @@ def launch_cluster(model: str, log_dir: Path, args: list[str],
     argv = [sys.executable, str(REPO / "examples" / "local_cluster.py"), "--model", model,
             "--base-port", str(base), "--proxy-port", str(base + 39),
             "--log-dir", str(log_dir), "--kv-cache-gb", str(TEST_KV_CACHE_GB),
-            "--dtype", TEST_DTYPE, *args]
+            "--dtype", TEST_DTYPE, *TEST_ENGINE_ARGS, *args]
     started = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -167,7 +174,8 @@ def cluster_with_baselines(model: str, perturbed_model: str, log_dir: Path,
     try:
         base = free_port_block(3)
         options = {"kv_cache_space_gb": TEST_KV_CACHE_GB, "served_model_name": model,
-                   "dtype": TEST_DTYPE, **engine_options}
+                   "dtype": TEST_DTYPE, "extra_args": list(TEST_ENGINE_ARGS),
+                   **engine_options}
         colocated = EngineSpec(role="colocated", model=model, port=base, **options)
         # D skips NIXL's model-compatibility check so that this P can hand it KV.
         perturbed = EngineSpec(role="prefill", model=perturbed_model, port=base + 1,
@@ -200,7 +208,8 @@ def small_kv_cluster(model: str, log_dir: Path, block_size: int, device_blocks: 
         model=model, prefill=1, decode=1, colocated=False, redis=True,
         base_port=free_port_block(40), block_size=block_size, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=device_blocks,
-        dtype=TEST_DTYPE, log_dir=log_dir, sessionkv=sessionkv))
+        dtype=TEST_DTYPE, engine_extra_args=list(TEST_ENGINE_ARGS), log_dir=log_dir,
+        sessionkv=sessionkv))
     with cluster.start(timeout_s=600):
         yield with_baseline(cluster, colocated_url)
 

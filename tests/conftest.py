@@ -22,6 +22,7 @@ import pytest
 from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
     SESSION_COST,
     TEST_DTYPE,
+    TEST_ENGINE_ARGS,
     TEST_KV_CACHE_GB,
     cluster_with_baselines,
     free_port_block,
@@ -142,7 +143,7 @@ def plain_engines(tiny_model, tmp_path_factory):
                               kv_events_port=base + 3 * i + 1,
                               kv_events_replay_port=base + 3 * i + 2,
                               kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
-                              block_size=PLAIN_BLOCK_SIZE)
+                              block_size=PLAIN_BLOCK_SIZE, extra_args=list(TEST_ENGINE_ARGS))
              for i, name in enumerate(("a", "b"))}
     with _released_after_last_use("plain_engines") as release:
         procs = [start_engine(spec, f"engine-{name}", log_dir) for name, spec in specs.items()]

@@ -31,7 +31,13 @@ import urllib.parse
 import pytest
 import requests
 
-from cluster import SESSION_COST, TEST_DTYPE, TEST_KV_CACHE_GB, free_port_block
+from cluster import (
+    SESSION_COST,
+    TEST_DTYPE,
+    TEST_ENGINE_ARGS,
+    TEST_KV_CACHE_GB,
+    free_port_block,
+)
 from helpers import (
     assert_same,
     compare,
@@ -62,7 +68,8 @@ def _engine(tiny_model: str, role: str, port: int, **options):
 
     return EngineSpec(role=role, model=tiny_model, port=port, dtype=TEST_DTYPE,
                       kv_cache_space_gb=TEST_KV_CACHE_GB, served_model_name=tiny_model,
-                      max_model_len=MAX_MODEL_LEN, **options)
+                      max_model_len=MAX_MODEL_LEN,
+                      extra_args=[*TEST_ENGINE_ARGS, *options.pop("extra_args", [])], **options)
 
 
 @pytest.fixture(scope="module")

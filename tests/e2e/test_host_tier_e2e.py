@@ -13,7 +13,13 @@ import threading
 import pytest
 import zmq
 
-from cluster import TEST_DTYPE, TEST_KV_CACHE_GB, TINY_KV_BYTES_PER_TOKEN, free_port_block
+from cluster import (
+    TEST_DTYPE,
+    TEST_ENGINE_ARGS,
+    TEST_KV_CACHE_GB,
+    TINY_KV_BYTES_PER_TOKEN,
+    free_port_block,
+)
 from helpers import (
     assert_same,
     completion_body,
@@ -69,7 +75,7 @@ def host_engine(tiny_model, colocated_url, tmp_path_factory):
     base = free_port_block(6)
     engine = EngineSpec(
         role="decode", model=tiny_model, port=base, side_channel_port=base + 1,
-        kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
+        kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE, extra_args=list(TEST_ENGINE_ARGS),
         kv_events_port=base + 2, num_gpu_blocks_override=DEVICE_BLOCKS, max_model_len=2000,
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": 2.0,
                    "superseded_hold_grace_s": 1.0})

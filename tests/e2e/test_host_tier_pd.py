@@ -22,6 +22,7 @@ import pytest
 
 from cluster import (
     TEST_DTYPE,
+    TEST_ENGINE_ARGS,
     TEST_KV_CACHE_GB,
     TINY_KV_BYTES_PER_TOKEN,
     free_port_block,
@@ -60,7 +61,7 @@ def host_pd(tiny_model, colocated_url, tmp_path_factory):
         model=tiny_model, prefill=1, decode=2, colocated=False, redis=True,
         base_port=free_port_block(40), block_size=BLOCK, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=DEVICE_BLOCKS,
-        dtype=TEST_DTYPE, log_dir=log_dir,
+        dtype=TEST_DTYPE, engine_extra_args=list(TEST_ENGINE_ARGS), log_dir=log_dir,
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES, "session_lease_s": LEASE_S,
                    "expiry_margin_s": 6.0, "superseded_hold_grace_s": 1.0,
                    # Pull whenever verified KV exists: which source serves the blocks

@@ -146,17 +146,17 @@ def run_session(serve, colocated: str, session: str, turns=TURNS, system: str = 
 def real_cluster(real_model, perturbed_real_model, tmp_path_factory):
     """1P+1D+Redis+proxy from local_cluster.py in float32, forced disaggregation, no
     prices configured; a co-located server and the perturbed-model P beside it; P
-    calibrated by two warm-up prompts.  Every engine runs eager (``--enforce-eager``):
-    torch.compile's warm-up took about 50 s an engine on the 2-core machine, four
-    engines here, against a few seconds of turns."""
+    calibrated by two warm-up prompts.  Every engine runs eager, as every test engine
+    does (``TEST_ENGINE_ARGS``): torch.compile's warm-up took about 50 s a real-model
+    engine on the 2-core machine, four engines here, against a few seconds of turns."""
     with cluster_with_baselines(real_model, perturbed_real_model,
                                 tmp_path_factory.mktemp("real-cluster-logs"), [
-        "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE, "--enforce-eager",
+        "--prefill", "1", "--decode", "1", "--redis", "--dtype", DTYPE,
         "--served-model-name", SERVED_NAME, "--max-model-len", str(MAX_MODEL_LEN),
         "--decode-only-max-uncached-tokens", "-1",
         "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
     ], ready_timeout_s=900, served_model_name=SERVED_NAME, dtype=DTYPE,
-            max_model_len=MAX_MODEL_LEN, extra_args=["--enforce-eager"]) as cluster:
+            max_model_len=MAX_MODEL_LEN) as cluster:
         for n in range(WARM_UPS):
             messages = [{"role": "user", "content": long_text(100 + n) + " Summarise."}]
             post(cluster.proxy, "/v1/chat/completions",
