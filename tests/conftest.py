@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny model, the real model (SmolLM2-135M-Instruct from its PyPI
-wheel), and one real 1P+1D cluster for the session.
+wheel), and one real 1P+1D cluster shared by the session's modules that use it (they
+run first, together, and it stops after the last of them: ``RELEASED_AFTER_LAST_USE``).
 
 The cluster is started the way users start it, by ``examples/local_cluster.py``
 (real vLLM servers with SessionKVConnector, NIXL over UCX on loopback, Redis, the
@@ -74,36 +75,14 @@ def perturbed_real_model(real_model, tmp_path_factory) -> str:
         real_model, tmp_path_factory.mktemp("model") / "smollm2-135m-instruct-perturbed"))
 
 
-@pytest.fixture(scope="session")
-def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
-    """1P + 1D + Redis + proxy from local_cluster.py; baseline and perturbed P beside.
-
-    The proxy always disaggregates here (decode-only off), so every request through
-    it exercises P -> NIXL -> D.  D skips NIXL's model-compatibility check so that the
-    perturbed-model P can hand it KV: the negative control needs that.
-    """
-    with cluster_with_baselines(tiny_model, perturbed_model,
-                                tmp_path_factory.mktemp("pd-cluster-logs"), [
-        "--prefill", "1", "--decode", "1", "--redis",
-        "--decode-only-max-uncached-tokens", "-1",
-        "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
-        "--sessionkv-config", json.dumps({"cost": SESSION_COST}),
-    ]) as cluster:
-        yield cluster
-
-
-# The plain engines' block size: a multiple of 32 (the CPU build's) that is not the
-# proxy's default, so that a proxy at its defaults must learn it.
-PLAIN_BLOCK_SIZE = 64
-
-
 # ------------------------------------- session engines stopped after their last test
-# Session fixtures whose engines are stopped once the last test that uses them has run,
-# not at the session's end, and whose users' modules run one after another (module
-# order below).  Every running engine holds memory: with these kept to the session's
-# end beside pd_cluster's four and a module's own cluster (the real model's four),
-# fourteen engines ran at once, and CI's 24 GB machine lost engines mid-lane.
-RELEASED_AFTER_LAST_USE = ("plain_engines", "cluster_2p2d")
+# The session's shared engines are stopped once the last test that uses them has run,
+# not at the session's end, and the modules using each run together (module order
+# below).  Every running engine holds memory (about 2 GB a tiny-model engine here, more
+# on the real model): kept to the session's end, pd_cluster's four, cluster_2p2d's
+# four, plain_engines' two and the real-model module's four ran at once, and CI's
+# 24 GB machine lost engines mid-lane (stop 54, 29 errors).
+RELEASED_AFTER_LAST_USE = ("pd_cluster", "cluster_2p2d", "plain_engines")
 _release_stacks: dict[str, contextlib.ExitStack] = {}
 
 
@@ -127,6 +106,29 @@ def pytest_runtest_teardown(item, nextitem):
         users = _users(item.session.items, name)
         if users and users[-1] is item:
             _release_stacks.pop(name).close()
+
+
+@pytest.fixture(scope="session")
+def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
+    """1P + 1D + Redis + proxy from local_cluster.py; baseline and perturbed P beside.
+
+    The proxy always disaggregates here (decode-only off), so every request through
+    it exercises P -> NIXL -> D.  D skips NIXL's model-compatibility check so that the
+    perturbed-model P can hand it KV: the negative control needs that.
+    """
+    with _released_after_last_use("pd_cluster") as release:
+        yield release.enter_context(cluster_with_baselines(
+            tiny_model, perturbed_model, tmp_path_factory.mktemp("pd-cluster-logs"), [
+                "--prefill", "1", "--decode", "1", "--redis",
+                "--decode-only-max-uncached-tokens", "-1",
+                "--nixl-extra-config", json.dumps({"enforce_handshake_compat": False}),
+                "--sessionkv-config", json.dumps({"cost": SESSION_COST}),
+            ]))
+
+
+# The plain engines' block size: a multiple of 32 (the CPU build's) that is not the
+# proxy's default, so that a proxy at its defaults must learn it.
+PLAIN_BLOCK_SIZE = 64
 
 
 @pytest.fixture(scope="session")
@@ -212,25 +214,20 @@ def pytest_collection_modifyitems(config, items):
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    order = _sharers_together(modules)
+    order = _users_first(list(modules), modules, RELEASED_AFTER_LAST_USE)
     if config.getoption("--reverse-modules"):
         order.reverse()
     items[:] = [item for name in order for item in modules[name]]
 
 
-def _sharers_together(modules: dict[str, list]) -> list[str]:
-    """Module names in collection order, except that the modules using one of the
-    ``RELEASED_AFTER_LAST_USE`` fixtures follow the first of them at once, so that its
-    engines run only while their users do."""
-    def shared(name: str) -> set[str]:
-        return {f for f in RELEASED_AFTER_LAST_USE if _users(modules[name], f)}
-
-    order: list[str] = []
-    for name in modules:
-        if name in order:
-            continue
-        order.append(name)
-        uses = shared(name)
-        order += [other for other in modules
-                  if other not in order and shared(other) & uses]
-    return order
+def _users_first(names: list[str], modules: dict[str, list],
+                 fixtures: tuple[str, ...]) -> list[str]:
+    """Module names, those using ``fixtures[0]`` first and together (its engines then
+    run only while their users do), and so on for the rest of ``fixtures`` within
+    each part; otherwise in collection order."""
+    if not fixtures:
+        return list(names)
+    first, rest = fixtures[0], fixtures[1:]
+    users = [name for name in names if _users(modules[name], first)]
+    others = [name for name in names if name not in users]
+    return _users_first(users, modules, rest) + _users_first(others, modules, rest)
