@@ -13,7 +13,6 @@ backwards to show it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -31,6 +30,7 @@ from cluster import (  # tests/ is on sys.path: pytest inserts the conftest dir
     stop_cluster,
 )
 from known_state import restore_known_state
+from session_engines import ReleasedAfterLastUse, users_first
 
 
 @pytest.fixture(scope="session")
@@ -76,36 +76,14 @@ def perturbed_real_model(real_model, tmp_path_factory) -> str:
 
 
 # ------------------------------------- session engines stopped after their last test
-# The session's shared engines are stopped once the last test that uses them has run,
-# not at the session's end, and the modules using each run together (module order
-# below).  Every running engine holds memory (about 2 GB a tiny-model engine here, more
-# on the real model): kept to the session's end, pd_cluster's four, cluster_2p2d's
-# four, plain_engines' two and the real-model module's four ran at once, and CI's
-# 24 GB machine lost engines mid-lane (stop 54, 29 errors).
-RELEASED_AFTER_LAST_USE = ("pd_cluster", "cluster_2p2d", "plain_engines")
-_release_stacks: dict[str, contextlib.ExitStack] = {}
-
-
-def _released_after_last_use(name: str) -> contextlib.ExitStack:
-    """An ExitStack for fixture ``name``'s teardown, closed after the last test in the
-    run that uses the fixture (``pytest_runtest_teardown`` below), or at the fixture's
-    own teardown if that comes first (an interrupted run): closing twice is a no-op."""
-    assert name in RELEASED_AFTER_LAST_USE, name
-    stack = contextlib.ExitStack()
-    _release_stacks[name] = stack
-    return stack
-
-
-def _users(items, name: str) -> list:
-    return [item for item in items if name in getattr(item, "fixturenames", ())]
+# The shared clusters stop after the last test using them, and the modules using each
+# run first and together, in this order (session_engines.py says why: memory).
+RELEASED_AFTER_LAST_USE = ReleasedAfterLastUse(("pd_cluster", "cluster_2p2d", "plain_engines"))
 
 
 @pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
 def pytest_runtest_teardown(item, nextitem):
-    for name in list(_release_stacks):
-        users = _users(item.session.items, name)
-        if users and users[-1] is item:
-            _release_stacks.pop(name).close()
+    RELEASED_AFTER_LAST_USE.after_test(item, item.session.items)
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +94,7 @@ def pd_cluster(tiny_model, perturbed_model, tmp_path_factory):
     it exercises P -> NIXL -> D.  D skips NIXL's model-compatibility check so that the
     perturbed-model P can hand it KV: the negative control needs that.
     """
-    with _released_after_last_use("pd_cluster") as release:
+    with RELEASED_AFTER_LAST_USE.stack("pd_cluster") as release:
         yield release.enter_context(cluster_with_baselines(
             tiny_model, perturbed_model, tmp_path_factory.mktemp("pd-cluster-logs"), [
                 "--prefill", "1", "--decode", "1", "--redis",
@@ -147,7 +125,7 @@ def plain_engines(tiny_model, tmp_path_factory):
                               kv_cache_space_gb=TEST_KV_CACHE_GB, dtype=TEST_DTYPE,
                               block_size=PLAIN_BLOCK_SIZE, extra_args=list(TEST_ENGINE_ARGS))
              for i, name in enumerate(("a", "b"))}
-    with _released_after_last_use("plain_engines") as release:
+    with RELEASED_AFTER_LAST_USE.stack("plain_engines") as release:
         procs = [start_engine(spec, f"engine-{name}", log_dir) for name, spec in specs.items()]
         release.callback(stop_all, procs)
         wait_healthy([(p, s.url) for p, s in zip(procs, specs.values())], timeout_s=400)
@@ -173,7 +151,7 @@ def cluster_2p2d(tiny_model, colocated_url, tmp_path_factory):
         "--sessionkv-config", json.dumps({"cost": {"per_transfer_s": 0.0,
                                                    "recompute_s_per_token": 1.0}}),
     ], ready_timeout_s=600)
-    with _released_after_last_use("cluster_2p2d") as release:
+    with RELEASED_AFTER_LAST_USE.stack("cluster_2p2d") as release:
         release.callback(_stop_and_check, cluster)
         cluster.colocated = colocated_url
         yield cluster
@@ -214,20 +192,8 @@ def pytest_collection_modifyitems(config, items):
     modules: dict[str, list] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
-    order = _users_first(list(modules), modules, RELEASED_AFTER_LAST_USE)
+    order = users_first(list(modules), modules, RELEASED_AFTER_LAST_USE.fixtures)
     if config.getoption("--reverse-modules"):
         order.reverse()
     items[:] = [item for name in order for item in modules[name]]
 
-
-def _users_first(names: list[str], modules: dict[str, list],
-                 fixtures: tuple[str, ...]) -> list[str]:
-    """Module names, those using ``fixtures[0]`` first and together (its engines then
-    run only while their users do), and so on for the rest of ``fixtures`` within
-    each part; otherwise in collection order."""
-    if not fixtures:
-        return list(names)
-    first, rest = fixtures[0], fixtures[1:]
-    users = [name for name in names if _users(modules[name], first)]
-    others = [name for name in names if name not in users]
-    return _users_first(users, modules, rest) + _users_first(others, modules, rest)
