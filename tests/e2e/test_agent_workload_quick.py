@@ -32,8 +32,10 @@ PEER_ARMS = ("3-", "4-", "5-")
 def test_agent_workload_quick(tmp_path):
     out_dir = tmp_path / "out"
     proc = subprocess.run(
+        # Eager, as every test engine (tests/cluster.py TEST_ENGINE_ARGS): no compile
+        # warm-up in each of the arms' engine starts.
         [sys.executable, str(REPO / "benchmarks" / "agent_workload.py"), "--quick",
-         "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs")],
+         "--enforce-eager", "--out-dir", str(out_dir), "--log-dir", str(tmp_path / "logs")],
         capture_output=True, text=True, timeout=1450, check=False)
     tail = (proc.stdout[-4000:] + "\n" + proc.stderr[-6000:])
     assert proc.returncode == 0, tail
