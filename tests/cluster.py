@@ -41,8 +41,9 @@ TEST_DTYPE = "float32"
 # machine while the session cluster and the 2P+2D one ran together.
 TEST_KV_CACHE_GB = 0.5
 # Every test engine's extra arguments: eager (vLLM's --enforce-eager), no torch.compile
-# warm-up at start, which took about 8 s of each engine's start here with the compile
-# cache warm (30 s cold), over some 55 engine starts a cluster lane.  What the tests
+# warm-up at start, which took about 4 s of a lone engine's start here with the compile
+# cache warm (8 s with two engines starting together, 0.3 s eager), over some 55 engine
+# starts a cluster lane.  What the tests
 # check (the connector's hooks, NIXL reads, verification, answers equal to a co-located
 # engine that runs eager too) does not depend on it.  test_docs_cpu_recipe runs the
 # documented commands as written, compiled.

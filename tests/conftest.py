@@ -196,4 +196,3 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("--reverse-modules"):
         order.reverse()
     items[:] = [item for name in order for item in modules[name]]
-

@@ -65,7 +65,8 @@ def disk_pd(tiny_model, colocated_url, tmp_path_factory):
         model=tiny_model, prefill=1, decode=1, colocated=False, redis=True,
         base_port=free_port_block(30), block_size=BLOCK, max_model_len=2000,
         kv_cache_space_gb=TEST_KV_CACHE_GB, num_gpu_blocks_override=DEVICE_BLOCKS,
-        dtype=TEST_DTYPE, engine_extra_args=list(TEST_ENGINE_ARGS), log_dir=root / "logs", proxy_args=["--config", str(proxy_config)],
+        dtype=TEST_DTYPE, engine_extra_args=list(TEST_ENGINE_ARGS), log_dir=root / "logs",
+        proxy_args=["--config", str(proxy_config)],
         sessionkv={"host_tier_bytes": HOST_BLOCKS * BLOCK_BYTES,
                    "disk_tier_bytes": DISK_BLOCKS * FILE_BYTES,
                    "disk_tier_dir": str(root / "disk"),   # one directory per engine
